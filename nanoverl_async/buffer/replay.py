@@ -1,0 +1,110 @@
+"""The replay buffer: trajectories grouped by lease, handed out as complete groups, oldest first.
+
+A group is opened when its lease is granted (`open`), fills up with its G trajectories (`add`), and
+is then ready. `take(t, B, eta)` is the consumption check of DESIGN.md "Versions and staleness":
+
+  1. every ready group with t - u > eta (u = the group's version, the minimum over its trajectories)
+     is removed and returned as dropped, so the caller can give its slot back and re-issue its prompt;
+  2. then the B oldest ready groups (by version, then completion order) are removed and returned, or
+     none at all if fewer than B are ready (never a partial batch).
+
+Invariants: a trajectory only joins the open group named by its group_id, at an unused sample_index;
+a trajectory for an unknown group (a straggler of an expired lease, whose prompt now runs under a new
+group_id) or a duplicate sample is dropped and counted, never mixed in. Every group handed out has G
+trajectories, ordered by sample_index, and satisfies t - u <= eta.
+
+Run alone: `python -m pytest tests/test_replay.py -q`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanoverl_async.trajectory import Trajectory
+
+# What `add` did with a trajectory.
+ADDED = "added"  # joined its open group, which still waits for more
+COMPLETED = "completed"  # joined its group, which is now complete and ready
+STRAGGLER = "straggler"  # its group is unknown, expired, released or already handed out: dropped
+DUPLICATE = "duplicate"  # its group already holds this sample_index: dropped
+MISMATCH = "mismatch"  # sample_index out of range or prompt_index not the group's: dropped
+
+
+@dataclass
+class Group:
+    group_id: int
+    prompt_index: int
+    lease_version: int  # the generator's version when it leased the group
+    samples: dict[int, Trajectory] = field(default_factory=dict)  # sample_index -> trajectory
+    arrival: int = -1  # completion order, the tie-break among groups of one version
+
+    @property
+    def version(self) -> int:
+        """min over its trajectories' versions; the lease version if none sampled a token (a lower bound
+        anyway: in both weight-sync modes a token's version is >= the version held at lease time)."""
+        versions = [t.version for t in self.samples.values() if t.version >= 0]
+        return min(versions) if versions else self.lease_version
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [self.samples[i] for i in sorted(self.samples)]
+
+
+class ReplayBuffer:
+    def __init__(self, group_size: int):
+        assert group_size > 0
+        self.group_size = group_size  # G
+        self.open_groups: dict[int, Group] = {}  # group_id -> group still waiting for trajectories
+        self.ready: dict[int, Group] = {}  # group_id -> complete group, not yet handed out
+        self._arrivals = 0
+        self.counters = {"stragglers": 0, "duplicates": 0, "mismatched": 0, "dropped_stale": 0}
+
+    def open(self, group_id: int, prompt_index: int, lease_version: int) -> None:
+        assert group_id not in self.open_groups and group_id not in self.ready, f"group {group_id} reopened"
+        self.open_groups[group_id] = Group(group_id, prompt_index, lease_version)
+
+    def close(self, group_id: int) -> None:
+        """Forget an incomplete group (its lease expired or was released); later arrivals are stragglers."""
+        self.open_groups.pop(group_id, None)
+        self.ready.pop(group_id, None)
+
+    def add(self, trajectory: Trajectory) -> str:
+        """File one trajectory under its group; returns ADDED, COMPLETED or the reason it was dropped."""
+        group = self.open_groups.get(trajectory.group_id)
+        if group is None:
+            self.counters["stragglers"] += 1
+            return STRAGGLER
+        if not 0 <= trajectory.sample_index < self.group_size or trajectory.prompt_index != group.prompt_index:
+            self.counters["mismatched"] += 1
+            return MISMATCH
+        if trajectory.sample_index in group.samples:
+            self.counters["duplicates"] += 1
+            return DUPLICATE
+        group.samples[trajectory.sample_index] = trajectory
+        if len(group.samples) < self.group_size:
+            return ADDED
+        del self.open_groups[group.group_id]
+        group.arrival, self._arrivals = self._arrivals, self._arrivals + 1
+        self.ready[group.group_id] = group
+        return COMPLETED
+
+    def take(self, step: int, batch_groups: int, staleness: int) -> tuple[list[Group], list[Group]]:
+        """The consumption check, then the `batch_groups` oldest fresh groups (or none): (groups, dropped)."""
+        dropped = [g for g in self.ready.values() if step - g.version > staleness]
+        for group in dropped:
+            del self.ready[group.group_id]
+        self.counters["dropped_stale"] += len(dropped)
+        if len(self.ready) < batch_groups:
+            return [], dropped
+        oldest = sorted(self.ready.values(), key=lambda g: (g.version, g.arrival))[:batch_groups]
+        for group in oldest:
+            del self.ready[group.group_id]
+        return oldest, dropped
+
+    @property
+    def num_ready(self) -> int:
+        return len(self.ready)
+
+    @property
+    def num_partial(self) -> int:
+        return len(self.open_groups)

@@ -1,0 +1,280 @@
+"""The buffer service: ZeroMQ front end of the admission gate and the replay buffer.
+
+One background thread owns both sockets, bound on WireConfig.host at random ports (`endpoints`):
+  - "trajectories": PULL; each frame is `trajectory.encode(t)` from a generator's PUSH socket;
+  - "leases": ROUTER; generators (DEALER or REQ) send single msgpack maps (contracts: buffer protocol)
+        {"op": "lease", "generator_id": int, "version": int, "max_groups": int}
+            -> {"leases": [{"group_id": int, "prompt_index": int, "sample": {...}}, ...]}  ([] = gate closed)
+        {"op": "report", "generator_id": int, "version": int} -> {"ok": true}
+        anything else -> {"error": "..."}
+The learner side calls `next_batch(step, timeout_s)`, which blocks on a condition until B fresh
+complete groups are ready, applying the consumption check (replay.py) first.
+
+Invariants: a message that fails to decode or validate is dropped, counted and logged, and the thread
+keeps running; gate and replay are only touched under one lock; a crash of the thread is re-raised by
+`next_batch`, never a silent hang. msgpack only, never pickle.
+
+Run alone: `python -m pytest tests/test_buffer_service.py -q`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Union
+
+import msgpack
+import numpy as np
+import zmq
+
+from nanoverl_async import trajectory as wire
+from nanoverl_async.buffer.gate import AdmissionGate
+from nanoverl_async.buffer.replay import COMPLETED, Group, ReplayBuffer
+from nanoverl_async.config import BufferConfig, WireConfig
+from nanoverl_async.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 20  # the thread wakes at least this often to expire leases and notice close()
+DRAIN_MAX = 256  # messages taken from one socket before looking at the other (no starvation)
+BUILTIN_TASKS = {"builtin:multiply": "nanoverl_async.multiply_task:make_prompt"}
+
+
+@dataclass
+class Batch:
+    step: int
+    trajectories: list[Trajectory]  # B groups of G, group-contiguous, each group ordered by sample_index
+    stats: dict  # batch_stats(...) plus the service counters at hand-out time
+
+
+def resolve_prompt_fn(task: Union[str, Callable[[int], dict]], seed: int) -> Callable[[int], dict]:
+    """A callable is used as prompt_fn(index); "builtin:multiply" or "module:attr" names a
+    make_prompt(seed, index) function, imported lazily."""
+    if callable(task):
+        return task
+    path = BUILTIN_TASKS.get(task, task)
+    if ":" not in path:
+        raise ValueError(f"task '{task}' is neither a builtin ({', '.join(BUILTIN_TASKS)}) nor module:attr")
+    module, attr = path.split(":", 1)
+    make_prompt = getattr(importlib.import_module(module), attr)
+    return lambda index: make_prompt(seed, index)
+
+
+def parse_request(payload: bytes) -> dict:
+    """A lease/report request -> a checked dict, or ValueError naming the bad field."""
+    try:
+        request = msgpack.unpackb(payload, raw=False)
+    except Exception as error:
+        raise ValueError(f"not a msgpack message: {type(error).__name__}") from None
+    if not isinstance(request, dict):
+        raise ValueError(f"expected a map, got {type(request).__name__}")
+    keys = {"lease": ("op", "generator_id", "version", "max_groups"), "report": ("op", "generator_id", "version")}
+    op = request.get("op")
+    if op not in keys:
+        raise ValueError(f"field 'op': {op!r} is not one of {', '.join(keys)}")
+    for name in keys[op]:
+        if name not in request:
+            raise ValueError(f"missing field '{name}'")
+        value = request[name]
+        if name != "op" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"field '{name}': expected a non-negative int, got {value!r}")
+    unknown = sorted(set(request) - set(keys[op]), key=str)
+    if unknown:
+        raise ValueError(f"unknown field '{unknown[0]}'")
+    return request
+
+
+def batch_stats(step: int, groups: list[Group]) -> dict:
+    """Per-batch staleness (lag = step - version) per trajectory and per generated token, and episode shape."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    lags = [step - t.version for t in trajectories if t.version >= 0]
+    token_lags = Counter()
+    for t in trajectories:
+        values, counts = np.unique(step - t.versions[t.versions >= 0], return_counts=True)
+        token_lags.update(dict(zip(values.tolist(), counts.tolist())))
+    tokens = sum(token_lags.values())
+    return {
+        "step": step,
+        "staleness_hist": dict(sorted(Counter(lags).items())),
+        "staleness_token_hist": dict(sorted(token_lags.items())),
+        "staleness_mean": float(np.mean(lags)) if lags else 0.0,
+        "staleness_max": max(lags, default=0),
+        "staleness_token_mean": sum(k * n for k, n in token_lags.items()) / tokens if tokens else 0.0,
+        "turns_mean": float(np.mean([t.num_turns for t in trajectories])),
+        "tool_calls_mean": float(np.mean([t.tool_calls for t in trajectories])),
+        "tool_errors_mean": float(np.mean([t.tool_errors for t in trajectories])),
+        "reward_mean": float(np.mean([t.reward for t in trajectories])),
+        "batch_tokens_generated": tokens,
+    }
+
+
+class BufferService:
+    def __init__(self, prompts_per_step: int, group_size: int, staleness: int, config: BufferConfig,
+                 wire_config: WireConfig, seed: int, task: Union[str, Callable[[int], dict]]):
+        self.prompts_per_step, self.group_size, self.staleness = prompts_per_step, group_size, staleness
+        self.gate = AdmissionGate(prompts_per_step, staleness, config.lease_timeout_s,
+                                  resolve_prompt_fn(task, seed))
+        self.replay = ReplayBuffer(group_size)
+        self._cond = threading.Condition()  # guards gate, replay and the counters below
+        self._counters = Counter(malformed=0, malformed_requests=0)
+        self._generator_versions: dict[int, int] = {}
+        self._generator_tokens: Counter = Counter()
+        self._tokens_since_batch = 0
+        self._error: BaseException | None = None
+        self._context = zmq.Context()
+        self._pull = self._context.socket(zmq.PULL)
+        self._router = self._context.socket(zmq.ROUTER)
+        host = wire_config.host
+        self.endpoints = {
+            "trajectories": f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{host}')}",
+            "leases": f"tcp://{host}:{self._router.bind_to_random_port(f'tcp://{host}')}",
+        }
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="buffer-service", daemon=True)
+        self._thread.start()
+        log.info("buffer service: trajectories %s, leases %s", self.endpoints["trajectories"],
+                 self.endpoints["leases"])
+
+    # ---- learner side ----
+    def next_batch(self, step: int, timeout_s: float) -> Batch:
+        """The trajectories of the B oldest fresh complete groups for training step `step`."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise RuntimeError("buffer service thread died") from self._error
+                groups, dropped = self.replay.take(step, self.prompts_per_step, self.staleness)
+                for group in dropped:
+                    self.gate.release(group.group_id, reissue=True)
+                if dropped:
+                    log.info("step %d: dropped %d stale groups (versions %s, eta %d)", step, len(dropped),
+                             sorted(g.version for g in dropped), self.staleness)
+                if groups:
+                    return self._hand_out(step, groups, time.monotonic() - start)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stop.is_set():
+                    raise TimeoutError(
+                        f"buffer: step {step} waited {timeout_s:.1f}s for {self.prompts_per_step} complete "
+                        f"groups of {self.group_size} with version >= {step - self.staleness}; "
+                        f"{self.replay.num_ready} ready, {self.gate.in_flight} in flight, "
+                        f"generator versions {self._generator_versions or 'none reported'}")
+                self._cond.wait(remaining)
+
+    def _hand_out(self, step: int, groups: list[Group], waited_s: float) -> Batch:
+        for group in groups:
+            self.gate.consume(group.group_id)
+        stats = {**batch_stats(step, groups), **self._stats_locked(), "wait_s": waited_s}
+        self._tokens_since_batch = 0
+        return Batch(step, [t for g in groups for t in g.trajectories], stats)
+
+    def stats(self) -> dict:
+        with self._cond:
+            return self._stats_locked()
+
+    def _stats_locked(self) -> dict:
+        return {
+            **self.gate.counters,
+            "dropped_stale": self.replay.counters["dropped_stale"],
+            "dropped_stragglers": self.replay.counters["stragglers"],
+            "dropped_duplicates": self.replay.counters["duplicates"],
+            "dropped_mismatched": self.replay.counters["mismatched"],
+            "malformed": self._counters["malformed"],
+            "malformed_requests": self._counters["malformed_requests"],
+            "groups_in_flight": self.gate.in_flight,
+            "groups_ready": self.replay.num_ready,
+            "groups_started": self.gate.groups_started,
+            "generator_versions": dict(self._generator_versions),
+            "generator_tokens": dict(self._generator_tokens),
+            "tokens_generated": self._tokens_since_batch,
+        }
+
+    def close(self) -> None:
+        """Stop the thread and close both sockets (linger 0); returns within ~POLL_MS."""
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        with self._cond:
+            self._cond.notify_all()
+        if not self._thread.is_alive():
+            self._context.term()
+
+    # ---- the socket thread ----
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._router, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(POLL_MS))
+                if self._pull in events:
+                    for message in _drain(self._pull, multipart=False):
+                        self._on_trajectory(message)
+                if self._router in events:
+                    for frames in _drain(self._router, multipart=True):
+                        self._router.send_multipart(frames[:-1] + [self._on_request(frames[-1])])
+                self._expire(time.monotonic())
+        except BaseException as error:  # noqa: BLE001 - surfaced to next_batch, never swallowed
+            log.exception("buffer service thread died")
+            self._error = error
+        finally:
+            self._pull.close(linger=0)
+            self._router.close(linger=0)
+            with self._cond:
+                self._cond.notify_all()
+
+    def _on_trajectory(self, message: bytes) -> None:
+        try:
+            trajectory = wire.decode(message)
+        except wire.WireError as error:
+            with self._cond:
+                self._counters["malformed"] += 1
+            log.warning("buffer: dropped a malformed trajectory message (%d bytes): %s", len(message), error)
+            return
+        with self._cond:
+            self._generator_tokens[trajectory.generator_id] += trajectory.num_generated
+            self._tokens_since_batch += trajectory.num_generated
+            outcome = self.replay.add(trajectory)
+            if outcome == COMPLETED:
+                self.gate.complete(trajectory.group_id)
+                self._cond.notify_all()
+        if outcome not in ("added", COMPLETED):
+            log.info("buffer: dropped trajectory %s of group %d (%s)", trajectory.id, trajectory.group_id, outcome)
+
+    def _on_request(self, payload: bytes) -> bytes:
+        try:
+            request = parse_request(payload)
+        except ValueError as error:
+            with self._cond:
+                self._counters["malformed_requests"] += 1
+            log.warning("buffer: malformed lease request: %s", error)
+            return msgpack.packb({"error": str(error)}, use_bin_type=True)
+        with self._cond:
+            self._generator_versions[request["generator_id"]] = request["version"]
+            if request["op"] == "report":
+                return msgpack.packb({"ok": True}, use_bin_type=True)
+            leases = self.gate.lease(request["version"], request["max_groups"], time.monotonic(),
+                                     request["generator_id"])
+            for lease in leases:
+                self.replay.open(lease.group_id, lease.prompt_index, lease.version)
+        reply = [{"group_id": l.group_id, "prompt_index": l.prompt_index, "sample": l.sample} for l in leases]
+        return msgpack.packb({"leases": reply}, use_bin_type=True)
+
+    def _expire(self, now: float) -> None:
+        with self._cond:
+            expired = self.gate.expire(now)
+            for group_id in expired:
+                self.replay.close(group_id)
+        if expired:
+            log.warning("buffer: expired %d leases (groups %s): prompts re-issued", len(expired), expired)
+
+
+def _drain(socket: zmq.Socket, multipart: bool):
+    for _ in range(DRAIN_MAX):
+        try:
+            yield socket.recv_multipart(zmq.NOBLOCK) if multipart else socket.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return

@@ -1,0 +1,169 @@
+"""The single controller: place the roles with Ray, then run the RL dataflow one step at a time.
+
+    nanoverl-async launch configs/agent_grpo.yaml staleness.max=4
+
+Generators stream trajectories into the buffer on their own; this loop only pulls staleness-bounded
+batches, trains, and publishes weights (DESIGN.md "Processes and data flow"). Every role is a plain
+class (buffer/, generators/, learners/); Ray appears here only to place them in processes. A role
+that dies ends the run with `RunFailed` naming it, never a hang: the loop waits on the buffer and on
+every generator at once, and every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import ray
+
+from nanoverl_async.buffer.service import BufferService
+from nanoverl_async.config import Config, RayConfig, to_dict, to_yaml
+from nanoverl_async.generators.worker import GeneratorWorker
+from nanoverl_async.learners.pool import LearnerPool
+from nanoverl_async.metrics import MetricsLogger, step_metrics
+from nanoverl_async.tiny_model import resolve_model_path
+
+
+class RunFailed(RuntimeError):
+    """A role died or a wait timed out; the message names the role."""
+
+
+def launch(cfg: Config) -> Path:
+    """Run one training job; returns the output directory (metrics.jsonl, final/)."""
+    output_dir = Path(cfg.run.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "config.yaml").write_text(to_yaml(cfg))
+    model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    started_ray = start_ray(cfg.ray)
+    roles = Roles(cfg, model_path)
+    logger = MetricsLogger(output_dir, cfg.run.total_steps, cfg.run.progress,
+                           wandb_config=to_dict(cfg) if cfg.run.wandb else None)
+    try:
+        train(cfg, roles, logger)
+        with role_failures("learner pool"):
+            roles.learners.save_pretrained(str(output_dir / "final"))
+    finally:
+        logger.close()
+        roles.shutdown()
+        if started_ray:
+            ray.shutdown()
+    return output_dir
+
+
+def train(cfg: Config, roles: "Roles", logger: MetricsLogger) -> None:
+    """The RL dataflow (seed 002, Listing 1), with generation running ahead in the background."""
+    samples_trained, last_step_end = 0, time.monotonic()
+    for step in range(cfg.run.total_steps):
+        batch = roles.next_batch(step)  # blocks until B complete groups with step - version <= eta
+        waited = time.monotonic() - last_step_end
+        with role_failures("learner pool"):
+            train_batch = roles.learners.prepare(batch)  # proximal logprobs (version `step`), advantages
+            learner_metrics = roles.learners.update(train_batch)  # one FSDP2 optimizer step
+            roles.learners.publish_weights(version=step + 1)  # async; generators apply it when ready
+        samples_trained += len(batch.trajectories)
+        now = time.monotonic()
+        learner_metrics["time/wait_batch_s"] = waited
+        logger.log(step_metrics(step, cfg.staleness.max, batch, learner_metrics, now - last_step_end,
+                                now - last_step_end, samples_trained))
+        last_step_end = now
+
+
+class Roles:
+    """The placed processes: one buffer, `generator.replicas` generators, `learner.world_size` ranks."""
+
+    def __init__(self, cfg: Config, model_path: str):
+        self.cfg = cfg
+        self.buffer = ray.remote(num_cpus=0, max_concurrency=4)(BufferRole).remote(
+            cfg.data, cfg.staleness.max, cfg.buffer, cfg.wire, cfg.run.seed)
+        with role_failures("learner pool"):
+            self.learners = LearnerPool(cfg.learner, cfg.algorithm, model_path, cfg.generator.temperature,
+                                        cfg.run.seed, cfg.wire)
+        with role_failures("buffer"):
+            buffer_endpoints = ray.get(self.buffer.endpoints.remote(), timeout=60)
+        generator_actor = ray.remote(num_cpus=0)(GeneratorRole)
+        self.generators = [
+            generator_actor.remote(
+                generator_id=i, model_path=model_path, generator_cfg=cfg.generator, agent_cfg=cfg.agent,
+                weight_sync_cfg=cfg.weight_sync, group_size=cfg.data.samples_per_prompt,
+                seed=cfg.run.seed + 1000 * (i + 1), buffer_endpoints=buffer_endpoints,
+                weights_endpoint=self.learners.weights_endpoint)
+            for i in range(cfg.generator.replicas)
+        ]
+        self.generator_runs = {gen.run.remote(): f"generator {i}" for i, gen in enumerate(self.generators)}
+
+    def next_batch(self, step: int):
+        """The buffer's batch for `step`, while watching every generator: a dead one fails the run."""
+        batch_ref = self.buffer.next_batch.remote(step, self.cfg.run.step_timeout_s)
+        while True:
+            ready, _ = ray.wait([batch_ref, *self.generator_runs], num_returns=1)
+            if batch_ref in ready:
+                with role_failures("buffer"):
+                    return ray.get(batch_ref)
+            name = self.generator_runs[ready[0]]
+            with role_failures(name):
+                ray.get(ready[0])
+            raise RunFailed(f"{name} stopped unexpectedly during step {step}")
+
+    def shutdown(self) -> None:
+        """Stop generators first (they talk to the others), then learners and buffer; never hangs."""
+        for gen in self.generators:
+            gen.stop.remote()
+        ray.wait(list(self.generator_runs), num_returns=len(self.generator_runs), timeout=10)
+        self.learners.shutdown()
+        for actor in [*self.generators, self.buffer]:
+            ray.kill(actor)
+
+
+class BufferRole:
+    """The buffer service in its own process (methods, not properties, so Ray can call them)."""
+
+    def __init__(self, data_cfg, staleness_max, buffer_cfg, wire_cfg, seed):
+        self.service = BufferService(data_cfg, staleness_max, buffer_cfg, wire_cfg, seed)
+
+    def endpoints(self) -> dict:
+        return self.service.endpoints
+
+    def next_batch(self, step: int, timeout_s: float):
+        return self.service.next_batch(step, timeout_s)
+
+    def stats(self) -> dict:
+        return self.service.stats()
+
+
+class GeneratorRole:
+    """A generator worker in its own process; `run` lives until `stop` (or dies, which Roles sees)."""
+
+    def __init__(self, **kwargs):
+        import torch
+
+        torch.set_num_threads(kwargs["generator_cfg"].torch_threads)
+        self.worker = GeneratorWorker(**kwargs)
+
+    async def run(self) -> None:
+        await self.worker.run()
+
+    async def stop(self) -> None:
+        self.worker.stop()
+
+
+@contextmanager
+def role_failures(name: str):
+    """Turn a dead actor or a timed-out wait into RunFailed naming the role."""
+    try:
+        yield
+    except (ray.exceptions.RayError, TimeoutError) as error:
+        cause = getattr(error, "cause", None) or error
+        raise RunFailed(f"{name}: {type(cause).__name__}: {str(cause).strip().splitlines()[-1]}") from error
+
+
+def start_ray(cfg: RayConfig) -> bool:
+    """Local Ray by default, a cluster when `ray.address` is set; returns whether we started it."""
+    if ray.is_initialized():
+        return False
+    if not cfg.address:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local runs need no token (Ray >= 2.60)
+    ray.init(address=cfg.address or None, num_cpus=cfg.num_cpus or None, include_dashboard=False,
+             logging_level="WARNING", runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    return True

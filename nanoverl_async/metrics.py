@@ -1,0 +1,104 @@
+"""Per-step metrics: `<output_dir>/metrics.jsonl`, a live console line, and optionally wandb.
+
+One JSON object per optimizer step, flat keys `group/name` (e.g. `reward/mean`, `staleness/max`).
+`step_metrics` turns what one step produced (the batch's stats, the learner's metrics, timings) into
+that flat dict; it is pure so the keys can be tested without running anything.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, step_seconds: float,
+                 interval_seconds: float, samples_trained: int) -> dict:
+    """Everything logged for step `step`; `batch` is the buffer's Batch, `learner` the pool's metrics."""
+    trajectories = batch.trajectories
+    stats = batch.stats
+    rewards = np.array([t.reward for t in trajectories], dtype=np.float64)
+    lags = np.array([step - t.version for t in trajectories])
+    generator_versions = stats.get("generator_versions", {})
+    metrics = {
+        "step": step,
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()),
+        "staleness/max": int(lags.max()),
+        "staleness/mean": float(lags.mean()),
+        "staleness/limit": staleness_limit,
+        "staleness/histogram": {str(lag): int((lags == lag).sum()) for lag in np.unique(lags)},
+        "staleness/dropped": int(stats.get("dropped_stale", 0)),
+        "samples/trained": samples_trained,
+        "time/step_s": step_seconds,
+        "time/interval_s": interval_seconds,
+        "tokens/generated_per_s": stats.get("tokens_generated", 0) / max(interval_seconds, 1e-9),
+        "samples/per_s": len(trajectories) / max(interval_seconds, 1e-9),
+        "weights/version_lag_max": (step - min(generator_versions.values())) if generator_versions else 0,
+        "episodes/turns_mean": float(np.mean([t.num_turns for t in trajectories])),
+        "episodes/tool_calls_mean": float(np.mean([t.tool_calls for t in trajectories])),
+        "episodes/tool_use_frac": float(np.mean([t.tool_calls > 0 for t in trajectories])),
+        "episodes/tool_errors_mean": float(np.mean([t.tool_errors for t in trajectories])),
+        "episodes/length_mean": float(np.mean([len(t.token_ids) for t in trajectories])),
+        "episodes/generated_tokens_mean": float(np.mean([t.num_generated for t in trajectories])),
+    }
+    for key, value in stats.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            metrics.setdefault(f"buffer/{key}", value)
+    for key, value in learner.items():
+        metrics[key if "/" in key else f"learner/{key}"] = value
+    return metrics
+
+
+class MetricsLogger:
+    """Appends metrics to metrics.jsonl, shows a progress line, mirrors to wandb when enabled."""
+
+    def __init__(self, output_dir: Path, total_steps: int, progress: bool = True,
+                 wandb_config: Optional[dict] = None):
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = self.path.open("w")
+        self.total_steps = total_steps
+        self.progress = progress
+        self.started = time.monotonic()
+        self.bar = None
+        if progress and sys.stdout.isatty():  # a live bar in a terminal; plain lines when piped to a file
+            self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=20),
+                                TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+            self.bar_task = self.bar.add_task("train", total=total_steps, info="starting")
+            self.bar.start()
+        self.wandb_run = None
+        if wandb_config is not None:
+            import wandb  # optional tracker, imported only when asked for
+
+            self.wandb_run = wandb.init(project="nanoverl-async", config=wandb_config, dir=str(output_dir))
+
+    def log(self, metrics: dict) -> None:
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in metrics.items() if not isinstance(v, dict)}, step=metrics["step"])
+        if self.progress:
+            self._print_line(metrics)
+
+    def _print_line(self, m: dict) -> None:
+        info = (f"reward {m['reward/mean']:.3f}  tools {m['episodes/tool_use_frac']:.2f}  "
+                f"staleness {m['staleness/mean']:.2f}/{m['staleness/max']}<={m['staleness/limit']}  "
+                f"{m['samples/per_s']:.0f} samples/s  {m['tokens/generated_per_s']:.0f} tok/s")
+        if self.bar is not None:
+            self.bar.update(self.bar_task, completed=m["step"] + 1, info=info)
+        else:
+            elapsed = time.monotonic() - self.started
+            print(f"step {m['step'] + 1:>4}/{self.total_steps}  {info}  {elapsed:.0f}s", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+        self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

@@ -1,0 +1,78 @@
+"""The built-in task: "A*B?" with a calculator tool (A, B uniform in [0, 100)).
+
+Why this task: a tiny CPU model cannot multiply two-digit numbers itself, so it must learn to call
+the tool; the tool syntax is a few characters long, so a character-level model learns the format in
+seconds. See /work/shared/DESIGN.md "The embedded default" for the measurements behind the choice.
+
+Token-level episode, with the built-in chat template (nanoverl_async/tiny_model.py):
+
+    prompt        <|user|>12*34?<|end|><|assistant|>
+    tool call     <call>12*34</call>        sampled; generation stops at </call>
+    tool result   <res>408</res>            appended by the environment, loss mask 0
+    final answer  408<|end|>                sampled; <|end|> is the eos token
+
+A direct answer without the tool is `408<|end|>` right after the prompt.
+
+Invariants: `make_prompt` is a pure function of (seed, index) and returns JSON-able data;
+`calculator` accepts exactly "<int> <op> <int>" with non-negative integers and op in + - *, and
+raises ValueError on anything else.
+
+Run alone:  python -m nanoverl_async.multiply_task   (prints a few prompts and a tool call)
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+MAX_OPERAND = 100  # operands are drawn from [0, MAX_OPERAND)
+_MAX_DIGITS = 12  # the tool refuses longer operands: keeps a bad call from building a huge number
+_EXPRESSION = re.compile(r"^\s*(\d+)\s*([+\-*])\s*(\d+)\s*$")
+
+
+def make_prompt(seed: int, index: int) -> dict:
+    """The index-th sample of the stream seeded by `seed` (pure, JSON-able)."""
+    # A string seed is hashed with sha512 by `random`, so the stream is stable across runs and
+    # Python versions, and (seed, index) pairs never collide the way seed * K + index could.
+    rng = random.Random(f"nanoverl_async.multiply:{seed}:{index}")
+    a, b = rng.randrange(MAX_OPERAND), rng.randrange(MAX_OPERAND)
+    return {
+        "index": index,
+        "a": a,
+        "b": b,
+        "messages": [{"role": "user", "content": f"{a}*{b}?"}],
+        "answer": str(a * b),
+    }
+
+
+def calculator(expression: str) -> str:
+    """Evaluate one arithmetic operation on two non-negative integers.
+
+    Args:
+        expression: "A*B", "A+B" or "A-B" with non-negative integers A and B, e.g. "12*34".
+    """
+    match = _EXPRESSION.match(expression) if isinstance(expression, str) else None
+    if match is None:
+        raise ValueError(f"expected 'A*B', 'A+B' or 'A-B' with non-negative integers, got {expression!r}")
+    left, op, right = match.groups()
+    if len(left) > _MAX_DIGITS or len(right) > _MAX_DIGITS:
+        raise ValueError(f"operands longer than {_MAX_DIGITS} digits: {expression!r}")
+    a, b = int(left), int(right)
+    if op == "*":
+        return str(a * b)
+    if op == "+":
+        return str(a + b)
+    return str(a - b)
+
+
+def score(sample: dict, final_answer: str) -> float:
+    """1.0 if the final answer is exactly the product (surrounding whitespace ignored), else 0.0."""
+    return 1.0 if final_answer.strip() == sample["answer"] else 0.0
+
+
+if __name__ == "__main__":
+    for i in range(3):
+        s = make_prompt(seed=0, index=i)
+        expr = f"{s['a']}*{s['b']}"
+        print(s["messages"][0]["content"], "->", f"<call>{expr}</call><res>{calculator(expr)}</res>",
+              "score", score(s, calculator(expr)))

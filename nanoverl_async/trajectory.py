@@ -1,0 +1,152 @@
+"""The trajectory record: one type from the agent loop to the loss, and its wire format.
+
+A trajectory is one episode of one prompt: every token the engine saw (prompt, sampled turns, tool
+results) in order, with per-token masks, behaviour logprobs and weight versions. Invariants
+(checked by `validate`, on every decode):
+  - all per-token arrays have the same length T >= 1;
+  - loss_mask is 1 exactly on tokens the policy sampled, and versions[i] >= 0 exactly there
+    (versions[i] = -1 on prompt and tool tokens);
+  - behaviour_logprobs are <= 0 and finite on sampled tokens, 0 elsewhere.
+
+Wire: msgpack, numpy arrays as raw little-endian bytes with dtype and shape (decoded zero-copy with
+np.frombuffer). Never pickle. `decode` raises WireError naming the bad field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+import msgpack
+import numpy as np
+
+
+class WireError(ValueError):
+    """A message that does not decode to a valid trajectory."""
+
+
+ARRAY_DTYPES = {
+    "token_ids": np.dtype("<i4"),
+    "loss_mask": np.dtype("<u1"),
+    "behaviour_logprobs": np.dtype("<f4"),
+    "versions": np.dtype("<i4"),
+}
+OPTIONAL_ARRAY_DTYPES = {"token_rewards": np.dtype("<f4")}
+
+
+@dataclass
+class Trajectory:
+    id: str  # unique per episode
+    group_id: int  # the lease this episode belongs to (one prompt, G samples)
+    prompt_index: int  # the prompt's index in the dataset (the frontier counts these)
+    sample_index: int  # 0..G-1 within the group
+    token_ids: np.ndarray  # int32 [T], prompt + every turn, exactly as the engine saw them
+    loss_mask: np.ndarray  # uint8 [T], 1 only on sampled tokens
+    behaviour_logprobs: np.ndarray  # float32 [T], log mu(token) of the distribution sampled; 0 where mask 0
+    versions: np.ndarray  # int32 [T], weight version that produced each token; -1 where not generated
+    reward: float
+    num_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    finish_reason: str = ""  # stop | length | max_turns | ...
+    generator_id: int = 0
+    timings: dict = field(default_factory=dict)  # seconds, e.g. {"episode": 0.8}
+    info: dict = field(default_factory=dict)  # JSON-able extras
+    token_rewards: Optional[np.ndarray] = None  # float32 [T], optional dense rewards
+
+    @property
+    def version(self) -> int:
+        """The oldest weights that produced any token of this episode (-1 if none were sampled)."""
+        generated = self.versions[self.versions >= 0]
+        return int(generated.min()) if generated.size else -1
+
+    @property
+    def num_generated(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def _pack_array(array: np.ndarray, dtype: np.dtype) -> dict:
+    array = np.ascontiguousarray(array, dtype=dtype)
+    return {"dtype": dtype.str, "shape": list(array.shape), "data": array.tobytes()}
+
+
+def _unpack_array(name: str, packed: Any, dtype: np.dtype) -> np.ndarray:
+    if not isinstance(packed, dict) or set(packed) != {"dtype", "shape", "data"}:
+        raise WireError(f"field '{name}': expected an array record with dtype, shape and data")
+    if packed["dtype"] != dtype.str:
+        raise WireError(f"field '{name}': dtype {packed['dtype']!r}, expected {dtype.str!r}")
+    shape = packed["shape"]
+    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) and shape[0] >= 0):
+        raise WireError(f"field '{name}': shape {shape!r} is not one non-negative length")
+    data = packed["data"]
+    if not isinstance(data, bytes) or len(data) != shape[0] * dtype.itemsize:
+        raise WireError(f"field '{name}': {len(data) if isinstance(data, bytes) else 'no'} bytes for shape {shape}")
+    return np.frombuffer(data, dtype=dtype)
+
+
+def encode(trajectory: Trajectory) -> bytes:
+    record = {}
+    for f in fields(Trajectory):
+        value = getattr(trajectory, f.name)
+        if f.name in ARRAY_DTYPES:
+            value = _pack_array(value, ARRAY_DTYPES[f.name])
+        elif f.name in OPTIONAL_ARRAY_DTYPES and value is not None:
+            value = _pack_array(value, OPTIONAL_ARRAY_DTYPES[f.name])
+        record[f.name] = value
+    return msgpack.packb(record, use_bin_type=True)
+
+
+_SCALAR_TYPES = {"id": str, "group_id": int, "prompt_index": int, "sample_index": int, "reward": (int, float),
+                 "num_turns": int, "tool_calls": int, "tool_errors": int, "finish_reason": str,
+                 "generator_id": int, "timings": dict, "info": dict}
+
+
+def decode(message: bytes) -> Trajectory:
+    """Bytes -> a validated Trajectory, or WireError naming what is wrong."""
+    try:
+        record = msgpack.unpackb(message, raw=False, strict_map_key=True)
+    except Exception as error:
+        raise WireError(f"not a msgpack message: {type(error).__name__}: {error}") from None
+    if not isinstance(record, dict):
+        raise WireError(f"expected a map, got {type(record).__name__}")
+    expected = {f.name for f in fields(Trajectory)}
+    unknown = set(record) - expected
+    if unknown:
+        raise WireError(f"unknown field '{sorted(unknown)[0]}'")
+    missing = expected - set(record) - {"token_rewards"}
+    if missing:
+        raise WireError(f"missing field '{sorted(missing)[0]}'")
+    for name, kind in _SCALAR_TYPES.items():
+        if not isinstance(record[name], kind) or isinstance(record[name], bool):
+            raise WireError(f"field '{name}': expected {getattr(kind, '__name__', 'a number')}, "
+                            f"got {type(record[name]).__name__}")
+    for name, dtype in ARRAY_DTYPES.items():
+        record[name] = _unpack_array(name, record[name], dtype)
+    if record.get("token_rewards") is not None:
+        record["token_rewards"] = _unpack_array("token_rewards", record["token_rewards"], OPTIONAL_ARRAY_DTYPES["token_rewards"])
+    record["reward"] = float(record["reward"])
+    trajectory = Trajectory(**record)
+    validate(trajectory)
+    return trajectory
+
+
+def validate(t: Trajectory) -> None:
+    """The invariants of the module docstring; raises WireError naming the field."""
+    length = len(t.token_ids)
+    if length == 0:
+        raise WireError("field 'token_ids': empty")
+    for name in ("loss_mask", "behaviour_logprobs", "versions") + (("token_rewards",) if t.token_rewards is not None else ()):
+        if len(getattr(t, name)) != length:
+            raise WireError(f"field '{name}': length {len(getattr(t, name))} != len(token_ids) {length}")
+    if t.token_ids.min() < 0:
+        raise WireError("field 'token_ids': negative token id")
+    if not np.isin(t.loss_mask, (0, 1)).all():
+        raise WireError("field 'loss_mask': values other than 0 and 1")
+    sampled = t.loss_mask == 1
+    if not np.array_equal(sampled, t.versions >= 0) or (t.versions < -1).any():
+        raise WireError("field 'versions': must be >= 0 exactly on sampled tokens and -1 elsewhere")
+    logprobs = t.behaviour_logprobs
+    if not np.isfinite(logprobs).all() or (logprobs[sampled] > 1e-4).any() or (logprobs[~sampled] != 0).any():
+        raise WireError("field 'behaviour_logprobs': must be finite, <= 0 on sampled tokens and 0 elsewhere")
+    if not np.isfinite(t.reward):
+        raise WireError("field 'reward': not finite")
