@@ -53,6 +53,7 @@ class AgentConfig:
     max_turns: int = 3  # assistant turns per episode
     max_new_tokens: int = 16  # sampled tokens per turn
     max_total_tokens: int = 96  # prompt + every turn; the episode ends when it is reached
+    tool_timeout_s: float = 5.0  # a tool call running longer becomes an error observation
 
 
 @dataclass
@@ -135,6 +136,7 @@ class Config:
 
 
 CHOICES = {
+    "data.task": ("builtin:multiply",),
     "model.dtype": ("float32", "bfloat16"),
     "generator.engine": ("transformers", "sglang"),
     "generator.device": ("cpu", "cuda"),
@@ -195,7 +197,7 @@ def validate(cfg: Config) -> None:
         if value not in allowed:
             raise ConfigError(f"config key '{key}': '{value}' is not one of {', '.join(allowed)}")
     positive = ["run.total_steps", "data.prompts_per_step", "data.samples_per_prompt", "agent.max_turns",
-                "agent.max_new_tokens", "agent.max_total_tokens", "generator.replicas",
+                "agent.max_new_tokens", "agent.max_total_tokens", "agent.tool_timeout_s", "generator.replicas",
                 "generator.max_groups_in_flight", "generator.torch_threads", "learner.world_size",
                 "learner.torch_threads", "run.step_timeout_s", "weight_sync.timeout_s",
                 "buffer.lease_timeout_s", "generator.temperature", "learner.lr", "algorithm.is_cap"]

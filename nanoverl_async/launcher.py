@@ -76,19 +76,20 @@ class Roles:
     def __init__(self, cfg: Config, model_path: str):
         self.cfg = cfg
         self.buffer = ray.remote(num_cpus=0, max_concurrency=4)(BufferRole).remote(
-            cfg.data, cfg.staleness.max, cfg.buffer, cfg.wire, cfg.run.seed)
+            cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max, cfg.buffer, cfg.wire,
+            cfg.run.seed, cfg.data.task)
         with role_failures("learner pool"):
             self.learners = LearnerPool(cfg.learner, cfg.algorithm, model_path, cfg.generator.temperature,
-                                        cfg.run.seed, cfg.wire)
+                                        cfg.run.seed, wire=cfg.wire, dtype=cfg.model.dtype)
         with role_failures("buffer"):
             buffer_endpoints = ray.get(self.buffer.endpoints.remote(), timeout=60)
         generator_actor = ray.remote(num_cpus=0)(GeneratorRole)
         self.generators = [
             generator_actor.remote(
-                generator_id=i, model_path=model_path, generator_cfg=cfg.generator, agent_cfg=cfg.agent,
-                weight_sync_cfg=cfg.weight_sync, group_size=cfg.data.samples_per_prompt,
-                seed=cfg.run.seed + 1000 * (i + 1), buffer_endpoints=buffer_endpoints,
-                weights_endpoint=self.learners.weights_endpoint)
+                generator_id=i, model_path=model_path, generator=cfg.generator, agent=cfg.agent,
+                weight_sync=cfg.weight_sync, group_size=cfg.data.samples_per_prompt, seed=cfg.run.seed,
+                buffer_endpoints=buffer_endpoints, weights_endpoint=self.learners.weights_endpoint,
+                dtype=cfg.model.dtype)
             for i in range(cfg.generator.replicas)
         ]
         self.generator_runs = {gen.run.remote(): f"generator {i}" for i, gen in enumerate(self.generators)}
@@ -119,8 +120,8 @@ class Roles:
 class BufferRole:
     """The buffer service in its own process (methods, not properties, so Ray can call them)."""
 
-    def __init__(self, data_cfg, staleness_max, buffer_cfg, wire_cfg, seed):
-        self.service = BufferService(data_cfg, staleness_max, buffer_cfg, wire_cfg, seed)
+    def __init__(self, *args):
+        self.service = BufferService(*args)
 
     def endpoints(self) -> dict:
         return self.service.endpoints
@@ -136,9 +137,6 @@ class GeneratorRole:
     """A generator worker in its own process; `run` lives until `stop` (or dies, which Roles sees)."""
 
     def __init__(self, **kwargs):
-        import torch
-
-        torch.set_num_threads(kwargs["generator_cfg"].torch_threads)
         self.worker = GeneratorWorker(**kwargs)
 
     async def run(self) -> None:
@@ -164,6 +162,8 @@ def start_ray(cfg: RayConfig) -> bool:
         return False
     if not cfg.address:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local runs need no token (Ray >= 2.60)
+    quiet = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    os.environ.update(quiet)
     ray.init(address=cfg.address or None, num_cpus=cfg.num_cpus or None, include_dashboard=False,
-             logging_level="WARNING", runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+             logging_level="WARNING", runtime_env={"env_vars": quiet})
     return True

@@ -46,6 +46,7 @@ from nanoverl_async import multiply_task
 
 RECIPE_VERSION = 1  # bump whenever the build code changes what it produces
 BUILTIN_NAMES = ("builtin:tiny",)
+SECONDS_PER_STEP = 0.2  # warm-start step time at batch 64 measured on one core (for the log line only)
 
 PAD, END, UNK = "<|pad|>", "<|end|>", "<|unk|>"
 SYSTEM, USER, ASSISTANT = "<|system|>", "<|user|>", "<|assistant|>"
@@ -101,3 +102,229 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+@dataclass(frozen=True)
+class TinyRecipe:
+    """Everything that determines the built model; its hash names the cache directory."""
+
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    max_positions: int = 256
+    steps: int = 300  # SFT optimizer steps (fixed, never time-based: the result must not depend on the CPU)
+    batch_size: int = 64  # demos per step
+    lr: float = 2e-3  # AdamW peak lr; linear warmup then cosine decay to 10%
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    tool_fraction: float = 0.5  # demos that call the tool; the rest answer directly (mostly wrongly)
+    call_rate: float = 0.2  # the trained P(first token is <call>): the policy's initial tool use
+    tools_header_fraction: float = 0.0  # demos whose prompt starts with the `tools:` line (doubles their length)
+    seed: int = 0
+
+    def __post_init__(self):
+        assert 0 < self.call_rate <= self.tool_fraction < 1, "need 0 < call_rate <= tool_fraction < 1"
+
+    @property
+    def call_keep(self) -> float:
+        """The share of tool demos whose `<call>` decision token is trained, so that
+        P(<call>) = f q / (f q + 1 - f) equals call_rate (f = tool_fraction, q = this)."""
+        f, r = self.tool_fraction, self.call_rate
+        return r * (1 - f) / (f * (1 - r))
+
+    def digest(self) -> str:
+        payload = {"recipe_version": RECIPE_VERSION, "chat_template": CHAT_TEMPLATE, **dataclasses.asdict(self)}
+        return hashlib.blake2b(json.dumps(payload, sort_keys=True).encode(), digest_size=8).hexdigest()
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, recipe: TinyRecipe) -> Qwen2ForCausalLM:
+    """A freshly initialised Qwen2 (seeded by recipe.seed), sized for the tokenizer."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=recipe.hidden_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads,
+        intermediate_size=recipe.intermediate_size,
+        max_position_embeddings=recipe.max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(recipe.seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def demo_pieces(tokenizer: PreTrainedTokenizerFast, tools: bool) -> dict[str, str]:
+    """The chat-template renderings of one demo, cut at turn boundaries, with placeholders.
+
+    Rendering each demo through Jinja would cost ~0.1 ms a message; the template output is plain
+    text, so we render once with placeholders {Q} {E} {R} {P} and fill them per demo.
+    """
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "{E}"}}}
+    msgs = [
+        {"role": "user", "content": "{Q}"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "{R}"},
+        {"role": "assistant", "content": "{P}"},
+    ]
+    kw = {"tools": [multiply_task.calculator] if tools else None, "tokenize": False}
+    prompt = tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True, **kw)
+    renders = [prompt] + [tokenizer.apply_chat_template(msgs[:k], **kw) for k in (2, 3, 4)]
+    direct = tokenizer.apply_chat_template([msgs[0], msgs[3]], **kw)
+    consistent = all(b.startswith(a) for a, b in zip(renders, renders[1:])) and direct.startswith(prompt)
+    assert consistent, "the chat template is not prefix-consistent"
+    return {
+        "prompt": prompt,
+        "call": renders[1][len(prompt):],
+        "result": renders[2][len(renders[1]):],
+        "answer": renders[3][len(renders[2]):],
+        "direct": direct[len(prompt):],
+    }
+
+
+def demo_batch(tokenizer, pieces: list[dict], recipe: TinyRecipe, rng: random.Random) -> list[dict]:
+    """One SFT batch as sub-batches (tool demos, direct demos), each right-padded to its own width.
+
+    Labels are -100 except on tokens the model samples (the call and the answer): never on the
+    prompt or the `<res>..</res>` tool result (the environment writes those, as in RL). Why the
+    `<call>` token is trained on only a share of the tool demos: copying operands is a skill the
+    model learns abruptly and only from enough tool demos, while the initial tool-use rate must stay
+    low for RL to have something to learn; training the decision token on a share `call_keep`
+    separates the two (many tool demos, a calibrated P(<call>)). Tool demos are about twice as long
+    as direct ones; padding them separately saves ~35% of the compute.
+    """
+    demos = []  # (uses the tool, [(text, trained on)])
+    for _ in range(recipe.batch_size):
+        a, b = rng.randrange(multiply_task.MAX_OPERAND), rng.randrange(multiply_task.MAX_OPERAND)
+        p = pieces[rng.random() < recipe.tools_header_fraction]
+        use_tool = rng.random() < recipe.tool_fraction
+        decide = int(rng.random() < recipe.call_keep)
+        if use_tool:  # `<call>` is the decision to use the tool; the rest of the call is the skill
+            call_rest = p["call"][len(CALL):]
+            segments = [(p["prompt"], 0), (CALL, decide), (call_rest, 1), (p["result"], 0), (p["answer"], 1)]
+        else:
+            segments = [(p["prompt"], 0), (p["direct"], 1)]
+        fill = {"{Q}": f"{a}*{b}?", "{E}": f"{a}*{b}", "{R}": str(a * b), "{P}": str(a * b)}
+        for key, value in fill.items():
+            segments = [(text.replace(key, value), train) for text, train in segments]
+        demos.append((use_tool, segments))
+    # one tokenizer call for the whole batch (per-segment calls cost ~10% of a step)
+    encoded = iter(tokenizer([t for _, segs in demos for t, _ in segs], add_special_tokens=False)["input_ids"])
+    groups: dict[bool, list[tuple[list[int], list[int]]]] = {True: [], False: []}
+    for use_tool, segments in demos:
+        ids: list[int] = []
+        labels: list[int] = []
+        for _, train in segments:
+            seg = next(encoded)
+            ids += seg
+            labels += seg if train else [-100] * len(seg)
+        groups[use_tool].append((ids, labels))
+    return [_pad(rows, tokenizer.pad_token_id) for rows in groups.values() if rows]
+
+
+def _pad(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, lab) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, : len(ids)] = torch.tensor(lab)
+        attention_mask[i, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def sft_step(model, sub_batches: list[dict]) -> torch.Tensor:
+    """Backpropagate the mean token loss over all sub-batches (one global normaliser); returns it."""
+    # HF shifts labels left by one inside the loss, so the count of predicted tokens is labels[:, 1:].
+    n_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in sub_batches)
+    total = torch.zeros(())
+    for b in sub_batches:
+        loss = model(**b, num_items_in_batch=n_tokens).loss  # sum over this sub-batch / n_tokens
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def warm_start(model: Qwen2ForCausalLM, tokenizer, recipe: TinyRecipe) -> dict:
+    """Supervised warm start on synthetic demos; a fixed number of steps, seeded. Returns stats."""
+    rng = random.Random(recipe.seed)
+    pieces = [demo_pieces(tokenizer, tools=False), demo_pieces(tokenizer, tools=True)]
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+
+    def lr_scale(step: int) -> float:  # linear warmup, then cosine decay to 10% of the peak
+        if step < recipe.warmup_steps:
+            return (step + 1) / recipe.warmup_steps
+        progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_scale)
+    model.train()
+    start, losses = time.perf_counter(), []
+    for _ in range(recipe.steps):
+        opt.zero_grad(set_to_none=True)
+        loss = sft_step(model, demo_batch(tokenizer, pieces, recipe, rng))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    model.eval()
+    tail = losses[-20:] or [float("nan")]
+    return {"steps": recipe.steps, "seconds": time.perf_counter() - start, "final_loss": sum(tail) / len(tail)}
+
+
+def default_cache_dir(cache_dir: str = "") -> Path:
+    """The argument, else $NANOVERL_CACHE, else ~/.cache/nanoverl_async."""
+    return Path(cache_dir or os.environ.get("NANOVERL_CACHE") or Path.home() / ".cache" / "nanoverl_async")
+
+
+def build_tiny(cache_dir: str = "", recipe: TinyRecipe = TinyRecipe()) -> str:
+    """The directory of the tiny model for `recipe`, building it once (under a lock) if missing."""
+    root = default_cache_dir(cache_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"tiny-{recipe.digest()}"
+    if final.is_dir():  # complete by construction: it only ever appears through the rename below
+        return str(final)
+    with open(root / f".tiny-{recipe.digest()}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if we crash
+        if final.is_dir():  # another process built it while we waited
+            return str(final)
+        estimate = max(1, round(recipe.steps * SECONDS_PER_STEP * recipe.batch_size / 64))
+        print(f"building builtin:tiny (one-time warm start, ~{estimate} s) in {final} ...", file=sys.stderr, flush=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=root))
+        try:
+            with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
+                tokenizer = build_tokenizer()
+                model = build_model(tokenizer, recipe)
+                stats = warm_start(model, tokenizer, recipe)
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            info = {"recipe": dataclasses.asdict(recipe), "recipe_version": RECIPE_VERSION, **stats}
+            (tmp / "nanoverl_recipe.json").write_text(json.dumps(info, indent=1))
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        print(f"built builtin:tiny in {stats['seconds']:.0f} s (final SFT loss {stats['final_loss']:.3f})",
+              file=sys.stderr, flush=True)
+    return str(final)
+
+
+def resolve_model_path(path: str, cache_dir: str = "") -> str:
+    """`builtin:tiny` -> a Hugging Face directory (built once, cached); any other path unchanged."""
+    if not path.startswith("builtin:"):
+        return path
+    if path not in BUILTIN_NAMES:
+        raise ValueError(f"unknown built-in model {path!r}: the built-in models are {', '.join(BUILTIN_NAMES)}")
+    return build_tiny(cache_dir)
+
+
+if __name__ == "__main__":
+    print(resolve_model_path("builtin:tiny", sys.argv[1] if len(sys.argv) > 1 else ""))

@@ -90,7 +90,7 @@ class ReplayBuffer:
 
     def take(self, step: int, batch_groups: int, staleness: int) -> tuple[list[Group], list[Group]]:
         """The consumption check, then the `batch_groups` oldest fresh groups (or none): (groups, dropped)."""
-        dropped = [g for g in self.ready.values() if step - g.version > staleness]
+        dropped = [g for g in self.ready.values() if step - g.version > staleness + 1]
         for group in dropped:
             del self.ready[group.group_id]
         self.counters["dropped_stale"] += len(dropped)

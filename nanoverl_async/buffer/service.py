@@ -33,7 +33,7 @@ import zmq
 
 from nanoverl_async import trajectory as wire
 from nanoverl_async.buffer.gate import AdmissionGate
-from nanoverl_async.buffer.replay import COMPLETED, Group, ReplayBuffer
+from nanoverl_async.buffer.replay import ADDED, COMPLETED, Group, ReplayBuffer
 from nanoverl_async.config import BufferConfig, WireConfig
 from nanoverl_async.trajectory import Trajectory
 
@@ -156,8 +156,10 @@ class BufferService:
                              sorted(g.version for g in dropped), self.staleness)
                 if groups:
                     return self._hand_out(step, groups, time.monotonic() - start)
+                if self._stop.is_set():
+                    raise RuntimeError(f"buffer service closed while step {step} waited for a batch")
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._stop.is_set():
+                if remaining <= 0:
                     raise TimeoutError(
                         f"buffer: step {step} waited {timeout_s:.1f}s for {self.prompts_per_step} complete "
                         f"groups of {self.group_size} with version >= {step - self.staleness}; "
@@ -199,7 +201,7 @@ class BufferService:
         self._thread.join(timeout=5.0)
         with self._cond:
             self._cond.notify_all()
-        if not self._thread.is_alive():
+        if not self._thread.is_alive() and not self._context.closed:
             self._context.term()
 
     # ---- the socket thread ----
@@ -229,7 +231,7 @@ class BufferService:
     def _on_trajectory(self, message: bytes) -> None:
         try:
             trajectory = wire.decode(message)
-        except wire.WireError as error:
+        except Exception as error:  # noqa: BLE001 - no input may kill the service
             with self._cond:
                 self._counters["malformed"] += 1
             log.warning("buffer: dropped a malformed trajectory message (%d bytes): %s", len(message), error)
@@ -241,7 +243,7 @@ class BufferService:
             if outcome == COMPLETED:
                 self.gate.complete(trajectory.group_id)
                 self._cond.notify_all()
-        if outcome not in ("added", COMPLETED):
+        if outcome not in (ADDED, COMPLETED):
             log.info("buffer: dropped trajectory %s of group %d (%s)", trajectory.id, trajectory.group_id, outcome)
 
     def _on_request(self, payload: bytes) -> bytes:

@@ -1,0 +1,60 @@
+"""The inference engine interface the agent loop and the generator worker program against.
+
+An engine turns token ids into sampled token ids, one request at a time from the caller's point of
+view, while batching concurrent requests internally. It is the only place that touches weights on the
+generator side: `stage_weights` swaps in a new version at a safe point, and every sampled token
+records the version of the weights that produced it.
+
+Invariants every engine keeps (tests/test_engine.py checks the transformers one):
+  - `Completion.logprobs[i]` is log softmax(logits / temperature)[token_ids[i]]: the log-probability of
+    the token under the distribution actually sampled (the behaviour policy mu of the loss);
+  - `Completion.versions[i]` is the engine's `version` when token i was sampled (>= 0);
+  - generation stops after a stop token (which is included in `token_ids`, finish_reason "stop") or
+    after `max_new_tokens` tokens (finish_reason "length"), whichever comes first.
+
+Implementations: `hf_engine.TransformersEngine` (CPU/GPU, the embedded default). Run alone: nothing to
+run; see hf_engine.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int  # at most this many sampled tokens (>= 1)
+    temperature: float = 1.0  # > 0; logprobs are of softmax(logits / temperature)
+    stop_token_ids: tuple[int, ...] = ()  # sampling one of these ends the request (it is kept)
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (greedy decoding is not a sampling policy), "
+                             f"got {self.temperature}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclass
+class Completion:
+    token_ids: list[int] = field(default_factory=list)  # sampled tokens, the stop token included
+    logprobs: list[float] = field(default_factory=list)  # behaviour logprob of each sampled token
+    versions: list[int] = field(default_factory=list)  # weight version that sampled each token
+    finish_reason: str = ""  # stop | length
+
+
+class Engine(Protocol):
+    version: int  # weights version currently loaded (optimizer steps the weights have seen)
+
+    async def generate(self, input_ids: list[int], params: SamplingParams) -> Completion:
+        """Sample a continuation of `input_ids`; concurrent calls are batched by the engine."""
+
+    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Load `state_dict` as weights `version` at the next safe point (between decode steps)."""
+
+    def in_flight(self) -> int:
+        """Requests accepted and not yet completed (queued or decoding)."""

@@ -1,0 +1,235 @@
+"""A generator: leases prompt groups from the buffer, runs G agent episodes per group, pushes trajectories.
+
+    worker = GeneratorWorker(0, model_dir, cfg.generator, cfg.agent, cfg.weight_sync, group_size=8,
+                             seed=0, buffer_endpoints=service.endpoints, weights_endpoint=endpoint)
+    await worker.run()          # until worker.stop() (thread-safe), or until something fails
+
+Tasks on one asyncio loop (a plain class: Ray only wraps it, elsewhere):
+  - lease loop: keeps up to `generator.max_groups_in_flight` groups running. It asks the buffer over a
+    DEALER socket (contracts, "Buffer service wire protocol") with its current weights version; an
+    empty reply means the admission gate is closed for that version, so it waits ~20 ms or until new
+    weights arrive, then asks again with the version it then holds;
+  - one task per leased group: G episodes concurrently (agent_loop.run_episode); each finished
+    trajectory is PUSHed at once as `trajectory.encode(t)`;
+  - weight loop: polls `weights.WeightSubscriber` for the newest complete version and applies it.
+    mode interrupt: `engine.stage_weights` at once (in-flight episodes continue under the new weights,
+    their later tokens carry the new version). mode drain: stop leasing, wait until the in-flight
+    groups finish, apply (skipping to the newest version that arrived meanwhile), resume. Either way the
+    applied version is reported to the buffer (`{"op": "report"}`).
+
+Fail loudly: every wait has a timeout that raises; an exception in any task ends `run()` with that
+exception (so a supervisor sees a dead generator, never a silent hang). `stop()` ends `run()` promptly:
+tasks are cancelled and sockets closed with linger 0.
+
+Run alone: tests/test_generator_worker.py drives one against a fake buffer and a fake weights PUB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable, Optional
+
+import msgpack
+import torch
+import zmq
+import zmq.asyncio
+from transformers import AutoTokenizer
+
+from nanoverl_async.config import AgentConfig, GeneratorConfig, WeightSyncConfig
+from nanoverl_async.generators.agent_loop import ToolEnv, builtin_env, run_episode
+from nanoverl_async.generators.engine import Engine
+from nanoverl_async.trajectory import encode
+from nanoverl_async.weights import WeightSubscriber
+
+log = logging.getLogger(__name__)
+
+WAIT_POLL_S = 0.005  # how often a bounded wait re-checks its condition
+
+
+class GeneratorWorker:
+    def __init__(self, generator_id: int, model_path: str, generator: GeneratorConfig, agent: AgentConfig,
+                 weight_sync: WeightSyncConfig, group_size: int, seed: int, buffer_endpoints: dict,
+                 weights_endpoint: str, *, dtype: str = "float32", env: Optional[ToolEnv] = None,
+                 engine: Optional[Engine] = None, tokenizer=None, request_timeout_s: float = 30.0,
+                 group_timeout_s: float = 600.0, lease_retry_s: float = 0.02):
+        if generator.engine != "transformers" and engine is None:
+            raise NotImplementedError(f"generator.engine={generator.engine!r}: only 'transformers' is built in")
+        if model_path.startswith("builtin:"):
+            from nanoverl_async.tiny_model import resolve_model_path
+
+            model_path = resolve_model_path(model_path)
+        torch.set_num_threads(generator.torch_threads)  # this process is the generator's own
+        self.generator_id = generator_id
+        self.generator, self.agent, self.weight_sync = generator, agent, weight_sync
+        self.group_size = group_size
+        self.buffer_endpoints, self.weights_endpoint = buffer_endpoints, weights_endpoint
+        self.env = env or builtin_env()
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_path)
+        if engine is None:
+            from nanoverl_async.generators.hf_engine import TransformersEngine
+
+            # Replicas sample differently from one config seed.
+            engine = TransformersEngine(model_path, generator.device, dtype, seed=seed * 10_007 + generator_id)
+        self.engine = engine
+        self.request_timeout_s, self.group_timeout_s = request_timeout_s, group_timeout_s
+        self.lease_retry_s = lease_retry_s
+        self.counts = {"groups_leased": 0, "empty_leases": 0, "episodes": 0, "tokens": 0, "weight_applies": 0}
+        self.weight_apply_s = 0.0  # seconds spent loading weights (and draining, in drain mode)
+        self._stop_requested = False
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._error: Optional[BaseException] = None
+        self._groups: set[asyncio.Task] = set()
+        self._draining = False
+
+    def stop(self) -> None:
+        """End `run()` promptly. Safe from any thread, before or during `run()`."""
+        self._stop_requested = True
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake.set)
+
+    def stats(self) -> dict:
+        return {**self.counts, "version": self.engine.version, "groups_in_flight": len(self._groups),
+                "engine_in_flight": self.engine.in_flight(), "weight_apply_s": self.weight_apply_s}
+
+    async def run(self) -> None:
+        self._wake, self._new_weights = asyncio.Event(), asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._lock = asyncio.Lock()  # one request on the DEALER at a time: replies come back in order
+        context = zmq.asyncio.Context()
+        subscriber, tasks = None, []
+        try:
+            self._dealer = context.socket(zmq.DEALER)
+            self._dealer.connect(self.buffer_endpoints["leases"])
+            self._push = context.socket(zmq.PUSH)
+            self._push.connect(self.buffer_endpoints["trajectories"])
+            subscriber = WeightSubscriber(self.weights_endpoint)
+            if not self._stop_requested:
+                tasks = [self._spawn(self._lease_loop(), "lease-loop"),
+                         self._spawn(self._weight_loop(subscriber), "weights")]
+                await self._wake.wait()
+        finally:
+            pending = tasks + list(self._groups)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=5.0)
+            context.destroy(linger=0)  # closes both sockets without waiting on unsent messages
+            if subscriber is not None:
+                subscriber.close()
+            self._loop = None
+        if self._error is not None:
+            raise self._error
+
+    def _spawn(self, coroutine, name: str) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coroutine, name=f"generator-{self.generator_id}-{name}")
+        task.add_done_callback(self._on_done)
+        return task
+
+    def _on_done(self, task: asyncio.Task) -> None:
+        self._groups.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._error is None:
+            self._error = task.exception()
+            log.error("generator %d: task %s failed: %r", self.generator_id, task.get_name(), self._error)
+            self._wake.set()
+
+    async def _wait_until(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"generator {self.generator_id}: waited {timeout_s:.0f} s for {what}")
+            await asyncio.sleep(WAIT_POLL_S)
+
+    async def _request(self, message: dict) -> dict:
+        """One request/reply with the buffer's ROUTER (REQ-style envelope: empty frame, then the map)."""
+        async with self._lock:
+            await self._dealer.send_multipart([b"", msgpack.packb(message)])
+            if not await self._dealer.poll(timeout=int(self.request_timeout_s * 1000)):
+                raise TimeoutError(f"generator {self.generator_id}: no reply from the buffer at "
+                                   f"{self.buffer_endpoints['leases']} within {self.request_timeout_s:.0f} s "
+                                   f"to {message['op']!r}")
+            frames = await self._dealer.recv_multipart()
+        reply = msgpack.unpackb(frames[-1], raw=False)
+        if not isinstance(reply, dict) or "error" in reply:
+            raise RuntimeError(f"generator {self.generator_id}: buffer refused {message}: {reply}")
+        return reply
+
+    async def _lease_loop(self) -> None:
+        limit = self.generator.max_groups_in_flight
+        gated_since, gated_version = 0.0, None
+        while True:
+            await self._wait_until(lambda: not self._draining and len(self._groups) < limit,
+                                   self.group_timeout_s + self.weight_sync.timeout_s, "a free group slot")
+            version = self.engine.version
+            reply = await self._request({"op": "lease", "generator_id": self.generator_id, "version": version,
+                                         "max_groups": limit - len(self._groups)})
+            for lease in reply["leases"]:
+                task = self._spawn(self._run_group(lease), f"group-{lease['group_id']}")
+                self._groups.add(task)
+            self.counts["groups_leased"] += len(reply["leases"])
+            if reply["leases"]:
+                gated_version = None
+                continue
+            # The gate is closed for this version: retry soon, at once if new weights arrive.
+            self.counts["empty_leases"] += 1
+            if gated_version != version:
+                gated_since, gated_version = time.monotonic(), version
+            elif time.monotonic() - gated_since > self.weight_sync.timeout_s:
+                raise TimeoutError(f"generator {self.generator_id}: the buffer gate stayed closed for version "
+                                   f"{version} and no newer weights arrived within "
+                                   f"{self.weight_sync.timeout_s:.0f} s")
+            self._new_weights.clear()
+            try:
+                await asyncio.wait_for(self._new_weights.wait(), self.lease_retry_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _run_group(self, lease: dict) -> None:
+        episodes = [asyncio.ensure_future(self._episode(lease, i)) for i in range(self.group_size)]
+        try:
+            done, running = await asyncio.wait(episodes, timeout=self.group_timeout_s,
+                                               return_when=asyncio.FIRST_EXCEPTION)
+            errors = [e.exception() for e in done if not e.cancelled() and e.exception() is not None]
+            if errors:
+                raise errors[0]
+            if running:
+                raise TimeoutError(f"generator {self.generator_id}: group {lease['group_id']} did not finish "
+                                   f"within {self.group_timeout_s:.0f} s")
+        finally:  # a failed sibling (or a timeout) must not leave the others running unowned
+            for episode in episodes:
+                episode.cancel()
+
+    async def _episode(self, lease: dict, sample_index: int) -> None:
+        trajectory = await run_episode(self.engine, self.tokenizer, lease["sample"], self.env, self.agent,
+                                       self.generator.temperature, group_id=lease["group_id"],
+                                       prompt_index=lease["prompt_index"], sample_index=sample_index,
+                                       generator_id=self.generator_id)
+        await asyncio.wait_for(self._push.send(encode(trajectory)), self.request_timeout_s)
+        self.counts["episodes"] += 1
+        self.counts["tokens"] += trajectory.num_generated
+
+    async def _weight_loop(self, subscriber: WeightSubscriber) -> None:
+        while True:
+            newest = subscriber.poll_newest(self.engine.version)
+            if newest is not None:
+                await self._apply(subscriber, *newest)
+            await asyncio.sleep(self.lease_retry_s)
+
+    async def _apply(self, subscriber: WeightSubscriber, version: int, state_dict: dict) -> None:
+        started = time.perf_counter()
+        if self.weight_sync.mode == "drain":
+            self._draining = True  # the lease loop starts no new group meanwhile
+            await self._wait_until(lambda: not self._groups, self.weight_sync.timeout_s,
+                                   f"in-flight groups to finish before applying weights version {version}")
+            newer = subscriber.poll_newest(version)  # a newer version may have arrived while draining
+            if newer is not None:
+                version, state_dict = newer
+        self.engine.stage_weights(state_dict, version)
+        self._draining = False
+        self._new_weights.set()
+        self.counts["weight_applies"] += 1
+        self.weight_apply_s += time.perf_counter() - started
+        log.info("generator %d: applied weights version %d (%s)", self.generator_id, version, self.weight_sync.mode)
+        await self._request({"op": "report", "generator_id": self.generator_id, "version": version})

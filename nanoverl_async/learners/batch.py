@@ -1,0 +1,117 @@
+"""The learner's batch: trajectories -> right-padded tensors, sharding, and the one logprob alignment.
+
+Invariants of a `TrainBatch` (checked by `collate`):
+  - every per-token tensor is [N, L] and TOKEN-INDEXED: column j describes token j of each sequence,
+    exactly as in `Trajectory` (no shifted copies to keep in sync);
+  - loss_mask is 1 exactly on tokens the policy sampled: never on prompt or tool tokens, never on
+    padding, never on token 0 (no logits predict it);
+  - rows are group-contiguous (the G samples of a prompt are adjacent), which `grpo_advantages` needs.
+The only place where "logits at position i predict token i+1" is applied is `sequence_logprobs`.
+
+Run alone: `python -m pytest tests/test_algorithms.py -q -k batch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from nanoverl_async.algorithms import grpo_advantages, token_logprobs
+from nanoverl_async.trajectory import Trajectory
+
+PAD_TOKEN_ID = 0  # any valid id: padded positions are masked out of attention and of the loss
+
+
+@dataclass
+class TrainBatch:
+    input_ids: Tensor  # int64 [N, L], right-padded with PAD_TOKEN_ID
+    attention_mask: Tensor  # int64 [N, L], 1 on real tokens
+    loss_mask: Tensor  # float32 [N, L], 1 only on sampled tokens
+    behaviour_logprobs: Tensor  # float32 [N, L], log mu of sampled tokens (generator), 0 elsewhere
+    versions: Tensor  # int64 [N, L], weight version that sampled each token, -1 elsewhere
+    rewards: Tensor  # float32 [N]
+    advantages: Tensor  # float32 [N], one per sequence (outcome reward)
+    proximal_logprobs: Optional[Tensor] = None  # float32 [N, L], log p_old (learner before this step), 0 off-mask
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def group_size_of(trajectories: Sequence[Trajectory]) -> int:
+    """The common group size of group-contiguous trajectories (asserts contiguity and equal sizes)."""
+    runs: list[list] = []
+    for t in trajectories:
+        if runs and runs[-1][0] == t.group_id:
+            runs[-1][1] += 1
+        else:
+            runs.append([t.group_id, 1])
+    ids = [group_id for group_id, _ in runs]
+    assert len(set(ids)) == len(ids), f"trajectories are not group-contiguous (group ids in order: {ids})"
+    sizes = {size for _, size in runs}
+    assert len(sizes) == 1, f"groups have different sizes {sorted(sizes)}; GRPO needs equal groups"
+    return sizes.pop()
+
+
+def collate(trajectories: Sequence[Trajectory]) -> TrainBatch:
+    """Group-contiguous trajectories -> a right-padded TrainBatch with GRPO advantages."""
+    assert trajectories, "collate needs at least one trajectory"
+    group_size = group_size_of(trajectories)
+    n, length = len(trajectories), max(len(t.token_ids) for t in trajectories)
+    input_ids = np.full((n, length), PAD_TOKEN_ID, dtype=np.int64)
+    attention_mask = np.zeros((n, length), dtype=np.int64)
+    loss_mask = np.zeros((n, length), dtype=np.float32)
+    behaviour = np.zeros((n, length), dtype=np.float32)
+    versions = np.full((n, length), -1, dtype=np.int64)
+    for row, t in enumerate(trajectories):
+        size = len(t.token_ids)
+        assert t.loss_mask[0] == 0, f"trajectory {t.id}: token 0 has no logits to predict it and cannot be trained on"
+        input_ids[row, :size] = t.token_ids
+        attention_mask[row, :size] = 1
+        loss_mask[row, :size] = t.loss_mask
+        behaviour[row, :size] = np.where(t.loss_mask == 1, t.behaviour_logprobs, 0.0)
+        versions[row, :size] = np.where(t.loss_mask == 1, t.versions, -1)
+    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    return TrainBatch(input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(attention_mask),
+                      loss_mask=torch.from_numpy(loss_mask), behaviour_logprobs=torch.from_numpy(behaviour),
+                      versions=torch.from_numpy(versions), rewards=rewards,
+                      advantages=grpo_advantages(rewards, group_size))
+
+
+def slice_rows(batch: TrainBatch, start: int, stop: int) -> TrainBatch:
+    """Rows [start, stop) of every tensor (views, no copy)."""
+    return TrainBatch(**{f.name: None if getattr(batch, f.name) is None else getattr(batch, f.name)[start:stop]
+                         for f in dataclasses.fields(TrainBatch)})
+
+
+def shard(batch: TrainBatch, rank: int, world_size: int) -> TrainBatch:
+    """This rank's contiguous block of rows. Equal shards are required: FSDP ranks must run the same
+    number of forward/backward passes, since each one all-gathers parameters collectively."""
+    assert 0 <= rank < world_size and batch.size % world_size == 0, \
+        f"{batch.size} sequences do not split evenly over {world_size} ranks (rank {rank})"
+    per_rank = batch.size // world_size
+    return slice_rows(batch, rank * per_rank, (rank + 1) * per_rank)
+
+
+def micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
+    """Consecutive row blocks of at most micro_batch_size rows (0 = the whole batch in one)."""
+    step = micro_batch_size if micro_batch_size > 0 else batch.size
+    return [slice_rows(batch, start, min(start + step, batch.size)) for start in range(0, batch.size, step)]
+
+
+def to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    return TrainBatch(**{f.name: None if getattr(batch, f.name) is None else getattr(batch, f.name).to(device)
+                         for f in dataclasses.fields(TrainBatch)})
+
+
+def sequence_logprobs(logits: Tensor, input_ids: Tensor, temperature: float) -> Tensor:
+    """Token-indexed logprobs [N, L] from causal-LM logits [N, L, V]: the logits at position i predict
+    token i + 1, so out[:, j] = log p(input_ids[:, j] | input_ids[:, :j]) for j >= 1 and out[:, 0] = 0
+    (token 0 is never predicted and is never in the loss mask). Differentiable w.r.t. logits."""
+    predicted = token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+    return torch.cat([predicted.new_zeros(predicted.shape[0], 1), predicted], dim=1)

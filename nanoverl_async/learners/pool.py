@@ -1,0 +1,88 @@
+"""LearnerPool: `learner.world_size` LearnerRank processes placed by Ray; the only Ray code of learners/.
+
+Every call goes to all ranks at once (they run collectives together) with the whole batch, put into
+Ray's object store once; each rank takes its own shard. Metrics come back already reduced over ranks,
+so rank 0's dict is the pool's. The rendezvous address is picked on rank 0's own node, so the ranks
+may live on several machines of a Ray cluster. Every wait has a timeout.
+
+Run alone: there is no standalone entry point; tests/test_fsdp.py covers LearnerRank without Ray and the
+launcher's end-to-end test covers this pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from typing import Optional
+
+import numpy as np
+import ray
+import torch
+
+from nanoverl_async.config import AlgorithmConfig, LearnerConfig, WireConfig
+from nanoverl_async.learners.batch import TrainBatch, collate
+from nanoverl_async.learners.fsdp_rank import PROCESS_GROUP_TIMEOUT_S, LearnerRank
+
+TIMEOUT_S = PROCESS_GROUP_TIMEOUT_S + 60  # a rank stuck in a collective fails first, with its own error
+
+
+class _DeferredRank(LearnerRank):
+    """A LearnerRank whose construction waits until rank 0 has told everyone where to meet."""
+
+    def __init__(self):  # the real __init__ runs in `start`
+        pass
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            return ray.util.get_node_ip_address(), probe.getsockname()[1]
+
+    def start(self, *args, **kwargs) -> None:
+        LearnerRank.__init__(self, *args, **kwargs)
+
+
+class LearnerPool:
+    def __init__(self, cfg: LearnerConfig, algo: AlgorithmConfig, model_path: str, temperature: float, seed: int,
+                 wire: Optional[WireConfig] = None, dtype: str = "float32", micro_batch_size: int = 0,
+                 initial_version: int = 0):
+        self.algo = algo
+        actor = ray.remote(num_cpus=0, num_gpus=1 if cfg.device == "cuda" else 0)(_DeferredRank)
+        self.ranks = [actor.remote() for _ in range(cfg.world_size)]
+        master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=TIMEOUT_S)
+        wire_host = (wire or WireConfig()).host
+        ray.get([actor_rank.start.remote(rank, cfg.world_size, master_addr, master_port, model_path, cfg, algo,
+                                         temperature, seed, dtype=dtype, wire_host=wire_host,
+                                         micro_batch_size=micro_batch_size, initial_version=initial_version)
+                 for rank, actor_rank in enumerate(self.ranks)], timeout=TIMEOUT_S)
+        self.weights_endpoint: str = ray.get(self.ranks[0].weights_endpoint.remote(), timeout=TIMEOUT_S)
+
+    def _all(self, method: str, *args) -> list:
+        """Call `method(*args)` on every rank at once (they run collectives together); one result per rank."""
+        return ray.get([getattr(rank, method).remote(*args) for rank in self.ranks], timeout=TIMEOUT_S)
+
+    def prepare(self, batch) -> TrainBatch:
+        """The buffer's Batch (or a TrainBatch) -> a TrainBatch with advantages and, for the decoupled
+        correction, the proximal logprobs of the current weights (gathered from every rank's shard)."""
+        train_batch = batch if isinstance(batch, TrainBatch) else collate(batch.trajectories)
+        if self.algo.correction == "none":
+            return train_batch  # the loss never reads p_old; update() stands in p.detach() for its metrics
+        parts = self._all("compute_logprobs", ray.put(train_batch))
+        return dataclasses.replace(train_batch, proximal_logprobs=torch.from_numpy(np.concatenate(parts)))
+
+    def update(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on the whole batch; metrics reduced over ranks."""
+        return self._all("update", ray.put(batch))[0]
+
+    def publish_weights(self, version: int) -> None:
+        """Gathers the full state dict on rank 0, which sends it on a background thread."""
+        self._all("publish_weights", version)
+
+    def save_pretrained(self, path: str) -> None:
+        self._all("save_pretrained", path)
+
+    def shutdown(self) -> None:
+        """Close the publisher and process groups, then end the actors; never hangs."""
+        refs = [rank.shutdown.remote() for rank in self.ranks]
+        ray.wait(refs, num_returns=len(refs), timeout=30)
+        for rank in self.ranks:
+            ray.kill(rank)

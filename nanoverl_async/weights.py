@@ -1,0 +1,225 @@
+"""Versioned weights from learner rank 0 to the generators over ZeroMQ PUB/SUB (no pickle, ever).
+
+Wire (one multipart message per version):
+    frame 0: msgpack {"version": int, "nbytes": int, "checksum": str}
+    frame 1: safetensors.torch.save(full_state_dict)
+    checksum = hashlib.blake2b(frame 1, digest_size=16).hexdigest()
+
+Invariants:
+  - `WeightPublisher.publish` never blocks the training loop: serialisation and sending happen on one
+    background thread, which alone owns the socket. If publishing falls behind, only the newest pending
+    version is sent (older pending ones are counted as superseded, never sent out of order).
+  - A subscriber that joins late is sent the latest version when its subscription arrives (the publisher
+    is an XPUB socket), so it never waits a whole training step for its first weights.
+  - `WeightSubscriber.poll_newest` never blocks: it drains what is queued, drops (counts and logs) any
+    message whose framing, nbytes or checksum is wrong, and returns only the newest version greater than
+    the caller's. Every wait that can block (`wait_newest`, `close`) has a timeout.
+
+Run alone: `python -m pytest tests/test_weights.py -q`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from typing import Optional
+
+import msgpack
+import torch
+import zmq
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+
+log = logging.getLogger(__name__)
+
+HIGH_WATER_MARK = 4  # queued messages per peer; each may be a whole model, so keep few
+POLL_INTERVAL_S = 0.02  # how often the send thread checks for new work and new subscribers
+
+
+def checksum(payload: bytes | memoryview) -> str:
+    return hashlib.blake2b(payload, digest_size=16).hexdigest()
+
+
+def serialise(state_dict: dict[str, torch.Tensor]) -> bytes:
+    """safetensors bytes. Tensors sharing storage (tied embeddings) are cloned, since safetensors refuses
+    aliases; every key is kept so the receiver can load the dict as is."""
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in state_dict.items():
+        tensor = tensor.detach().cpu().contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        tensors[name] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return safetensors_save(tensors)
+
+
+class WeightPublisher:
+    """Binds an XPUB socket on `host` (random port); `endpoint` is what generators connect to."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._bound = threading.Event()
+        self._pending: Optional[tuple[int, dict]] = None
+        self._closing = False
+        self.endpoint = ""
+        self.error: Optional[BaseException] = None
+        self.sent_version = -1  # newest version sent so far
+        self.counts = {"published": 0, "sent": 0, "superseded": 0, "resent_to_new_subscribers": 0}
+        self._thread = threading.Thread(target=self._run, args=(host,), name="weight-publisher", daemon=True)
+        self._thread.start()
+        if not self._bound.wait(timeout=30) or not self.endpoint:
+            raise RuntimeError(f"weight publisher could not bind on {host}: {self.error!r}")
+
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+        """Queue `version` for sending and return at once. The publisher owns `state_dict` from now on:
+        pass tensors nobody will modify (e.g. the fresh copies of get_model_state_dict)."""
+        if self.error is not None:
+            raise RuntimeError("weight publisher thread failed") from self.error
+        with self._lock:
+            if self._pending is not None:
+                self.counts["superseded"] += 1
+            self._pending = (version, state_dict)
+            self.counts["published"] += 1
+        self._wake.set()
+
+    def wait_sent(self, version: int, timeout_s: float) -> None:
+        """Block until `version` (or a newer one) is on the wire; TimeoutError otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while self.sent_version < version:
+            if self.error is not None:
+                raise RuntimeError("weight publisher thread failed") from self.error
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weights version {version} not sent within {timeout_s:.0f} s "
+                                   f"(newest sent: {self.sent_version})")
+            time.sleep(POLL_INTERVAL_S)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Send what is pending, then stop the thread (never waits longer than timeout_s)."""
+        self._closing = True
+        self._wake.set()
+        self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            log.error("weight publisher thread did not stop within %.0f s", timeout_s)
+
+    def _run(self, host: str) -> None:
+        context = zmq.Context()
+        socket = context.socket(zmq.XPUB)
+        socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
+        socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # see every subscription, not only the first per topic
+        latest: Optional[list] = None  # the frames of the newest version sent, for late subscribers
+        try:
+            port = socket.bind_to_random_port(f"tcp://{host}")
+            self.endpoint = f"tcp://{host}:{port}"
+            self._bound.set()
+            while True:
+                new_subscriber = False
+                while socket.poll(0, zmq.POLLIN):
+                    new_subscriber |= socket.recv()[:1] == b"\x01"  # \x01 = subscribe, \x00 = unsubscribe
+                with self._lock:
+                    pending, self._pending = self._pending, None
+                if pending is not None:
+                    version, state_dict = pending
+                    payload = serialise(state_dict)
+                    del state_dict, pending  # free the tensors before the next version arrives
+                    header = msgpack.packb({"version": version, "nbytes": len(payload),
+                                            "checksum": checksum(payload)})
+                    latest = [header, payload]
+                    socket.send_multipart(latest, copy=False)
+                    self.sent_version = version
+                    self.counts["sent"] += 1
+                elif new_subscriber and latest is not None:
+                    socket.send_multipart(latest, copy=False)
+                    self.counts["resent_to_new_subscribers"] += 1
+                if self._closing and self._pending is None:
+                    break
+                self._wake.wait(timeout=POLL_INTERVAL_S)
+                self._wake.clear()
+        except BaseException as error:  # surfaced to the caller by publish/wait_sent
+            self.error = error
+            log.exception("weight publisher thread failed")
+        finally:
+            self._bound.set()
+            socket.close(linger=1000)  # give the last version a moment to leave
+            context.term()
+
+
+class WeightSubscriber:
+    """Connects a SUB socket to a WeightPublisher's endpoint; `counts` holds received/dropped totals."""
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(endpoint)
+        self.counts = {"received": 0, "dropped": 0, "stale": 0}
+
+    def poll_newest(self, current_version: int) -> Optional[tuple[int, dict[str, torch.Tensor]]]:
+        """(version, state_dict) of the newest valid queued version > current_version, else None. Never blocks."""
+        best: Optional[tuple[int, memoryview]] = None
+        while True:
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            checked = self._check(frames)
+            if checked is None:
+                continue
+            self.counts["received"] += 1
+            if checked[0] <= current_version or (best is not None and checked[0] <= best[0]):
+                self.counts["stale"] += 1
+                continue
+            best = checked
+        if best is None:
+            return None
+        try:
+            return best[0], safetensors_load(bytes(best[1]))
+        except Exception as error:  # a checksummed payload that is not safetensors: a sender bug
+            self.counts["dropped"] += 1
+            log.warning("dropped weights version %d from %s: not safetensors (%s)", best[0], self.endpoint, error)
+            return None
+
+    def wait_newest(self, current_version: int, timeout_s: float) -> tuple[int, dict[str, torch.Tensor]]:
+        """Like poll_newest, but waits up to timeout_s for a newer version; TimeoutError otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            newest = self.poll_newest(current_version)
+            if newest is not None:
+                return newest
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no weights newer than version {current_version} from {self.endpoint} "
+                                   f"within {timeout_s:.0f} s")
+            self._socket.poll(timeout=int(min(remaining, 1.0) * 1000) + 1, flags=zmq.POLLIN)
+
+    def _check(self, frames: list) -> Optional[tuple[int, memoryview]]:
+        """(version, payload) of a well-formed message, or None (dropped, counted, logged)."""
+        problem = None
+        if len(frames) != 2:
+            problem = f"{len(frames)} frames, expected 2"
+        else:
+            try:
+                header = msgpack.unpackb(frames[0].bytes, raw=False)
+            except Exception as error:
+                header, problem = None, f"header is not msgpack ({type(error).__name__})"
+            payload = frames[1].buffer
+            if problem is None and (not isinstance(header, dict) or set(header) != {"version", "nbytes", "checksum"}
+                                    or not isinstance(header["version"], int)):
+                problem = f"bad header {header!r:.200}"
+            elif problem is None and header["nbytes"] != len(payload):
+                problem = f"version {header['version']}: {len(payload)} bytes, header says {header['nbytes']}"
+            elif problem is None and header["checksum"] != checksum(payload):
+                problem = f"version {header['version']}: checksum mismatch"
+        if problem is not None:
+            self.counts["dropped"] += 1
+            log.warning("dropped a weights message from %s: %s", self.endpoint, problem)
+            return None
+        return header["version"], payload
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._context.term()

@@ -1,0 +1,155 @@
+"""LearnerRank with FSDP2 on CPU (gloo, torch.multiprocessing, no Ray): 2 ranks == 1 rank == plain torch.
+
+One tiny random Qwen2 (hidden 64, 2 layers, vocab 100, tied embeddings) is built in a tmp dir. Each run
+does: proximal logprobs -> update (decoupled, proximal from compute_logprobs) -> update (proximal
+omitted) -> publish_weights -> save_pretrained, and rank 0 writes what it saw to a file. The learning
+rate is small because Adam turns fp32 summation-order noise on near-zero gradients into steps of ~lr.
+"""
+
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from nanoverl_async.algorithms import policy_loss
+from nanoverl_async.config import AlgorithmConfig, LearnerConfig
+from nanoverl_async.learners.batch import collate, sequence_logprobs
+from nanoverl_async.learners.fsdp_rank import LearnerRank
+from nanoverl_async.trajectory import Trajectory
+from nanoverl_async.weights import WeightSubscriber
+
+torch.set_num_threads(1)
+TEMPERATURE = 0.8
+LEARNER = LearnerConfig(lr=1e-3, weight_decay=0.01, betas=[0.9, 0.99], grad_clip=0.5, torch_threads=1)
+ALGO = AlgorithmConfig(is_cap=1.5)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(100)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="t1", pad_token="t0").save_pretrained(path)
+    return str(path)
+
+
+def make_batch():
+    """4 episodes in 2 groups: prompt, sampled tokens, a tool result (mask 0), more sampled tokens."""
+    rng = np.random.default_rng(0)
+    trajectories = []
+    for index, (prompt, turns, reward) in enumerate([(3, [4, 2], 1.0), (3, [5], 0.0), (4, [2, 3], 0.0), (4, [6], 1.0)]):
+        mask = [0] * prompt
+        for turn, size in enumerate(turns):
+            mask += ([0, 0] if turn else []) + [1] * size
+        mask = np.array(mask, np.uint8)
+        logprobs = np.where(mask == 1, -rng.uniform(3.5, 5.5, len(mask)), 0.0).astype(np.float32)
+        trajectories.append(Trajectory(
+            id=str(index), group_id=index // 2, prompt_index=index // 2, sample_index=index % 2,
+            token_ids=rng.integers(2, 100, len(mask)).astype(np.int32), loss_mask=mask,
+            behaviour_logprobs=logprobs, versions=np.where(mask == 1, 0, -1).astype(np.int32), reward=reward))
+    return collate(trajectories)
+
+
+def train_and_report(rank, world_size, port, model_dir, out_dir, micro_batch_size):
+    learner = LearnerRank(rank, world_size, "127.0.0.1", port, model_dir, LEARNER, ALGO, TEMPERATURE, seed=0,
+                          micro_batch_size=micro_batch_size)
+    batch = make_batch()
+    parts = [None] * world_size
+    dist.all_gather_object(parts, learner.compute_logprobs(batch))  # what LearnerPool.prepare does
+    batch.proximal_logprobs = torch.from_numpy(np.concatenate(parts))
+    first = learner.update(batch)
+    batch.proximal_logprobs = None
+    second = learner.update(batch)
+    subscriber = WeightSubscriber(learner.weights_endpoint()) if rank == 0 else None
+    learner.publish_weights(version=2)
+    learner.save_pretrained(f"{out_dir}/final")
+    if rank == 0:
+        version, published = subscriber.wait_newest(current_version=0, timeout_s=30)
+        subscriber.close()
+        torch.save({"logprobs": torch.from_numpy(np.concatenate(parts)), "first": first, "second": second,
+                    "version": version, "published": published}, f"{out_dir}/result.pt")
+    learner.shutdown()
+
+
+def worker(rank, ports, model_dir, out_dir):
+    """2 ranks accumulating over micro-batches of one sequence, then (saving a process start, ~7 s of
+    imports) rank 0 alone as a 1-rank group, whole batch at once."""
+    train_and_report(rank, 2, ports[0], model_dir, f"{out_dir}/two", micro_batch_size=1)
+    if rank == 0:
+        train_and_report(0, 1, ports[1], model_dir, f"{out_dir}/one", micro_batch_size=0)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plain_reference(model_dir, batch):
+    """The same two steps with a plain (unsharded) model, AdamW and clip_grad_norm_."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNER.lr, betas=tuple(LEARNER.betas),
+                                  weight_decay=LEARNER.weight_decay)
+    losses, initial_logprobs = [], None
+    for _ in range(2):
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logprobs = sequence_logprobs(logits, batch.input_ids, TEMPERATURE)
+        initial_logprobs = logprobs.detach() if initial_logprobs is None else initial_logprobs
+        proximal = logprobs.detach()  # one optimizer step per batch: p_old is the pre-step policy
+        loss, _ = policy_loss(logprobs, proximal, batch.behaviour_logprobs, batch.advantages, batch.loss_mask,
+                              ALGO.correction, ALGO.clip.low, ALGO.clip.high, ALGO.is_cap, batch.loss_mask.sum())
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), LEARNER.grad_clip)
+        optimizer.step()
+        losses.append(loss.item())
+    return initial_logprobs, losses, model.state_dict()
+
+
+def test_two_ranks_match_one_rank_and_plain_torch(model_dir, tmp_path):
+    mp.spawn(worker, args=((free_port(), free_port()), model_dir, str(tmp_path)), nprocs=2, join=True)
+    one, two = torch.load(tmp_path / "one" / "result.pt"), torch.load(tmp_path / "two" / "result.pt")
+    batch = make_batch()
+    initial_logprobs, losses, weights = plain_reference(model_dir, batch)
+    mask = batch.loss_mask.bool()
+
+    # proximal logprobs: learner (1 and 2 ranks) == a plain forward of the initial weights, 0 off the mask
+    plain_initial = torch.where(mask, initial_logprobs, 0.0)
+    for run in (one, two):
+        assert torch.allclose(run["logprobs"], plain_initial, atol=1e-5)
+        assert run["logprobs"][~mask].abs().sum() == 0
+
+    # the loss and the updated weights agree, step by step
+    for key in ("loss", "grad_norm", "clip_fraction", "is_weight_mean", "is_weight_max", "entropy",
+                "behaviour_kl", "mismatch_kl", "same_version_fraction"):
+        assert two["first"][key] == pytest.approx(one["first"][key], abs=1e-5), key
+        assert two["second"][key] == pytest.approx(one["second"][key], abs=1e-5), key
+    assert [one["first"]["loss"], one["second"]["loss"]] == pytest.approx(losses, abs=1e-5)
+    assert one["first"]["tokens"] == two["first"]["tokens"] == int(batch.loss_mask.sum())
+    assert two["first"]["is_truncated_fraction"] > 0 and two["first"]["behaviour_kl"] > 0  # the IS path ran
+    # every token has version 0: at step 0 all are same-version (mismatch only), at step 1 none are
+    assert two["first"]["same_version_fraction"] == 1.0
+    assert two["first"]["mismatch_kl"] == pytest.approx(two["first"]["behaviour_kl"])
+    assert two["second"]["same_version_fraction"] == 0.0 and two["second"]["mismatch_kl"] == 0.0
+    assert one["second"]["version"] == two["second"]["version"] == 2
+    assert two["version"] == 2
+    for name, tensor in weights.items():
+        assert torch.allclose(one["published"][name], tensor, atol=1e-5), name
+        assert torch.allclose(two["published"][name], tensor, atol=1e-5), name
+
+    # save_pretrained wrote a directory that transformers loads, with the trained weights and tokenizer
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "final", dtype=torch.float32)
+    for name, tensor in saved.state_dict().items():
+        assert torch.allclose(tensor, weights[name], atol=1e-5), name
+    assert AutoTokenizer.from_pretrained(tmp_path / "two" / "final").convert_tokens_to_ids("t7") == 7

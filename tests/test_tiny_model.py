@@ -1,0 +1,180 @@
+"""Tests of the built-in task and tiny model: tokenizer, chat template, build, cache, resolution.
+
+Fast: builds use a few-step recipe in a temporary cache dir. Run alone:
+    pytest tests/test_tiny_model.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nanoverl_async import multiply_task
+from nanoverl_async.tiny_model import (
+    TinyRecipe,
+    build_tiny,
+    build_tokenizer,
+    default_cache_dir,
+    demo_pieces,
+    resolve_model_path,
+)
+
+FAST = TinyRecipe(steps=2, batch_size=4, warmup_steps=1)  # a real build, just barely trained
+
+
+def tool_episode(a: int, b: int) -> list[dict]:
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a}*{b}"}}}
+    return [
+        {"role": "user", "content": f"{a}*{b}?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": str(a * b)},
+        {"role": "assistant", "content": str(a * b)},
+    ]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    torch.set_num_threads(1)
+    cache = tmp_path_factory.mktemp("cache")
+    return str(cache), build_tiny(str(cache), FAST)
+
+
+def test_multiply_task():
+    s = multiply_task.make_prompt(3, 7)
+    assert s == multiply_task.make_prompt(3, 7) and json.loads(json.dumps(s)) == s
+    assert 0 <= s["a"] < 100 and 0 <= s["b"] < 100 and s["answer"] == str(s["a"] * s["b"])
+    assert s["messages"] == [{"role": "user", "content": f"{s['a']}*{s['b']}?"}] and s["index"] == 7
+    assert len({(multiply_task.make_prompt(0, i)["a"], multiply_task.make_prompt(0, i)["b"]) for i in range(50)}) > 40
+    assert multiply_task.calculator("12*34") == "408" and multiply_task.calculator(" 5 - 7") == "-2"
+    assert multiply_task.calculator("3+4") == "7"
+    for bad in ("12/3", "1*2*3", "-1*2", "abc", "", "1.5*2", "__import__('os')", "9" * 20 + "*2"):
+        with pytest.raises(ValueError):
+            multiply_task.calculator(bad)
+    assert multiply_task.score(s, f" {s['answer']}\n") == 1.0 and multiply_task.score(s, "x") == 0.0
+
+
+def test_tokenizer_round_trip_and_one_token_per_char(tok):
+    text = "What is 12*34? <call>12*34</call><res>408</res>408<|end|> ~!\n\t"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    for ch in "0123456789+-*?":
+        assert len(tok(ch, add_special_tokens=False)["input_ids"]) == 1
+    assert len(tok("12*34", add_special_tokens=False)["input_ids"]) == 5
+    for special in ("<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<call>", "</call>", "<res>", "</res>"):
+        assert len(tok(special, add_special_tokens=False)["input_ids"]) == 1, special
+    assert tok.pad_token == "<|pad|>" and tok.eos_token == "<|end|>" and tok.pad_token_id != tok.eos_token_id
+    assert build_tokenizer().get_vocab() == tok.get_vocab()  # deterministic
+
+
+def test_chat_template_exact_strings(tok):
+    msgs = tool_episode(12, 34)
+    render = lambda m, **kw: tok.apply_chat_template(m, tokenize=False, **kw)  # noqa: E731
+    assert render(msgs[:1], add_generation_prompt=True) == "<|user|>12*34?<|end|><|assistant|>"
+    assert render(msgs) == "<|user|>12*34?<|end|><|assistant|><call>12*34</call><res>408</res>408<|end|>"
+    direct = [msgs[0], {"role": "assistant", "content": "408"}]
+    assert render(direct) == "<|user|>12*34?<|end|><|assistant|>408<|end|>"
+    assert render([{"role": "system", "content": "hi"}] + direct).startswith("<|system|>hi<|end|><|user|>")
+    with_tools = render(msgs[:1], tools=[multiply_task.calculator], add_generation_prompt=True)
+    assert with_tools == "<|system|>tools: calculator(expression)<|end|><|user|>12*34?<|end|><|assistant|>"
+    # after a tool result the assistant continues the same turn: no new header
+    assert render(msgs[:3], add_generation_prompt=True) == render(msgs[:3])
+    assert render([{"role": "tool", "content": "408"}]) == "<res>408</res>"
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_chat_template_prefix_consistent(tok, tools):
+    call2 = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "408+1"}}}
+    msgs = tool_episode(12, 34)[:3] + [
+        {"role": "assistant", "content": "", "tool_calls": [call2]},
+        {"role": "tool", "content": "error: bad"},
+        {"role": "assistant", "content": "409"},
+    ]
+    kw = {"tokenize": False, "tools": [multiply_task.calculator] if tools else None}
+    full = tok.apply_chat_template(msgs, **kw)
+    for k in range(1, len(msgs)):
+        head = tok.apply_chat_template(msgs[:k], add_generation_prompt=msgs[k]["role"] == "assistant", **kw)
+        assert full.startswith(head), k
+        if msgs[k]["role"] == "tool":  # the agent loop renders tool results alone, as a delta
+            delta = tok.apply_chat_template([msgs[k]], tokenize=False)
+            assert full[len(head):].startswith(delta)
+    # token level: the ids of the head are a prefix of the ids of the whole
+    head_ids = tok(tok.apply_chat_template(msgs[:3], **kw), add_special_tokens=False)["input_ids"]
+    assert tok(full, add_special_tokens=False)["input_ids"][: len(head_ids)] == head_ids
+    pieces = demo_pieces(tok, tools)  # the SFT demos use the same renderings
+    assert full.startswith(pieces["prompt"].replace("{Q}", "12*34?"))
+
+
+def test_build_save_reload_exact(built, tok):
+    _, path = built
+    assert os.path.isfile(os.path.join(path, "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok2 = AutoTokenizer.from_pretrained(path)
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.tie_word_embeddings
+    assert tok2.get_vocab() == tok.get_vocab() and tok2.chat_template == tok.chat_template
+    assert (tok2.pad_token_id, tok2.eos_token_id) == (tok.pad_token_id, tok.eos_token_id)
+    msgs = tool_episode(5, 6)
+    assert tok2.apply_chat_template(msgs, tokenize=False) == tok.apply_chat_template(msgs, tokenize=False)
+    ids = torch.tensor([tok2(tok2.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)["input_ids"]])
+    again = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, again(ids).logits)
+    assert model.config.eos_token_id == tok.eos_token_id and model.config.vocab_size == len(tok)
+
+
+def test_cache_reused_and_recipe_keyed(built):
+    cache, path = built
+    start = time.perf_counter()
+    assert build_tiny(cache, FAST) == path
+    assert time.perf_counter() - start < 0.5
+    other = TinyRecipe(steps=2, batch_size=4, warmup_steps=1, seed=1)
+    assert other.digest() != FAST.digest() and TinyRecipe().digest() == TinyRecipe().digest()
+    leftovers = [n for n in os.listdir(cache) if n.startswith(".tiny-build-")]
+    assert not leftovers  # the temp dir was renamed, nothing half-built remains
+
+
+def test_concurrent_builds_build_once(tmp_path):
+    """Two processes racing on an empty cache: one builds, the other waits and reuses it."""
+    code = (
+        "import sys, torch; torch.set_num_threads(1);"
+        "from nanoverl_async.tiny_model import TinyRecipe, build_tiny;"
+        f"print(build_tiny(sys.argv[1], TinyRecipe(steps=2, batch_size=4, warmup_steps=1, seed=7)))"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert outs[0][0] == outs[1][0]
+    assert sum("building builtin:tiny" in err for _, err in outs) == 1
+
+
+def test_resolve_model_path(tmp_path, monkeypatch):
+    assert resolve_model_path("/some/hf/dir") == "/some/hf/dir"
+    assert resolve_model_path("Qwen/Qwen2.5-0.5B", str(tmp_path)) == "Qwen/Qwen2.5-0.5B"
+    with pytest.raises(ValueError, match="builtin:tiny"):
+        resolve_model_path("builtin:huge", str(tmp_path))
+    monkeypatch.setenv("NANOVERL_CACHE", str(tmp_path))
+    assert default_cache_dir() == tmp_path and default_cache_dir("/x") == default_cache_dir("/x")
+
+
+def test_default_builtin_if_already_built():
+    """The real default recipe, only if it is already in the cache (building it takes ~a minute)."""
+    final = default_cache_dir() / f"tiny-{TinyRecipe().digest()}"
+    if not final.is_dir():
+        pytest.skip("builtin:tiny not built yet (python -m nanoverl_async.tiny_model builds it)")
+    start = time.perf_counter()
+    assert resolve_model_path("builtin:tiny") == str(final)
+    assert time.perf_counter() - start < 0.5
+    model = AutoModelForCausalLM.from_pretrained(str(final))
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000

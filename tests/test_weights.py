@@ -1,0 +1,110 @@
+"""Weights wire protocol: round trip, newest wins, late joiners, corrupt payloads dropped (fast, CPU)."""
+
+import hashlib
+
+import msgpack
+import pytest
+import torch
+import zmq
+from safetensors.torch import save as safetensors_save
+
+from nanoverl_async.weights import WeightPublisher, WeightSubscriber, serialise
+
+TIMEOUT_S = 10.0
+
+
+def state(value: float) -> dict:
+    return {"layer.weight": torch.full((3, 4), value), "layer.bias": torch.arange(4, dtype=torch.float32) + value,
+            "steps": torch.tensor([int(value)], dtype=torch.int64)}
+
+
+@pytest.fixture
+def pair():
+    publisher = WeightPublisher("127.0.0.1")
+    subscriber = WeightSubscriber(publisher.endpoint)
+    yield publisher, subscriber
+    subscriber.close()
+    publisher.close(timeout_s=5)
+
+
+def test_round_trip(pair):
+    publisher, subscriber = pair
+    assert publisher.endpoint.startswith("tcp://127.0.0.1:")
+    publisher.publish(1, state(1.0))
+    version, received = subscriber.wait_newest(current_version=0, timeout_s=TIMEOUT_S)
+    assert version == 1 and received.keys() == state(1.0).keys()
+    for name, tensor in state(1.0).items():
+        assert torch.equal(received[name], tensor) and received[name].dtype == tensor.dtype
+    assert subscriber.poll_newest(current_version=1) is None  # nothing newer queued: returns at once
+
+
+def test_newest_wins_and_older_versions_are_ignored(pair):
+    publisher, subscriber = pair
+    publisher.publish(1, state(1.0))
+    subscriber.wait_newest(0, TIMEOUT_S)
+    for version in (2, 3, 4):
+        publisher.publish(version, state(float(version)))
+    publisher.wait_sent(4, TIMEOUT_S)
+    version, seen = 1, []
+    while version < 4:  # sent is not yet delivered: a drain may stop before the newest arrives
+        version, received = subscriber.wait_newest(current_version=version, timeout_s=TIMEOUT_S)
+        seen.append(version)
+    assert seen == sorted(set(seen)) and version == 4 and torch.equal(received["layer.weight"], torch.full((3, 4), 4.0))
+    assert subscriber.poll_newest(current_version=4) is None
+    assert publisher.counts["published"] == 4
+    assert publisher.counts["sent"] + publisher.counts["superseded"] == 4
+
+
+def test_late_subscriber_gets_the_latest_version(pair):
+    publisher, _ = pair
+    publisher.publish(5, state(5.0))
+    publisher.wait_sent(5, TIMEOUT_S)
+    late = WeightSubscriber(publisher.endpoint)
+    try:
+        version, received = late.wait_newest(current_version=0, timeout_s=TIMEOUT_S)
+        assert version == 5 and torch.equal(received["layer.weight"], torch.full((3, 4), 5.0))
+    finally:
+        late.close()
+
+
+def test_wait_times_out_instead_of_blocking(pair):
+    _, subscriber = pair
+    with pytest.raises(TimeoutError, match="no weights newer than version 0"):
+        subscriber.wait_newest(current_version=0, timeout_s=0.2)
+
+
+def test_tied_tensors_serialise():
+    shared = torch.randn(5, 2)
+    payload = serialise({"embed.weight": shared, "lm_head.weight": shared})
+    assert len(payload) > 2 * shared.numel() * 4
+
+
+def test_corrupt_and_mismatched_payloads_are_dropped_and_counted():
+    context = zmq.Context()
+    sender = context.socket(zmq.XPUB)
+    port = sender.bind_to_random_port("tcp://127.0.0.1")
+    subscriber = WeightSubscriber(f"tcp://127.0.0.1:{port}")
+    try:
+        assert sender.poll(timeout=int(TIMEOUT_S * 1000)) and sender.recv() == b"\x01"  # subscription arrived
+        good = safetensors_save(state(7.0))
+        digest = hashlib.blake2b(good, digest_size=16).hexdigest()
+        header = {"version": 7, "nbytes": len(good), "checksum": digest}
+        flipped = bytearray(good)
+        flipped[-1] ^= 0xFF
+        bad_messages = [
+            [msgpack.packb({**header, "version": 9}), bytes(flipped)],  # corrupt payload
+            [msgpack.packb({**header, "version": 9, "nbytes": len(good) + 1}), good],  # wrong nbytes
+            [b"\xc1 not msgpack", good],  # undecodable header
+            [msgpack.packb({"version": 9}), good],  # missing keys
+            [msgpack.packb({**header, "version": 9})],  # one frame
+        ]
+        for frames in bad_messages + [[msgpack.packb(header), good]]:
+            sender.send_multipart(frames)
+        version, received = subscriber.wait_newest(current_version=0, timeout_s=TIMEOUT_S)
+        assert version == 7 and torch.equal(received["layer.bias"], state(7.0)["layer.bias"])
+        assert subscriber.counts["dropped"] == len(bad_messages)
+        assert subscriber.counts["received"] == 1
+    finally:
+        subscriber.close()
+        sender.close(linger=0)
+        context.term()
