@@ -26,7 +26,7 @@ from nanoverl_async.trajectory import Trajectory
 ADDED = "added"  # joined its open group, which still waits for more
 COMPLETED = "completed"  # joined its group, which is now complete and ready
 STRAGGLER = "straggler"  # its group is unknown, expired, released or already handed out: dropped
-DUPLICATE = "duplicate"  # its group already holds this sample_index: dropped
+DUPLICATE = "duplicate"  # its group (open or ready) already holds this sample_index: dropped
 MISMATCH = "mismatch"  # sample_index out of range or prompt_index not the group's: dropped
 
 
@@ -70,7 +70,7 @@ class ReplayBuffer:
 
     def add(self, trajectory: Trajectory) -> str:
         """File one trajectory under its group; returns ADDED, COMPLETED or the reason it was dropped."""
-        group = self.open_groups.get(trajectory.group_id)
+        group = self.open_groups.get(trajectory.group_id) or self.ready.get(trajectory.group_id)
         if group is None:
             self.counters["stragglers"] += 1
             return STRAGGLER
@@ -90,7 +90,7 @@ class ReplayBuffer:
 
     def take(self, step: int, batch_groups: int, staleness: int) -> tuple[list[Group], list[Group]]:
         """The consumption check, then the `batch_groups` oldest fresh groups (or none): (groups, dropped)."""
-        dropped = [g for g in self.ready.values() if step - g.version > staleness + 1]
+        dropped = [g for g in self.ready.values() if step - g.version > staleness]
         for group in dropped:
             del self.ready[group.group_id]
         self.counters["dropped_stale"] += len(dropped)

@@ -164,6 +164,7 @@ class BufferService:
                         f"buffer: step {step} waited {timeout_s:.1f}s for {self.prompts_per_step} complete "
                         f"groups of {self.group_size} with version >= {step - self.staleness}; "
                         f"{self.replay.num_ready} ready, {self.gate.in_flight} in flight, "
+                        f"{self.replay.counters['dropped_stale']} dropped as stale so far, "
                         f"generator versions {self._generator_versions or 'none reported'}")
                 self._cond.wait(remaining)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import time
 from typing import Optional
 
 import numpy as np
@@ -57,8 +58,16 @@ class LearnerPool:
         self.weights_endpoint: str = ray.get(self.ranks[0].weights_endpoint.remote(), timeout=TIMEOUT_S)
 
     def _all(self, method: str, *args) -> list:
-        """Call `method(*args)` on every rank at once (they run collectives together); one result per rank."""
-        return ray.get([getattr(rank, method).remote(*args) for rank in self.ranks], timeout=TIMEOUT_S)
+        """Call `method(*args)` on every rank at once (they run collectives together); one result per rank.
+        The first rank to fail raises at once: its peers would otherwise sit in a collective until timeout."""
+        refs = [getattr(rank, method).remote(*args) for rank in self.ranks]
+        pending, deadline = list(refs), time.monotonic() + TIMEOUT_S
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"learner ranks did not finish {method} within {TIMEOUT_S:.0f} s")
+            ray.get(ready)  # raises the rank's own error
+        return ray.get(refs)
 
     def prepare(self, batch) -> TrainBatch:
         """The buffer's Batch (or a TrainBatch) -> a TrainBatch with advantages and, for the decoupled

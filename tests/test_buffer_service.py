@@ -1,0 +1,177 @@
+"""The buffer service over real ZeroMQ sockets on 127.0.0.1 (no Ray): leases, trajectories, a corrupt
+message and malformed requests (dropped, counted, the service keeps running), batches and their stats,
+the consumption check and lease expiry through the service, a clear TimeoutError, a prompt close()."""
+
+import itertools
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from nanoverl_async.buffer.service import BufferService, parse_request, resolve_prompt_fn
+from nanoverl_async.config import BufferConfig, WireConfig
+from nanoverl_async.trajectory import Trajectory, encode
+
+_ids = itertools.count()
+
+
+def make_trajectory(lease, sample_index, token_versions, generator_id=7) -> Trajectory:
+    versions = np.array([-1, -1] + list(token_versions) + [-1], dtype=np.int32)  # prompt, turn, tool token
+    mask = (versions >= 0).astype(np.uint8)
+    return Trajectory(id=f"t{next(_ids)}", group_id=lease["group_id"], prompt_index=lease["prompt_index"],
+                      sample_index=sample_index, token_ids=np.arange(len(versions), dtype=np.int32),
+                      loss_mask=mask, behaviour_logprobs=-0.5 * mask.astype(np.float32), versions=versions,
+                      reward=float(sample_index), num_turns=2, tool_calls=1, generator_id=generator_id)
+
+
+class Client:
+    """What a generator holds: a PUSH socket for trajectories and a DEALER socket for leases."""
+
+    def __init__(self, endpoints):
+        self.context = zmq.Context()
+        self.push = self.context.socket(zmq.PUSH)
+        self.push.connect(endpoints["trajectories"])
+        self.dealer = self.context.socket(zmq.DEALER)
+        self.dealer.connect(endpoints["leases"])
+
+    def ask(self, request) -> dict:
+        self.dealer.send(request if isinstance(request, bytes) else msgpack.packb(request))
+        assert self.dealer.poll(5000), "no reply from the buffer service"
+        return msgpack.unpackb(self.dealer.recv(), raw=False)
+
+    def lease(self, version, max_groups, generator_id=7) -> list:
+        reply = self.ask({"op": "lease", "generator_id": generator_id, "version": version, "max_groups": max_groups})
+        return reply["leases"]
+
+    def close(self):
+        self.push.close(linger=0)
+        self.dealer.close(linger=0)
+        self.context.term()
+
+
+@pytest.fixture
+def make_service():
+    made = []
+
+    def make(B, G, eta, lease_timeout_s=30.0):
+        service = BufferService(B, G, eta, BufferConfig(lease_timeout_s=lease_timeout_s), WireConfig(),
+                                seed=0, task=lambda index: {"index": index, "question": f"{index}*3?"})
+        client = Client(service.endpoints)
+        made.append((service, client))
+        return service, client
+
+    yield make
+    for service, client in made:
+        client.close()
+        service.close()
+
+
+def wait_for(service, condition, timeout_s=5.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not condition(stats := service.stats()):
+        assert time.monotonic() < deadline, f"condition not reached; stats {stats}"
+        time.sleep(0.01)
+    return stats
+
+
+def test_batches_counters_and_bad_input(make_service):
+    service, client = make_service(B=2, G=2, eta=1)
+    assert service.endpoints["trajectories"].startswith("tcp://127.0.0.1:")
+    assert "msgpack" in client.ask(b"\xc1 not msgpack")["error"]
+    assert "max_groups" in client.ask({"op": "lease", "generator_id": 7, "version": 0})["error"]
+    assert client.ask({"op": "report", "generator_id": 3, "version": 0}) == {"ok": True}
+    leases = client.lease(version=0, max_groups=10)
+    assert len(leases) == 4  # (0 + eta + 1) * B slots
+    assert [l["sample"]["index"] for l in leases] == [l["prompt_index"] for l in leases] == [0, 1, 2, 3]
+    assert client.lease(version=0, max_groups=1) == []  # the gate is closed at version 0
+
+    client.push.send(b"\x00 corrupt trajectory")
+    for lease in leases[:2]:
+        for sample_index in (1, 0):
+            client.push.send(encode(make_trajectory(lease, sample_index, [0, 0])))
+    client.push.send(encode(make_trajectory(leases[2], 0, [0])))  # group 2 stays incomplete
+    client.push.send(encode(make_trajectory(leases[0], 0, [0, 0])))  # duplicate in a complete group
+    client.push.send(encode(make_trajectory(leases[2], 0, [0])))  # duplicate in an incomplete group
+    client.push.send(encode(make_trajectory({"group_id": 999, "prompt_index": 0}, 0, [0])))  # straggler
+    wait_for(service, lambda s: s["dropped_stragglers"] == 1)
+
+    batch = service.next_batch(step=1, timeout_s=5.0)
+    assert [(t.group_id, t.sample_index) for t in batch.trajectories] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    stats = batch.stats
+    assert stats["staleness_hist"] == {1: 4} and stats["staleness_token_hist"] == {1: 8}
+    assert stats["staleness_mean"] == 1.0 and stats["staleness_max"] == 1
+    assert stats["malformed"] == 1 and stats["malformed_requests"] == 2
+    assert stats["dropped_duplicates"] == 2 and stats["dropped_stragglers"] == 1 and stats["dropped_stale"] == 0
+    assert stats["groups_in_flight"] == 2 and stats["groups_ready"] == 0
+    assert stats["generator_versions"] == {3: 0, 7: 0}
+    assert stats["tokens_generated"] == 2 * 4 + 1 + 2 + 1 + 1  # everything that arrived and decoded
+    assert stats["turns_mean"] == 2.0 and stats["tool_calls_mean"] == 1.0 and stats["reward_mean"] == 0.5
+    assert stats["consumed"] == 2 and stats["leased"] == 4
+
+    with pytest.raises(TimeoutError, match=r"step 2 .*0 ready, 2 in flight"):
+        service.next_batch(step=2, timeout_s=0.2)
+    assert service.stats()["tokens_generated"] == 0
+    started = time.monotonic()
+    service.close()
+    assert time.monotonic() - started < 1.0
+
+
+def test_stale_group_is_dropped_and_its_prompt_reissued(make_service):
+    service, client = make_service(B=1, G=1, eta=0)
+    (lease,) = client.lease(version=0, max_groups=5)
+    client.push.send(encode(make_trajectory(lease, 0, [0])))
+    wait_for(service, lambda s: s["groups_ready"] == 1)
+    with pytest.raises(TimeoutError):
+        service.next_batch(step=1, timeout_s=0.1)  # version 0 is too old for step 1 with eta = 0
+    stats = service.stats()
+    assert stats["dropped_stale"] == 1 and stats["released"] == 1 and stats["reissued"] == 1
+    assert stats["groups_started"] == 0 and stats["groups_ready"] == 0
+    (again,) = client.lease(version=1, max_groups=1)
+    assert again["prompt_index"] == lease["prompt_index"] and again["group_id"] != lease["group_id"]
+    client.push.send(encode(make_trajectory(again, 0, [1])))
+    assert service.next_batch(step=1, timeout_s=5.0).trajectories[0].group_id == again["group_id"]
+
+
+def test_expired_lease_is_reissued_and_its_stragglers_dropped(make_service):
+    service, client = make_service(B=1, G=2, eta=0, lease_timeout_s=0.2)
+    (lease,) = client.lease(version=0, max_groups=1)
+    client.push.send(encode(make_trajectory(lease, 0, [0])))
+    wait_for(service, lambda s: s["expired"] == 1)
+    client.push.send(encode(make_trajectory(lease, 1, [0])))  # the late half of the group
+    wait_for(service, lambda s: s["dropped_stragglers"] == 1)
+    (again,) = client.lease(version=0, max_groups=1)
+    assert again["prompt_index"] == lease["prompt_index"] and again["group_id"] != lease["group_id"]
+    assert service.stats()["groups_ready"] == 0
+
+
+def test_req_clients_work_too(make_service):
+    service, _ = make_service(B=1, G=1, eta=0)
+    context = zmq.Context()
+    req = context.socket(zmq.REQ)
+    req.connect(service.endpoints["leases"])
+    req.send(msgpack.packb({"op": "report", "generator_id": 1, "version": 0}))
+    assert req.poll(5000) and msgpack.unpackb(req.recv()) == {"ok": True}
+    req.close(linger=0)
+    context.term()
+
+
+@pytest.mark.parametrize("request_,field", [
+    ({"op": "steal", "generator_id": 0, "version": 0}, "op"),
+    ({"op": "report", "version": 0}, "generator_id"),
+    ({"op": "report", "generator_id": "0", "version": 0}, "generator_id"),
+    ({"op": "report", "generator_id": 0, "version": -1}, "version"),
+    ({"op": "lease", "generator_id": 0, "version": 0, "max_groups": True}, "max_groups"),
+    ({"op": "report", "generator_id": 0, "version": 0, "extra": 1}, "extra"),
+])
+def test_parse_request_names_the_bad_field(request_, field):
+    with pytest.raises(ValueError, match=f"'{field}'"):
+        parse_request(msgpack.packb(request_))
+
+
+def test_resolve_prompt_fn():
+    assert resolve_prompt_fn(lambda i: {"i": i}, seed=3)(5) == {"i": 5}
+    assert resolve_prompt_fn("operator:add", seed=3)(5) == 8  # module:attr is called as fn(seed, index)
+    with pytest.raises(ValueError, match="builtin"):
+        resolve_prompt_fn("multiply", seed=0)

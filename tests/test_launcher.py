@@ -1,0 +1,58 @@
+"""Supervision: a role that dies ends the run within seconds with an error naming it, never a hang."""
+
+import time
+
+import pytest
+import ray
+
+from nanoverl_async.config import load_config
+from nanoverl_async.launcher import Roles, RunFailed, role_failures, start_ray
+from nanoverl_async.tiny_model import TinyRecipe, build_model, build_tokenizer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def random_tiny_model(tmp_path_factory):
+    """An untrained builtin-architecture model: supervision does not need a good policy."""
+    path = tmp_path_factory.mktemp("random_tiny")
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, TinyRecipe(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                      intermediate_size=64)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    started = start_ray(load_config(None).ray)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def make_roles(model_path, tmp_path):
+    cfg = load_config("configs/agent_grpo.yaml", [f"model.path={model_path}", f"run.output_dir={tmp_path}",
+                                                 "data.prompts_per_step=2", "data.samples_per_prompt=2",
+                                                 "run.step_timeout_s=60"])
+    return Roles(cfg, model_path)
+
+
+@pytest.mark.parametrize("victim", ["generator", "buffer", "learner"])
+def test_dead_role_fails_the_run_naming_it(ray_session, random_tiny_model, tmp_path, victim):
+    roles = make_roles(random_tiny_model, tmp_path)
+    try:
+        batch = roles.next_batch(0)  # everything is up and streaming
+        assert len(batch.trajectories) == 4
+        actor = {"generator": roles.generators[0], "buffer": roles.buffer,
+                 "learner": roles.learners.ranks[0]}[victim]
+        ray.kill(actor)
+        started = time.monotonic()
+        with pytest.raises(RunFailed, match={"generator": "generator 0", "buffer": "buffer",
+                                             "learner": "learner"}[victim]):
+            train_batch = roles.next_batch(1)
+            with role_failures("learner pool"):
+                roles.learners.update(roles.learners.prepare(train_batch))
+        assert time.monotonic() - started < 30
+    finally:
+        roles.shutdown()
