@@ -121,11 +121,12 @@ class TinyRecipe:
     weight_decay: float = 0.0
     tool_fraction: float = 0.5  # demos that call the tool; the rest answer directly (mostly wrongly)
     call_rate: float = 0.25  # the trained P(first token is <call>): the policy's initial tool use
-    tools_header_fraction: float = 0.0  # demos whose prompt starts with the `tools:` line (doubles their length)
+    tools_header_fraction: float = 0.0  # demos opening with the `tools:` line (doubles their cost)
     seed: int = 0
 
     def __post_init__(self):
-        assert 0 < self.call_rate <= self.tool_fraction < 1, "need 0 < call_rate <= tool_fraction < 1"
+        if not 0 < self.call_rate <= self.tool_fraction < 1:
+            raise ValueError(f"TinyRecipe needs 0 < call_rate <= tool_fraction < 1, got {self}")
 
     @property
     def call_keep(self) -> float:
@@ -135,7 +136,8 @@ class TinyRecipe:
         return r * (1 - f) / (f * (1 - r))
 
     def digest(self) -> str:
-        payload = {"recipe_version": RECIPE_VERSION, "chat_template": CHAT_TEMPLATE, **dataclasses.asdict(self)}
+        payload = {"recipe_version": RECIPE_VERSION, "chat_template": CHAT_TEMPLATE}
+        payload.update(dataclasses.asdict(self))
         return hashlib.blake2b(json.dumps(payload, sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
@@ -297,7 +299,8 @@ def build_tiny(cache_dir: str = "", recipe: TinyRecipe = TinyRecipe()) -> str:
         if final.is_dir():  # another process built it while we waited
             return str(final)
         estimate = max(1, round(recipe.steps * SECONDS_PER_STEP * recipe.batch_size / 64))
-        print(f"building builtin:tiny (one-time warm start, ~{estimate} s) in {final} ...", file=sys.stderr, flush=True)
+        print(f"building builtin:tiny (one-time warm start, ~{estimate} s) in {final} ...",
+              file=sys.stderr, flush=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=root))
         try:
             with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
@@ -308,6 +311,7 @@ def build_tiny(cache_dir: str = "", recipe: TinyRecipe = TinyRecipe()) -> str:
             tokenizer.save_pretrained(tmp)
             info = {"recipe": dataclasses.asdict(recipe), "recipe_version": RECIPE_VERSION, **stats}
             (tmp / "nanoverl_recipe.json").write_text(json.dumps(info, indent=1))
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -322,7 +326,8 @@ def resolve_model_path(path: str, cache_dir: str = "") -> str:
     if not path.startswith("builtin:"):
         return path
     if path not in BUILTIN_NAMES:
-        raise ValueError(f"unknown built-in model {path!r}: the built-in models are {', '.join(BUILTIN_NAMES)}")
+        known = ", ".join(BUILTIN_NAMES)
+        raise ValueError(f"unknown built-in model {path!r}: the built-in models are {known}")
     return build_tiny(cache_dir)
 
 

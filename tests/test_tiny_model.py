@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -19,11 +20,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from nanoverl_async import multiply_task
 from nanoverl_async.tiny_model import (
     TinyRecipe,
+    build_model,
     build_tiny,
     build_tokenizer,
     default_cache_dir,
+    demo_batch,
     demo_pieces,
     resolve_model_path,
+    warm_start,
 )
 
 FAST = TinyRecipe(steps=2, batch_size=4, warmup_steps=1)  # a real build, just barely trained
@@ -56,7 +60,8 @@ def test_multiply_task():
     assert s == multiply_task.make_prompt(3, 7) and json.loads(json.dumps(s)) == s
     assert 0 <= s["a"] < 100 and 0 <= s["b"] < 100 and s["answer"] == str(s["a"] * s["b"])
     assert s["messages"] == [{"role": "user", "content": f"{s['a']}*{s['b']}?"}] and s["index"] == 7
-    assert len({(multiply_task.make_prompt(0, i)["a"], multiply_task.make_prompt(0, i)["b"]) for i in range(50)}) > 40
+    pairs = {(multiply_task.make_prompt(0, i)["a"], multiply_task.make_prompt(0, i)["b"]) for i in range(50)}
+    assert len(pairs) > 40
     assert multiply_task.calculator("12*34") == "408" and multiply_task.calculator(" 5 - 7") == "-2"
     assert multiply_task.calculator("3+4") == "7"
     for bad in ("12/3", "1*2*3", "-1*2", "abc", "", "1.5*2", "__import__('os')", "9" * 20 + "*2"):
@@ -72,7 +77,8 @@ def test_tokenizer_round_trip_and_one_token_per_char(tok):
     for ch in "0123456789+-*?":
         assert len(tok(ch, add_special_tokens=False)["input_ids"]) == 1
     assert len(tok("12*34", add_special_tokens=False)["input_ids"]) == 5
-    for special in ("<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<call>", "</call>", "<res>", "</res>"):
+    specials = ("<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<call>", "</call>", "<res>", "</res>")
+    for special in specials:
         assert len(tok(special, add_special_tokens=False)["input_ids"]) == 1, special
     assert tok.pad_token == "<|pad|>" and tok.eos_token == "<|end|>" and tok.pad_token_id != tok.eos_token_id
     assert build_tokenizer().get_vocab() == tok.get_vocab()  # deterministic
@@ -116,7 +122,35 @@ def test_chat_template_prefix_consistent(tok, tools):
     assert full.startswith(pieces["prompt"].replace("{Q}", "12*34?"))
 
 
-def test_build_save_reload_exact(built, tok):
+def test_demo_batch_trains_only_sampled_tokens(tok):
+    recipe = TinyRecipe(batch_size=400)
+    pieces = [demo_pieces(tok, False), demo_pieces(tok, True)]
+    call, res, res_end = tok.convert_tokens_to_ids(["<call>", "<res>", "</res>"])
+    decisions, tool_rows, rows = 0, 0, 0
+    for sub in demo_batch(tok, pieces, recipe, random.Random(0)):
+        columns = (sub["input_ids"].tolist(), sub["labels"].tolist(), sub["attention_mask"].tolist())
+        for ids, labels, mask in zip(*columns):
+            rows += 1
+            n = sum(mask)
+            text = tok.decode(ids[:n], skip_special_tokens=False)
+            start = ids.index(tok.convert_tokens_to_ids("<|assistant|>")) + 1
+            assert all(x == -100 for x in labels[:start]) and all(x == -100 for x in labels[n:])
+            assert labels[n - 1] == tok.eos_token_id  # the answer's <|end|> is trained
+            if call in ids:
+                tool_rows += 1
+                assert all(x == -100 for x in labels[ids.index(res): ids.index(res_end) + 1])  # tool result
+                decisions += labels[start] == call
+                a, b = text.split("<|user|>")[1].split("?")[0].split("*")
+                assert f"<call>{a}*{b}</call><res>{int(a) * int(b)}</res>{int(a) * int(b)}<|end|>" in text
+    assert abs(tool_rows / rows - recipe.tool_fraction) < 0.1
+    assert abs(decisions / tool_rows - recipe.call_keep) < 0.1
+    f, q = recipe.tool_fraction, recipe.call_keep
+    assert abs(f * q / (f * q + 1 - f) - recipe.call_rate) < 1e-9
+    with pytest.raises(ValueError):
+        TinyRecipe(call_rate=0.6, tool_fraction=0.5)
+
+
+def test_build_save_reload_exact(built, tok, tmp_path):
     _, path = built
     assert os.path.isfile(os.path.join(path, "model.safetensors"))
     model = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -127,10 +161,15 @@ def test_build_save_reload_exact(built, tok):
     msgs = tool_episode(5, 6)
     assert tok2.apply_chat_template(msgs, tokenize=False) == tok.apply_chat_template(msgs, tokenize=False)
     ids = torch.tensor([tok2(tok2.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)["input_ids"]])
-    again = AutoModelForCausalLM.from_pretrained(path).eval()
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, again(ids).logits)
     assert model.config.eos_token_id == tok.eos_token_id and model.config.vocab_size == len(tok)
+    # the in-memory model and its saved copy agree bit for bit
+    fresh = build_model(tok, FAST)
+    warm_start(fresh, tok, FAST)
+    fresh.save_pretrained(tmp_path, safe_serialization=True)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, again(ids).logits)
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in fresh.state_dict().items())
 
 
 def test_cache_reused_and_recipe_keyed(built):
@@ -144,6 +183,7 @@ def test_cache_reused_and_recipe_keyed(built):
     assert not leftovers  # the temp dir was renamed, nothing half-built remains
 
 
+@pytest.mark.slow
 def test_concurrent_builds_build_once(tmp_path):
     """Two processes racing on an empty cache: one builds, the other waits and reuses it."""
     code = (
