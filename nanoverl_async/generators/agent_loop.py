@@ -55,11 +55,11 @@ class ToolEnv:
     max_error_chars: int = 40  # error observations are cut to this (every character costs a token here)
 
 
-def builtin_env() -> ToolEnv:
+def builtin_env(tool_timeout_s: float = 5.0) -> ToolEnv:
     """The built-in "A*B?" task with its calculator (nanoverl_async/multiply_task.py)."""
     from nanoverl_async import multiply_task
 
-    return ToolEnv(tool=multiply_task.calculator, score=multiply_task.score)
+    return ToolEnv(tool=multiply_task.calculator, score=multiply_task.score, tool_timeout_s=tool_timeout_s)
 
 
 class _Tokens:

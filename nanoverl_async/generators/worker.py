@@ -65,7 +65,7 @@ class GeneratorWorker:
         self.generator, self.agent, self.weight_sync = generator, agent, weight_sync
         self.group_size = group_size
         self.buffer_endpoints, self.weights_endpoint = buffer_endpoints, weights_endpoint
-        self.env = env or builtin_env()
+        self.env = env or builtin_env(agent.tool_timeout_s)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_path)
         if engine is None:
             from nanoverl_async.generators.hf_engine import TransformersEngine

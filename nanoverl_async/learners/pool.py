@@ -47,6 +47,7 @@ class LearnerPool:
                  wire: Optional[WireConfig] = None, dtype: str = "float32", micro_batch_size: int = 0,
                  initial_version: int = 0):
         self.algo = algo
+        self.one_update_per_batch = True  # PPO epochs / minibatches (several steps per batch) come later
         actor = ray.remote(num_cpus=0, num_gpus=1 if cfg.device == "cuda" else 0)(_DeferredRank)
         self.ranks = [actor.remote() for _ in range(cfg.world_size)]
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=TIMEOUT_S)
@@ -73,8 +74,11 @@ class LearnerPool:
         """The buffer's Batch (or a TrainBatch) -> a TrainBatch with advantages and, for the decoupled
         correction, the proximal logprobs of the current weights (gathered from every rank's shard)."""
         train_batch = batch if isinstance(batch, TrainBatch) else collate(batch.trajectories)
-        if self.algo.correction == "none":
-            return train_batch  # the loss never reads p_old; update() stands in p.detach() for its metrics
+        if self.algo.correction == "none" or self.one_update_per_batch:
+            # With one optimizer step per batch, the update's own forward runs on exactly the weights of
+            # version `step`: its detached logprobs ARE the proximal logprobs (update() uses them when
+            # proximal_logprobs is None), so a second forward would recompute the same numbers.
+            return train_batch
         parts = self._all("compute_logprobs", ray.put(train_batch))
         return dataclasses.replace(train_batch, proximal_logprobs=torch.from_numpy(np.concatenate(parts)))
 
