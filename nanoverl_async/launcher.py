@@ -11,6 +11,7 @@ every generator at once, and every wait has a timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from contextlib import contextmanager
@@ -19,7 +20,8 @@ from pathlib import Path
 import ray
 
 from nanoverl_async.buffer.service import BufferService
-from nanoverl_async.config import Config, RayConfig, to_dict, to_yaml
+from nanoverl_async.config import Config, RayConfig, resolved_env, to_dict, to_yaml
+from nanoverl_async.data import DatasetPrompts
 from nanoverl_async.generators.worker import GeneratorWorker
 from nanoverl_async.learners.pool import LearnerPool
 from nanoverl_async.metrics import MetricsLogger, step_metrics
@@ -60,13 +62,13 @@ def train(cfg: Config, roles: "Roles", logger: MetricsLogger) -> None:
         waited = time.monotonic() - last_step_end
         with role_failures("learner pool"):
             train_batch = roles.learners.prepare(batch)  # proximal logprobs (version `step`), advantages
-            learner_metrics = roles.learners.update(train_batch)  # one FSDP2 optimizer step
+            learner_metrics = roles.learners.update(train_batch)  # ppo_epochs x minibatches FSDP2 steps
             roles.learners.publish_weights(version=step + 1)  # async; generators apply it when ready
         samples_trained += len(batch.trajectories)
         now = time.monotonic()
         learner_metrics["time/wait_batch_s"] = waited
         logger.log(step_metrics(step, cfg.staleness.max, batch, learner_metrics, now - last_step_end,
-                                now - last_step_end, samples_trained))
+                                samples_trained))
         last_step_end = now
 
 
@@ -77,10 +79,11 @@ class Roles:
         self.cfg = cfg
         self.buffer = ray.remote(num_cpus=0, max_concurrency=4)(BufferRole).remote(
             cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max, cfg.buffer, cfg.wire,
-            cfg.run.seed, cfg.data.task)
+            cfg.run.seed, prompt_source(cfg), cfg.algorithm.group_filter)
         with role_failures("learner pool"):
             self.learners = LearnerPool(cfg.learner, cfg.algorithm, model_path, cfg.generator.temperature,
-                                        cfg.run.seed, wire=cfg.wire, dtype=cfg.model.dtype)
+                                        cfg.run.seed, wire=cfg.wire, dtype=cfg.model.dtype, kl=cfg.kl,
+                                        reference_path=cfg.reference.path, max_length=cfg.agent.max_total_tokens)
         with role_failures("buffer"):
             buffer_endpoints = ray.get(self.buffer.endpoints.remote(), timeout=60)
         generator_actor = ray.remote(num_cpus=0)(GeneratorRole)
@@ -89,7 +92,8 @@ class Roles:
                 generator_id=i, model_path=model_path, generator=cfg.generator, agent=cfg.agent,
                 weight_sync=cfg.weight_sync, group_size=cfg.data.samples_per_prompt, seed=cfg.run.seed,
                 buffer_endpoints=buffer_endpoints, weights_endpoint=self.learners.weights_endpoint,
-                dtype=cfg.model.dtype)
+                dtype=cfg.model.dtype, env_spec=absolute_spec(resolved_env(cfg)),
+                reward=dataclasses.replace(cfg.reward, path=absolute_spec(cfg.reward.path)))
             for i in range(cfg.generator.replicas)
         ]
         self.generator_runs = {gen.run.remote(): f"generator {i}" for i, gen in enumerate(self.generators)}
@@ -144,6 +148,17 @@ class GeneratorRole:
 
     async def stop(self) -> None:
         self.worker.stop()
+
+
+def prompt_source(cfg: Config):
+    """The buffer's prompts: data.train_files (verl format) when set, else the data.task name."""
+    return DatasetPrompts(cfg.data.train_files, cfg.run.seed) if cfg.data.train_files else cfg.data.task
+
+
+def absolute_spec(spec: str) -> str:
+    """`path/to/file.py[:Name]` made absolute, so other processes find it whatever their cwd."""
+    where, sep, name = spec.partition(":") if ".py" in spec else (spec, "", "")
+    return f"{Path(where).resolve()}{sep}{name}" if where.endswith(".py") else spec
 
 
 @contextmanager

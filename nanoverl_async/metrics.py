@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, step_seconds: float,
-                 interval_seconds: float, samples_trained: int) -> dict:
+                 samples_trained: int) -> dict:
     """Everything logged for step `step`; `batch` is the buffer's Batch, `learner` the pool's metrics."""
     trajectories = batch.trajectories
     stats = batch.stats
@@ -35,10 +35,9 @@ def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, ste
         "staleness/histogram": {str(lag): int((lags == lag).sum()) for lag in np.unique(lags)},
         "staleness/dropped": int(stats.get("dropped_stale", 0)),
         "samples/trained": samples_trained,
-        "time/step_s": step_seconds,
-        "time/interval_s": interval_seconds,
-        "tokens/generated_per_s": stats.get("tokens_generated", 0) / max(interval_seconds, 1e-9),
-        "samples/per_s": len(trajectories) / max(interval_seconds, 1e-9),
+        "time/step_s": step_seconds,  # wall time from the end of the previous step: wait + train + publish
+        "tokens/generated_per_s": stats.get("tokens_generated", 0) / max(step_seconds, 1e-9),
+        "samples/per_s": len(trajectories) / max(step_seconds, 1e-9),
         "weights/version_lag_max": (step - min(generator_versions.values())) if generator_versions else 0,
         "episodes/turns_mean": float(np.mean([t.num_turns for t in trajectories])),
         "episodes/tool_calls_mean": float(np.mean([t.tool_calls for t in trajectories])),
