@@ -20,8 +20,9 @@ from pathlib import Path
 import ray
 
 from nanoverl_async.buffer.service import BufferService
-from nanoverl_async.config import Config, RayConfig, resolved_env, to_dict, to_yaml
-from nanoverl_async.data import DatasetPrompts
+from nanoverl_async.config import Config, RayConfig, to_dict, to_yaml
+from nanoverl_async.data import DatasetPrompts, load_samples
+from nanoverl_async.env import resolved_env
 from nanoverl_async.generators.worker import GeneratorWorker
 from nanoverl_async.learners.pool import LearnerPool
 from nanoverl_async.metrics import MetricsLogger, step_metrics
@@ -67,6 +68,8 @@ def train(cfg: Config, roles: "Roles", logger: MetricsLogger) -> None:
         samples_trained += len(batch.trajectories)
         now = time.monotonic()
         learner_metrics["time/wait_batch_s"] = waited
+        if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
+            learner_metrics.update(roles.evaluate())  # eval/*: data.val_files on generator 0's weights
         logger.log(step_metrics(step, cfg.staleness.max, batch, learner_metrics, now - last_step_end,
                                 samples_trained))
         last_step_end = now
@@ -83,20 +86,30 @@ class Roles:
         with role_failures("learner pool"):
             self.learners = LearnerPool(cfg.learner, cfg.algorithm, model_path, cfg.generator.temperature,
                                         cfg.run.seed, wire=cfg.wire, dtype=cfg.model.dtype, kl=cfg.kl,
-                                        reference_path=cfg.reference.path, max_length=cfg.agent.max_total_tokens)
+                                        reference_path=cfg.reference.path, max_length=cfg.agent.max_total_tokens,
+                                        critic=cfg.critic)
         with role_failures("buffer"):
             buffer_endpoints = ray.get(self.buffer.endpoints.remote(), timeout=60)
-        generator_actor = ray.remote(num_cpus=0)(GeneratorRole)
+        sglang = cfg.generator.sglang  # an SGLang generator's servers run on the GPUs Ray gives its actor
+        gpus = sglang.servers * sglang.tp_size if cfg.generator.engine == "sglang" and cfg.generator.device == "cuda" else 0
+        generator_actor = ray.remote(num_cpus=0, num_gpus=gpus)(GeneratorRole)
         self.generators = [
             generator_actor.remote(
                 generator_id=i, model_path=model_path, generator=cfg.generator, agent=cfg.agent,
                 weight_sync=cfg.weight_sync, group_size=cfg.data.samples_per_prompt, seed=cfg.run.seed,
                 buffer_endpoints=buffer_endpoints, weights_endpoint=self.learners.weights_endpoint,
-                dtype=cfg.model.dtype, env_spec=absolute_spec(resolved_env(cfg)),
+                dtype=cfg.model.dtype, env_spec=absolute_spec(resolved_env(cfg.agent.env, cfg.data.train_files)),
                 reward=dataclasses.replace(cfg.reward, path=absolute_spec(cfg.reward.path)))
             for i in range(cfg.generator.replicas)
         ]
         self.generator_runs = {gen.run.remote(): f"generator {i}" for i, gen in enumerate(self.generators)}
+
+    def evaluate(self) -> dict:
+        """Near-greedy episodes on data.val_files by generator 0 (worker.evaluate) -> eval/* metrics."""
+        if not hasattr(self, "val_samples"):
+            self.val_samples = [{**s, "index": i} for i, s in enumerate(load_samples(self.cfg.data.val_files))]
+        with role_failures("generator 0"):
+            return ray.get(self.generators[0].evaluate.remote(self.val_samples), timeout=self.cfg.run.step_timeout_s)
 
     def next_batch(self, step: int):
         """The buffer's batch for `step`, while watching every generator: a dead one fails the run."""
@@ -144,15 +157,23 @@ class GeneratorRole:
         self.worker = GeneratorWorker(**kwargs)
 
     async def run(self) -> None:
-        await self.worker.run()
+        try:
+            await self.worker.run()
+        finally:
+            close = getattr(self.worker.engine, "close", None)  # an SGLang engine stops its server processes
+            if close is not None:
+                close()
 
     async def stop(self) -> None:
         self.worker.stop()
 
+    async def evaluate(self, samples: list) -> dict:
+        return await self.worker.evaluate(samples)
+
 
 def prompt_source(cfg: Config):
     """The buffer's prompts: data.train_files (verl format) when set, else the data.task name."""
-    return DatasetPrompts(cfg.data.train_files, cfg.run.seed) if cfg.data.train_files else cfg.data.task
+    return DatasetPrompts(cfg.data.train_files, cfg.run.seed) if cfg.data.train_files else absolute_spec(cfg.data.task)
 
 
 def absolute_spec(spec: str) -> str:

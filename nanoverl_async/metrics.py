@@ -43,6 +43,10 @@ def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, ste
         "episodes/tool_calls_mean": float(np.mean([t.tool_calls for t in trajectories])),
         "episodes/tool_use_frac": float(np.mean([t.tool_calls > 0 for t in trajectories])),
         "episodes/tool_errors_mean": float(np.mean([t.tool_errors for t in trajectories])),
+        # errors / calls over the batch (malformed, unknown tool, bad arguments, raised, timed out)
+        "episodes/tool_error_rate": sum(t.tool_errors for t in trajectories) / max(1, sum(t.tool_calls for t in trajectories)),
+        "episodes/tool_latency_s": sum(t.timings.get("tool", 0.0) for t in trajectories)
+        / max(1, sum(t.tool_calls for t in trajectories)),  # mean seconds per tool call
         "episodes/length_mean": float(np.mean([len(t.token_ids) for t in trajectories])),
         "episodes/generated_tokens_mean": float(np.mean([t.num_generated for t in trajectories])),
     }

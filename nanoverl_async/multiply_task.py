@@ -13,6 +13,8 @@ Token-level episode, with the built-in chat template (nanoverl_async/tiny_model.
 
 A direct answer without the tool is `408<|end|>` right after the prompt.
 
+`MultiplyEnv` is the environment: one tool, the "builtin" call format, exact-match reward.
+
 Invariants: `make_prompt` is a pure function of (seed, index) and returns JSON-able data;
 `calculator` accepts exactly "<int> <op> <int>" with non-negative integers and op in + - *, and
 raises ValueError on anything else.
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import random
 import re
+
+from nanoverl_async.env import Environment, Step
 
 MAX_OPERAND = 100  # operands are drawn from [0, MAX_OPERAND)
 _MAX_DIGITS = 12  # the tool refuses longer operands: keeps a bad call from building a huge number
@@ -68,6 +72,18 @@ def calculator(expression: str) -> str:
 def score(sample: dict, final_answer: str) -> float:
     """1.0 if the final answer is exactly the product (surrounding whitespace ignored), else 0.0."""
     return 1.0 if final_answer.strip() == sample["answer"] else 0.0
+
+
+class MultiplyEnv(Environment):
+    """The built-in environment (`agent.env: builtin:multiply`): the calculator in the compact format."""
+
+    tools = [calculator]
+    tool_format = "builtin"  # <call>EXPR</call>, then <res>RESULT</res> (the tiny model's template)
+    max_observation_chars = 40  # every character of an error costs a token of the tiny model's context
+    show_tools = False  # the prompt is just "A*B?" (as when the RL recipe was calibrated; DESIGN.md)
+
+    async def step(self, sample: dict, message: dict) -> Step:
+        return Step(reward=score(sample, message["content"]))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from nanoverl_async import multiply_task
 from nanoverl_async.config import AgentConfig
-from nanoverl_async.generators.agent_loop import ToolEnv, builtin_env, run_episode
+from nanoverl_async.generators.agent_loop import run_episode
 from nanoverl_async.generators.engine import Completion, SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
 from nanoverl_async.tiny_model import build_tokenizer
@@ -34,7 +34,7 @@ class ScriptedEngine:
         self.version = version
         self.requests: list[tuple[list[int], SamplingParams]] = []
 
-    async def generate(self, input_ids, params):
+    async def generate(self, input_ids, params, episode_id=None):
         self.requests.append((list(input_ids), params))
         ids = self.turns[len(self.requests) - 1]
         stop_at = next((i for i, t in enumerate(ids) if t in params.stop_token_ids), len(ids) - 1)
@@ -51,7 +51,7 @@ class ScriptedEngine:
 
 def episode(engine, tokenizer, sample, env=None, **agent):
     config = AgentConfig(**{"max_turns": 3, "max_new_tokens": 16, "max_total_tokens": 96, **agent})
-    return asyncio.run(run_episode(engine, tokenizer, sample, env or builtin_env(), config, 1.0,
+    return asyncio.run(run_episode(engine, tokenizer, sample, env or multiply_task.MultiplyEnv(), config, 1.0,
                                    group_id=7, prompt_index=sample["index"], sample_index=2, generator_id=1))
 
 
@@ -103,9 +103,11 @@ def test_slow_async_tool_times_out(tokenizer):
     async def slow_tool(expression):
         await asyncio.sleep(10)
 
-    env = ToolEnv(tool=slow_tool, score=multiply_task.score, tool_timeout_s=0.05)
+    class SlowEnv(multiply_task.MultiplyEnv):
+        tools = [slow_tool]
+
     engine = ScriptedEngine(tokenizer, ["<call>2*3</call>", "6<|end|>"])
-    t = episode(engine, tokenizer, multiply_task.make_prompt(0, 2), env=env)
+    t = episode(engine, tokenizer, multiply_task.make_prompt(0, 2), env=SlowEnv(), tool_timeout_s=0.05)
     assert t.tool_errors == 1 and "<res>error: timeout after 0.05s</res>" in tokenizer.decode(t.token_ids.tolist())
     assert t.timings["episode"] < 5
 
@@ -145,7 +147,7 @@ def test_real_engine_logprobs_are_of_the_trajectory_ids(tokenizer, tmp_path):
     agent = AgentConfig(max_turns=3, max_new_tokens=12, max_total_tokens=48)
 
     async def main():
-        return await asyncio.gather(*(run_episode(engine, tokenizer, multiply_task.make_prompt(0, i), builtin_env(),
+        return await asyncio.gather(*(run_episode(engine, tokenizer, multiply_task.make_prompt(0, i), multiply_task.MultiplyEnv(),
                                                   agent, 0.8, sample_index=i) for i in range(6)))
 
     trajectories = asyncio.run(main())
@@ -158,3 +160,10 @@ def test_real_engine_logprobs_are_of_the_trajectory_ids(tokenizer, tmp_path):
         recomputed = logprobs.gather(-1, ids[0, 1:, None]).squeeze(-1).numpy()
         sampled = t.loss_mask[1:] == 1
         np.testing.assert_allclose(t.behaviour_logprobs[1:][sampled], recomputed[sampled], atol=1e-4)
+
+
+def test_tool_call_limit_ends_the_episode(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["<call>2*3</call>", "<call>2*3</call>", "6<|end|>"])
+    t = episode(engine, tokenizer, multiply_task.make_prompt(0, 4), max_tool_calls=1, max_total_tokens=200)
+    assert (t.finish_reason, t.tool_calls, t.num_turns, t.reward) == ("max_tool_calls", 1, 2, 0.0)
+    validate(t)

@@ -1,4 +1,5 @@
-"""algorithms.py and learners/batch.py against naive per-token Python references (fast, CPU)."""
+"""algorithms/ (advantages, KL, the default policy loss) and learners/batch.py against naive per-token Python
+references (fast, CPU). Corrections, the policy-loss family and aggregation: tests/test_losses.py."""
 
 import math
 
@@ -6,7 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from nanoverl_async.algorithms import grpo_advantages, kl_estimates, policy_loss, token_entropy, token_logprobs
+from nanoverl_async.algorithms import (drgrpo_advantages, entropy_bonus, gae_advantages, grpo_advantages,
+                                      informative_groups, kl_estimates, kl_per_token, kl_reward_penalty,
+                                      outcome_token_rewards, overlong_penalty, policy_loss,
+                                      reinforce_pp_advantages, rloo_advantages, token_entropy, token_logprobs)
 from nanoverl_async.learners.batch import collate, micro_batches, sequence_logprobs, shard
 from nanoverl_async.trajectory import Trajectory
 
@@ -40,6 +44,236 @@ def test_grpo_advantages_match_naive(rewards, group_size):
 def test_grpo_tied_and_single_groups_are_zero():
     assert torch.equal(grpo_advantages(torch.ones(6), 3), torch.zeros(6))
     assert torch.equal(grpo_advantages(torch.tensor([0.2, 5.0]), 1), torch.zeros(2))
+
+
+def naive_group_baseline(rewards, group_size, kind):
+    """drgrpo: r - group mean; rloo: r - mean of the OTHER samples (0 without any)."""
+    out = []
+    for start in range(0, len(rewards), group_size):
+        group = rewards[start:start + group_size]
+        for i, r in enumerate(group):
+            if kind == "drgrpo":
+                out.append(r - sum(group) / len(group))
+            else:
+                others = group[:i] + group[i + 1:]
+                out.append(r - sum(others) / len(others) if others else 0.0)
+    return out
+
+
+REWARD_CASES = [
+    ([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.2, 0.9], 4),
+    ([1.0, 1.0, 1.0, 0.0, 0.0, 0.0], 3),  # all-equal groups -> 0
+    ([0.3, 0.7, 1.0], 1),  # single-sample groups -> 0
+    ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], 8),
+    ([2.0, -1.0], 2),
+]
+
+
+@pytest.mark.parametrize("rewards, group_size", REWARD_CASES)
+@pytest.mark.parametrize("kind", ["drgrpo", "rloo"])
+def test_group_baselines_match_naive(rewards, group_size, kind):
+    fn = drgrpo_advantages if kind == "drgrpo" else rloo_advantages
+    got = fn(torch.tensor(rewards), group_size)
+    assert got.shape == (len(rewards),)
+    assert torch.allclose(got, torch.tensor(naive_group_baseline(rewards, group_size, kind)), atol=1e-6)
+    if group_size == 1 or len(set(rewards)) == 1:
+        assert torch.equal(got, torch.zeros(len(rewards)))
+
+
+@pytest.mark.parametrize("rewards, group_size", REWARD_CASES)
+def test_informative_groups(rewards, group_size):
+    want = [len(set(rewards[s:s + group_size])) > 1 for s in range(0, len(rewards), group_size)]
+    assert informative_groups(torch.tensor(rewards), group_size).tolist() == want
+
+
+def token_mask(n, t, kind, seed):
+    """[N, T] float masks: full | random | row_masked (row 0 empty) | agentic (prompt, turns, tool gaps, padding)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "full":
+        return torch.ones(n, t, dtype=torch.float64)
+    mask = (torch.rand(n, t, generator=g) < 0.6).double()
+    if kind == "row_masked":
+        mask[0] = 0.0
+    elif kind == "agentic":
+        mask = torch.zeros(n, t, dtype=torch.float64)
+        for i in range(n):
+            length = t - i % 3  # right padding
+            mask[i, 2:length] = 1.0  # prompt: tokens 0-1
+            mask[i, 2 + (i + 2) % 4: 4 + (i + 2) % 4] = 0.0  # a tool result in between
+    mask[:, 0] = 0.0  # token 0 is never sampled
+    return mask
+
+
+def sampled_positions(mask, i):
+    return [j for j in range(len(mask[i])) if mask[i][j]]
+
+
+def naive_token_rewards(rewards, mask, kl):
+    out = [[0.0] * len(mask[0]) for _ in mask]
+    for i in range(len(mask)):
+        positions = sampled_positions(mask, i)
+        for j in positions:
+            out[i][j] = -(kl[i][j] if kl is not None else 0.0)
+        if positions:
+            out[i][positions[-1]] += rewards[i]
+    return out
+
+
+def naive_whiten(values, mask, eps=1e-8):
+    on = [(i, j) for i in range(len(mask)) for j in range(len(mask[0])) if mask[i][j]]
+    mean = sum(values[i][j] for i, j in on) / max(len(on), 1)
+    var = sum((values[i][j] - mean) ** 2 for i, j in on) / max(len(on) - 1, 1)
+    out = [[0.0] * len(mask[0]) for _ in mask]
+    for i, j in on:
+        out[i][j] = (values[i][j] - mean) / math.sqrt(var + eps)
+    return out
+
+
+def naive_reinforce_pp(rewards, mask, gamma, kl):
+    token_rewards = naive_token_rewards(rewards, mask, kl)
+    returns = [[0.0] * len(mask[0]) for _ in mask]
+    for i in range(len(mask)):
+        running = 0.0
+        for j in reversed(sampled_positions(mask, i)):  # tool/prompt tokens take no discount step
+            running = token_rewards[i][j] + gamma * running
+            returns[i][j] = running
+    return naive_whiten(returns, mask)
+
+
+def naive_gae(token_rewards, values, mask, gamma, lam):
+    advantages = [[0.0] * len(mask[0]) for _ in mask]
+    returns = [[0.0] * len(mask[0]) for _ in mask]
+    for i in range(len(mask)):
+        positions = sampled_positions(mask, i)
+        next_value, next_advantage = 0.0, 0.0
+        for j in reversed(positions):
+            delta = token_rewards[i][j] + gamma * next_value - values[i][j]
+            advantages[i][j] = delta + gamma * lam * next_advantage
+            returns[i][j] = advantages[i][j] + values[i][j]
+            next_value, next_advantage = values[i][j], advantages[i][j]
+    return advantages, returns
+
+
+SHAPES_AND_MASKS = [(n, t, kind) for n, t in [(1, 2), (3, 6), (5, 9)]
+                    for kind in ["full", "random", "row_masked", "agentic"]
+                    if not (n == 1 and kind == "row_masked")]
+
+
+@pytest.mark.parametrize("n, t, mask_kind", SHAPES_AND_MASKS)
+@pytest.mark.parametrize("with_kl", [False, True])
+def test_outcome_token_rewards_match_naive(n, t, mask_kind, with_kl):
+    mask = token_mask(n, t, mask_kind, seed=n + t)
+    rewards = torch.randn(n, dtype=torch.float64)
+    kl = torch.rand(n, t, dtype=torch.float64) if with_kl else None
+    got = outcome_token_rewards(rewards, mask, kl)
+    want = naive_token_rewards(rewards.tolist(), mask.tolist(), kl.tolist() if with_kl else None)
+    assert torch.allclose(got.double(), torch.tensor(want, dtype=torch.float64), atol=1e-6)
+
+
+@pytest.mark.parametrize("n, t, mask_kind", SHAPES_AND_MASKS)
+@pytest.mark.parametrize("gamma, with_kl", [(1.0, False), (0.9, True), (0.0, True)])
+def test_reinforce_pp_matches_naive(n, t, mask_kind, gamma, with_kl):
+    mask = token_mask(n, t, mask_kind, seed=3 * n + t)
+    rewards = torch.randn(n, dtype=torch.float64)
+    kl = 0.1 * torch.rand(n, t, dtype=torch.float64) if with_kl else None
+    got = reinforce_pp_advantages(rewards, mask, gamma, kl)
+    want = naive_reinforce_pp(rewards.tolist(), mask.tolist(), gamma, kl.tolist() if with_kl else None)
+    assert torch.allclose(got.double(), torch.tensor(want, dtype=torch.float64), atol=1e-5)
+    assert torch.isfinite(got).all() and (got[mask == 0] == 0).all()
+
+
+def test_reinforce_pp_all_equal_rewards_give_zero():
+    mask = token_mask(4, 6, "agentic", seed=1)
+    got = reinforce_pp_advantages(torch.ones(4), mask, gamma=1.0)  # every return is 1: nothing to prefer
+    assert torch.equal(got, torch.zeros(4, 6))
+
+
+@pytest.mark.parametrize("n, t, mask_kind", SHAPES_AND_MASKS)
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.9, 0.95), (1.0, 0.0), (0.0, 0.5)])
+def test_gae_matches_naive(n, t, mask_kind, gamma, lam):
+    mask = token_mask(n, t, mask_kind, seed=5 * n + t)
+    token_rewards = torch.randn(n, t, dtype=torch.float64) * mask  # a per-token KL penalty makes them dense
+    values = torch.randn(n, t, dtype=torch.float64)  # garbage off the mask: must be ignored
+    raw, returns = gae_advantages(token_rewards, values, mask, gamma, lam, whiten=False)
+    want_adv, want_ret = naive_gae(token_rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam)
+    assert torch.allclose(raw.double(), torch.tensor(want_adv, dtype=torch.float64), atol=1e-5)
+    assert torch.allclose(returns.double(), torch.tensor(want_ret, dtype=torch.float64), atol=1e-5)
+    whitened, returns2 = gae_advantages(token_rewards, values, mask, gamma, lam)
+    assert torch.allclose(whitened.double(), torch.tensor(naive_whiten(want_adv, mask.tolist()), dtype=torch.float64),
+                          atol=1e-6)
+    assert torch.equal(returns, returns2)  # returns are never whitened
+
+
+def test_gae_with_lambda_one_is_return_minus_value():
+    # gamma = lam = 1: A_t = (sum of the row's rewards from t on) - V_t, across a tool gap
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 0]], dtype=torch.float64)
+    rewards = torch.tensor([[0, 0.5, 0, 9, 9, 1.0, 9]], dtype=torch.float64)  # 9s off the mask are ignored
+    values = torch.tensor([[7, 0.2, 0.4, 7, 7, 0.8, 7]], dtype=torch.float64)
+    advantages, returns = gae_advantages(rewards, values, mask, 1.0, 1.0, whiten=False)
+    assert advantages[0].tolist() == pytest.approx([0, 1.5 - 0.2, 1.0 - 0.4, 0, 0, 1.0 - 0.8, 0])
+    assert returns[0].tolist() == pytest.approx([0, 1.5, 1.0, 0, 0, 1.0, 0])
+
+
+def naive_overlong(length, max_length, buffer, penalty):
+    if buffer == 0 or length <= max_length - buffer:
+        return 0.0
+    if length <= max_length:
+        return ((max_length - buffer) - length) / buffer * penalty
+    return -penalty
+
+
+@pytest.mark.parametrize("max_length, buffer, penalty", [(20, 4, 1.0), (20, 0, 1.0), (10, 10, 0.5)])
+def test_overlong_penalty_matches_naive(max_length, buffer, penalty):
+    lengths = list(range(0, 26))
+    got = overlong_penalty(torch.tensor(lengths), max_length, buffer, penalty)
+    want = [naive_overlong(length, max_length, buffer, penalty) for length in lengths]
+    assert got.tolist() == pytest.approx(want)
+
+
+# ---------------------------------------------------------------- KL and entropy
+
+def naive_kl(p, ref, mask, kind):
+    out = [[0.0] * len(p[0]) for _ in p]
+    for i in range(len(p)):
+        for j in range(len(p[0])):
+            if mask[i][j]:
+                x = ref[i][j] - p[i][j]
+                out[i][j] = {"k1": -x, "k2": 0.5 * x * x, "k3": math.exp(x) - 1 - x}[kind]
+    return out
+
+
+@pytest.mark.parametrize("n, t, mask_kind", SHAPES_AND_MASKS)
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_kl_per_token_matches_naive_with_gradient(n, t, mask_kind, kind):
+    mask = token_mask(n, t, mask_kind, seed=n * t)
+    p = (-torch.rand(n, t, dtype=torch.float64) * 3).requires_grad_(True)
+    ref = (p.detach() + torch.randn(n, t, dtype=torch.float64)).masked_fill(mask == 0, 50.0)  # garbage off-mask
+    got = kl_per_token(p, ref, mask, kind)
+    assert torch.allclose(got, torch.tensor(naive_kl(p.tolist(), ref.tolist(), mask.tolist(), kind),
+                                            dtype=torch.float64), atol=1e-9)
+    got.sum().backward()
+    x = ref - p.detach()
+    want_grad = {"k1": torch.ones_like(x), "k2": -x, "k3": 1 - torch.exp(x)}[kind] * mask  # d k / d p
+    assert torch.allclose(p.grad, want_grad, atol=1e-9)
+    if kind != "k1":
+        assert (got >= 0).all()
+
+
+def test_kl_reward_penalty_is_detached_and_scaled():
+    p = (-torch.rand(2, 4)).requires_grad_(True)
+    ref, mask = -torch.rand(2, 4), torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1.0]])
+    penalty = kl_reward_penalty(p, ref, mask, "k1", 0.5)
+    assert not penalty.requires_grad
+    assert torch.allclose(penalty, 0.5 * (p.detach() - ref) * mask)
+
+
+def test_entropy_bonus():
+    entropy = torch.rand(2, 3, requires_grad=True)
+    mask = torch.tensor([[0, 1, 1], [0, 0, 0.0]])
+    term = entropy_bonus(entropy, mask, 0.01)
+    assert torch.allclose(term, -0.01 * entropy.detach() * mask)
+    term.sum().backward()
+    assert torch.allclose(entropy.grad, -0.01 * mask)
 
 
 # ---------------------------------------------------------------- policy loss

@@ -32,6 +32,32 @@ def test_bad_override_names_the_key(override, key):
         load_config(DEFAULT, [override])
 
 
+@pytest.mark.parametrize("overrides, key", [
+    (["learner.minibatches=3"], "learner.minibatches"),  # 128 samples do not split in 3
+    (["learner.world_size=2", "learner.minibatches=128"], "learner.minibatches"),
+    (["learner.ppo_epochs=0"], "learner.ppo_epochs"),
+    (["kl.reward_coef=0.1"], "kl.reward_coef"),  # grpo has no per-token reward to penalise
+    (["reference.path=/some/model"], "reference.path"),  # KL is off: the reference would be unused
+    (["algorithm.loss=gspo", "algorithm.correction=tis"], "algorithm.is_level"),
+    (["algorithm.is_level=sequence"], "algorithm.is_level"),  # decoupled is token-level
+    (["algorithm.correction=mis", "algorithm.is_low=6"], "algorithm.is_low"),
+    (["algorithm.clip.ratio_c=0.5"], "algorithm.clip.ratio_c"),
+    (["critic.lr=1e-5"], "critic"),  # only gae trains a critic
+    (["algorithm.group_filter=true", "data.samples_per_prompt=1"], "algorithm.group_filter"),
+    (["algorithm.overlong.buffer=96"], "algorithm.overlong.buffer"),
+    (["algorithm.gamma=1.5"], "algorithm.gamma"),
+    (["algorithm.loss=sft"], "algorithm.loss"),
+])
+def test_incompatible_algorithm_settings_fail_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        load_config(DEFAULT, overrides)
+
+
+@pytest.mark.parametrize("name", ["agent_grpo", "drgrpo", "dapo", "gspo", "cispo", "ppo_critic"])
+def test_ready_configs_validate(name):
+    load_config(f"configs/{name}.yaml")
+
+
 def test_missing_and_malformed_yaml(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "nope.yaml"))

@@ -6,6 +6,7 @@ omitted) -> publish_weights -> save_pretrained, and rank 0 writes what it saw to
 rate is small because Adam turns fp32 summation-order noise on near-zero gradients into steps of ~lr.
 """
 
+import dataclasses
 import socket
 
 import numpy as np
@@ -61,9 +62,10 @@ def make_batch():
     return collate(trajectories)
 
 
-def train_and_report(rank, world_size, port, model_dir, out_dir, micro_batch_size):
-    learner = LearnerRank(rank, world_size, "127.0.0.1", port, model_dir, LEARNER, ALGO, TEMPERATURE, seed=0,
-                          micro_batch_size=micro_batch_size)
+def train_and_report(rank, world_size, port, model_dir, out_dir, micro_batch_tokens):
+    learner = LearnerRank(rank, world_size, "127.0.0.1", port, model_dir,
+                          dataclasses.replace(LEARNER, micro_batch_tokens=micro_batch_tokens), ALGO, TEMPERATURE,
+                          seed=0)
     batch = make_batch()
     parts = [None] * world_size
     dist.all_gather_object(parts, learner.compute_logprobs(batch))  # what LearnerPool.prepare does
@@ -83,11 +85,11 @@ def train_and_report(rank, world_size, port, model_dir, out_dir, micro_batch_siz
 
 
 def worker(rank, ports, model_dir, out_dir):
-    """2 ranks accumulating over micro-batches of one sequence, then (saving a process start, ~7 s of
-    imports) rank 0 alone as a 1-rank group, whole batch at once."""
-    train_and_report(rank, 2, ports[0], model_dir, f"{out_dir}/two", micro_batch_size=1)
+    """2 ranks accumulating over micro-batches of one sequence (a 1-token budget), then (saving a process
+    start, ~7 s of imports) rank 0 alone as a 1-rank group, whole batch at once."""
+    train_and_report(rank, 2, ports[0], model_dir, f"{out_dir}/two", micro_batch_tokens=1)
     if rank == 0:
-        train_and_report(0, 1, ports[1], model_dir, f"{out_dir}/one", micro_batch_size=0)
+        train_and_report(0, 1, ports[1], model_dir, f"{out_dir}/one", micro_batch_tokens=0)
 
 
 def free_port():

@@ -20,7 +20,6 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from nanoverl_async import multiply_task
 from nanoverl_async.config import AgentConfig, GeneratorConfig, WeightSyncConfig
-from nanoverl_async.generators.agent_loop import ToolEnv
 from nanoverl_async.generators.worker import GeneratorWorker
 from nanoverl_async.tiny_model import build_tokenizer
 from nanoverl_async.trajectory import decode
@@ -154,8 +153,9 @@ def test_leases_pushes_applies_weights_and_stops(model_dir, mode):
 
 
 def test_failures_end_run_with_the_exception(model_dir):
-    def bad_score(sample, answer):
-        raise ZeroDivisionError("score exploded")
+    class BadEnv(multiply_task.MultiplyEnv):
+        async def step(self, sample, message):
+            raise ZeroDivisionError("score exploded")
 
     async def main(env, reply_error, first_groups=1, sync_timeout_s=20.0):
         context = zmq.asyncio.Context()
@@ -170,7 +170,7 @@ def test_failures_end_run_with_the_exception(model_dir):
             serving.cancel()
             context.destroy(linger=0)
 
-    env = ToolEnv(tool=multiply_task.calculator, score=bad_score)
+    env = BadEnv  # the worker makes one environment per episode
     with pytest.raises(ZeroDivisionError, match="score exploded"):
         asyncio.run(main(env, reply_error=False))
     with pytest.raises(RuntimeError, match="buffer refused"):

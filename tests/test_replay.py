@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from nanoverl_async.buffer.gate import AdmissionGate
-from nanoverl_async.buffer.replay import ADDED, COMPLETED, DUPLICATE, MISMATCH, STRAGGLER, ReplayBuffer
+from nanoverl_async.buffer.replay import ADDED, COMPLETED, DUPLICATE, FILTERED, MISMATCH, STRAGGLER, ReplayBuffer
 from nanoverl_async.trajectory import Trajectory
 
 TIMEOUT = 20.0
@@ -65,7 +65,7 @@ def test_stragglers_duplicates_and_mismatches_are_dropped_and_counted():
     assert replay.add(make_trajectory(6, 60, 0, [0])) == STRAGGLER  # never leased
     replay.close(5)  # the lease expired: the partial group is forgotten
     assert replay.add(make_trajectory(5, 50, 1, [0])) == STRAGGLER
-    assert replay.counters == {"stragglers": 2, "duplicates": 1, "mismatched": 2, "dropped_stale": 0}
+    assert replay.counters == {"stragglers": 2, "duplicates": 1, "mismatched": 2, "dropped_stale": 0, "filtered": 0}
     assert replay.num_partial == 0 and replay.num_ready == 0
 
 
@@ -74,6 +74,24 @@ def test_group_without_sampled_tokens_takes_the_lease_version():
     replay.open(0, 0, lease_version=3)
     replay.add(make_trajectory(0, 0, 0, []))
     assert replay.ready[0].version == 3
+
+
+def test_group_filter_drops_tied_groups_and_gives_their_slot_back_without_reissue():
+    B, G = 1, 2
+    gate = AdmissionGate(B, 0, TIMEOUT, prompt_fn=lambda i: {"index": i})
+    replay = ReplayBuffer(G, group_filter=True)
+    tied, informative = gate.lease(version=1, max_groups=2, now=0.0)
+    for lease, rewards in [(tied, [1.0, 1.0]), (informative, [0.0, 1.0])]:
+        replay.open(lease.group_id, lease.prompt_index, lease.version)
+        outcomes = [replay.add(make_trajectory(lease.group_id, lease.prompt_index, i, [1], reward))
+                    for i, reward in enumerate(rewards)]
+        assert outcomes == [ADDED, FILTERED if lease is tied else COMPLETED]
+    gate.release(tied.group_id, reissue=False)  # what BufferService does with FILTERED
+    assert replay.counters["filtered"] == 1 and replay.num_ready == 1
+    assert gate.groups_started == 1 and gate.frontier()["reissue"] == []  # slot back, prompt consumed
+    assert replay.add(make_trajectory(tied.group_id, tied.prompt_index, 0, [1])) == STRAGGLER
+    groups, _ = replay.take(step=1, batch_groups=B, staleness=0)
+    assert [g.group_id for g in groups] == [informative.group_id]
 
 
 def test_consumption_check_drops_stale_group_and_gate_reissues_its_prompt():

@@ -8,6 +8,11 @@ is then ready. `take(t, B, eta)` is the consumption check of DESIGN.md "Versions
   2. then the B oldest ready groups (by version, then completion order) are removed and returned, or
      none at all if fewer than B are ready (never a partial batch).
 
+With `group_filter` (DAPO dynamic sampling, Yu et al. 2025, arXiv:2503.14476), a group whose G rewards
+all tie is dropped the moment it completes (`add` returns FILTERED, counted in `filtered`): its
+advantages would all be 0, so it carries no gradient; the caller gives its slot back without re-issuing
+the prompt, and generation keeps pulling until B informative groups are ready.
+
 Invariants: a trajectory only joins the open group named by its group_id, at an unused sample_index;
 a trajectory for an unknown group (a straggler of an expired lease, whose prompt now runs under a new
 group_id) or a duplicate sample is dropped and counted, never mixed in. Every group handed out has G
@@ -28,6 +33,7 @@ COMPLETED = "completed"  # joined its group, which is now complete and ready
 STRAGGLER = "straggler"  # its group is unknown, expired, released or already handed out: dropped
 DUPLICATE = "duplicate"  # its group (open or ready) already holds this sample_index: dropped
 MISMATCH = "mismatch"  # sample_index out of range or prompt_index not the group's: dropped
+FILTERED = "filtered"  # completed its group, whose rewards all tie, and group_filter is on: group dropped
 
 
 @dataclass
@@ -51,13 +57,14 @@ class Group:
 
 
 class ReplayBuffer:
-    def __init__(self, group_size: int):
+    def __init__(self, group_size: int, group_filter: bool = False):
         assert group_size > 0
         self.group_size = group_size  # G
+        self.group_filter = group_filter  # drop complete groups whose rewards all tie
         self.open_groups: dict[int, Group] = {}  # group_id -> group still waiting for trajectories
         self.ready: dict[int, Group] = {}  # group_id -> complete group, not yet handed out
         self._arrivals = 0
-        self.counters = {"stragglers": 0, "duplicates": 0, "mismatched": 0, "dropped_stale": 0}
+        self.counters = {"stragglers": 0, "duplicates": 0, "mismatched": 0, "dropped_stale": 0, "filtered": 0}
 
     def open(self, group_id: int, prompt_index: int, lease_version: int) -> None:
         assert group_id not in self.open_groups and group_id not in self.ready, f"group {group_id} reopened"
@@ -69,7 +76,8 @@ class ReplayBuffer:
         self.ready.pop(group_id, None)
 
     def add(self, trajectory: Trajectory) -> str:
-        """File one trajectory under its group; returns ADDED, COMPLETED or the reason it was dropped."""
+        """File one trajectory under its group; returns ADDED, COMPLETED, FILTERED (the completed group was
+        dropped by the group filter) or the reason the trajectory was dropped."""
         group = self.open_groups.get(trajectory.group_id) or self.ready.get(trajectory.group_id)
         if group is None:
             self.counters["stragglers"] += 1
@@ -84,6 +92,9 @@ class ReplayBuffer:
         if len(group.samples) < self.group_size:
             return ADDED
         del self.open_groups[group.group_id]
+        if self.group_filter and len({t.reward for t in group.samples.values()}) == 1:
+            self.counters["filtered"] += 1
+            return FILTERED
         group.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         self.ready[group.group_id] = group
         return COMPLETED

@@ -19,7 +19,6 @@ Run alone: `python -m pytest tests/test_buffer_service.py -q`.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 import time
@@ -33,7 +32,7 @@ import zmq
 
 from nanoverl_async import trajectory as wire
 from nanoverl_async.buffer.gate import AdmissionGate
-from nanoverl_async.buffer.replay import ADDED, COMPLETED, Group, ReplayBuffer
+from nanoverl_async.buffer.replay import ADDED, COMPLETED, FILTERED, Group, ReplayBuffer
 from nanoverl_async.config import BufferConfig, WireConfig
 from nanoverl_async.trajectory import Trajectory
 
@@ -52,15 +51,16 @@ class Batch:
 
 
 def resolve_prompt_fn(task: Union[str, Callable[[int], dict]], seed: int) -> Callable[[int], dict]:
-    """A callable is used as prompt_fn(index); "builtin:multiply" or "module:attr" names a
-    make_prompt(seed, index) function, imported lazily."""
+    """A callable is used as prompt_fn(index); "builtin:multiply", "module:attr" or "path/file.py:attr"
+    names a make_prompt(seed, index) function, imported lazily (env.load_object)."""
     if callable(task):
         return task
     path = BUILTIN_TASKS.get(task, task)
     if ":" not in path:
         raise ValueError(f"task '{task}' is neither a builtin ({', '.join(BUILTIN_TASKS)}) nor module:attr")
-    module, attr = path.split(":", 1)
-    make_prompt = getattr(importlib.import_module(module), attr)
+    from nanoverl_async.env import load_object
+
+    make_prompt = load_object(path)
     return lambda index: make_prompt(seed, index)
 
 
@@ -114,11 +114,12 @@ def batch_stats(step: int, groups: list[Group]) -> dict:
 
 class BufferService:
     def __init__(self, prompts_per_step: int, group_size: int, staleness: int, config: BufferConfig,
-                 wire_config: WireConfig, seed: int, task: Union[str, Callable[[int], dict]]):
+                 wire_config: WireConfig, seed: int, task: Union[str, Callable[[int], dict]],
+                 group_filter: bool = False):
         self.prompts_per_step, self.group_size, self.staleness = prompts_per_step, group_size, staleness
         self.gate = AdmissionGate(prompts_per_step, staleness, config.lease_timeout_s,
                                   resolve_prompt_fn(task, seed))
-        self.replay = ReplayBuffer(group_size)
+        self.replay = ReplayBuffer(group_size, group_filter)  # group_filter: DAPO dynamic sampling
         self._cond = threading.Condition()  # guards gate, replay and the counters below
         self._counters = Counter(malformed=0, malformed_requests=0)
         self._generator_versions: dict[int, int] = {}
@@ -183,6 +184,7 @@ class BufferService:
         return {
             **self.gate.counters,
             "dropped_stale": self.replay.counters["dropped_stale"],
+            "dropped_filtered": self.replay.counters["filtered"],
             "dropped_stragglers": self.replay.counters["stragglers"],
             "dropped_duplicates": self.replay.counters["duplicates"],
             "dropped_mismatched": self.replay.counters["mismatched"],
@@ -244,7 +246,9 @@ class BufferService:
             if outcome == COMPLETED:
                 self.gate.complete(trajectory.group_id)
                 self._cond.notify_all()
-        if outcome not in (ADDED, COMPLETED):
+            elif outcome == FILTERED:  # all rewards tie: slot back, prompt consumed (not retried)
+                self.gate.release(trajectory.group_id, reissue=False)
+        if outcome not in (ADDED, COMPLETED, FILTERED):
             log.info("buffer: dropped trajectory %s of group %d (%s)", trajectory.id, trajectory.group_id, outcome)
 
     def _on_request(self, payload: bytes) -> bytes:

@@ -1,65 +1,54 @@
-"""One agent episode, tokens in and tokens out: prompt -> sampled turns and tool results -> Trajectory.
+"""One agent episode, tokens in and tokens out: prompt -> sampled turns and observations -> Trajectory.
 
-    trajectory = await run_episode(engine, tokenizer, sample, builtin_env(), AgentConfig(), temperature=1.0)
+    trajectory = await run_episode(engine, tokenizer, sample, MultiplyEnv(), AgentConfig(), temperature=1.0)
 
-The episode (DESIGN.md "Agents and tools"; the built-in format is in multiply_task.py):
-  1. prompt ids = tokenizer.apply_chat_template(sample["messages"], add_generation_prompt=True);
-  2. sample a turn, stopping at eos or at the `</call>` token;
-  3. if the turn ends with `</call>`, parse `<call>EXPR</call>`, run the tool (with a timeout, off the
-     event loop when it is synchronous), render its result as a chat-template DELTA (the text of
-     render(history + [tool message]) minus the text of render(history), tokenized alone) and append
-     it with loss mask 0; then go to 2 and continue the same assistant turn;
-  4. otherwise the turn is the final answer: reward = env.score(sample, text of that turn, eos removed).
+The episode (DESIGN.md "Agents and tools"; environments in nanoverl_async/env.py):
+  1. messages = env.reset(sample); prompt ids = apply_chat_template(messages, tools, add_generation_prompt);
+  2. sample a turn, stopping at eos (or the format's stop token, `</call>` for "builtin");
+  3. parse tool calls (tool_parsers.py). If there are any, run each (tools.call_tool: argument checks,
+     timeout, errors as observations), render the tool messages as a chat-template DELTA and append it
+     with loss mask 0, then go to 2;
+  4. otherwise env.step(sample, message) -> Step: its reward ends the episode, or (done=False) its
+     messages are appended like tool results and the episode goes on.
+An environment with a `rollout(episode, sample)` method drives `Episode` itself instead.
+
+The delta: text(render(history + new, generation prompt)) minus text(render(history)), tokenized alone,
+plus whatever the template puts between the turn's last sampled token (e.g. `<|im_end|>`) and the end of
+its rendering of that turn when that is whitespace (the "\n" of Qwen/Hermes templates: verl#6501).
+A template that is not prefix-consistent (rendering one more message changes earlier text, e.g. one
+that drops the reasoning of earlier assistant turns) is handled explicitly: the delta is then rendered
+after a neutral base (a one-character user message and the last assistant message with empty content,
+its tool calls kept), the episode keeps the tokens the model really saw (its full earlier turns, which
+a later full render would drop), and `info["template_fallbacks"]` counts it. Ids are never rewritten.
 
 Invariants:
   - the history is never decoded and re-encoded: token_ids are exactly the ids the engine saw and
-    sampled; loss mask 1 exactly on sampled tokens (which carry their version and logprob), 0 with
-    version -1 and logprob 0 on prompt and tool tokens;
-  - with a prefix-consistent chat template and well-formed calls, token_ids equal the template's
-    rendering of the episode's messages (tests/test_agent_loop.py checks it);
-  - len(token_ids) <= agent.max_total_tokens: the last turn's max_new_tokens is cut to fit, and a tool
-    result that would leave no room to answer ends the episode ("length") without being appended;
-  - a malformed call, or a tool that raises or times out, becomes an error observation
-    `<res>error: ...</res>` (counted in tool_errors), never an exception.
+    sampled; loss mask 1 exactly on sampled tokens (with their version and logprob), 0 with version -1
+    and logprob 0 on prompt and observation tokens;
+  - with a prefix-consistent template, token_ids equal the template's rendering of the episode's
+    messages up to the last sampled token (tests/test_agent_loop.py, tests/test_chat_templates.py);
+  - len(token_ids) <= agent.max_total_tokens: the last turn is cut to fit, and observations that would
+    leave no room to answer end the episode ("length") without being appended;
+  - limits: agent.max_turns ("max_turns"), agent.max_tool_calls ("max_tool_calls"); an episode ended by
+    a limit before env.step gets reward 0.
 
-finish_reason: "stop" (eos), "length" (a turn or the episode ran out of tokens), "max_turns" (the last
-allowed turn was a tool call). Run alone: see tests/test_agent_loop.py.
+Run alone: `python -m pytest tests/test_agent_loop.py tests/test_chat_templates.py -q`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Optional, Union
+from typing import Any, Optional
 
 import numpy as np
 
 from nanoverl_async.config import AgentConfig
+from nanoverl_async.env import Step, maybe_await
 from nanoverl_async.generators.engine import Completion, Engine, SamplingParams
+from nanoverl_async.tool_parsers import ParsedCall, parse_turn, stop_strings
+from nanoverl_async.tools import Tool, ToolResult, as_tool, call_tool
 from nanoverl_async.trajectory import Trajectory
-
-CALL, CALL_END = "<call>", "</call>"
-
-
-@dataclass
-class ToolEnv:
-    """What an episode needs from its task: one tool and a reward function."""
-
-    tool: Callable[[str], Union[str, Awaitable[str]]]  # EXPR -> result text; sync or async; raises on bad input
-    score: Callable[[dict, str], float]  # (sample, final answer text) -> reward
-    tool_name: str = "calculator"  # the function name in the assistant message's tool_calls
-    tool_timeout_s: float = 5.0  # a slower call becomes the observation "error: timeout ..."
-    max_error_chars: int = 40  # error observations are cut to this (every character costs a token here)
-
-
-def builtin_env(tool_timeout_s: float = 5.0) -> ToolEnv:
-    """The built-in "A*B?" task with its calculator (nanoverl_async/multiply_task.py)."""
-    from nanoverl_async import multiply_task
-
-    return ToolEnv(tool=multiply_task.calculator, score=multiply_task.score, tool_timeout_s=tool_timeout_s)
 
 
 class _Tokens:
@@ -71,7 +60,7 @@ class _Tokens:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
 
-    def add_forced(self, ids: list[int]) -> None:  # prompt and tool tokens: not sampled
+    def add_forced(self, ids: list[int]) -> None:  # prompt and observation tokens: not sampled
         self.ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
@@ -84,98 +73,157 @@ class _Tokens:
         self.versions += completion.versions
 
 
-def render_ids(tokenizer, messages: list[dict], tools: Optional[list] = None) -> list[int]:
-    """The prompt ids: apply_chat_template(messages, add_generation_prompt=True), as a plain list."""
-    rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+def _ids(rendered: Any) -> list[int]:
     return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
 
 
-def render_delta(tokenizer, history: list[dict], message: dict, tools: Optional[list] = None) -> list[int]:
-    """Ids of what `message` adds to the rendering of `history` (plus the generation prompt after it)."""
-    before = tokenizer.apply_chat_template(history, tools=tools, tokenize=False)
-    after = tokenizer.apply_chat_template(history + [message], tools=tools, tokenize=False,
-                                          add_generation_prompt=True)
-    if not after.startswith(before):
-        raise ValueError("the chat template is not prefix-consistent: rendering one more message changed "
-                         f"the earlier text ({before[-40:]!r} vs {after[len(before) - 40:len(before)]!r})")
-    return tokenizer.encode(after[len(before):], add_special_tokens=False)
+def render_delta(tokenizer, history: list[dict], new: list[dict], tools: Optional[list], stop_text: str
+                 ) -> tuple[list[int], bool]:
+    """Ids that `new` adds after `history` (whose last turn ended with `stop_text`) -> (ids, fallback)."""
+    def text(messages, generation_prompt=False):
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+
+    before, after = text(history), text(history + new, True)
+    fallback = not after.startswith(before)
+    if fallback:  # not prefix-consistent: render against a neutral base (see the module docstring)
+        base = [{"role": "user", "content": "."}, {**history[-1], "content": ""}]
+        before, after = text(base), text(base + new, True)
+        if not after.startswith(before):
+            raise ValueError("the chat template is not prefix-consistent even for one assistant message "
+                             f"followed by observations ({before[-40:]!r} vs {after[len(before) - 40:len(before)]!r})")
+    tail = before[before.rfind(stop_text) + len(stop_text):] if stop_text and stop_text in before else ""
+    tail = tail if not tail.strip() else ""  # only the separator after the turn's end token
+    return tokenizer.encode(tail + after[len(before):], add_special_tokens=False), fallback
 
 
-def parse_call(text: str, tool_name: str) -> tuple[dict, Optional[str]]:
-    """A turn ending with `</call>` -> (assistant message, EXPR or None if malformed)."""
-    body = text[: -len(CALL_END)] if text.endswith(CALL_END) else text
-    start = body.rfind(CALL)
-    expression = body[start + len(CALL):] if start >= 0 else ""
-    content = body[:start] if start >= 0 else body
-    call = {"type": "function", "function": {"name": tool_name, "arguments": {"expression": expression}}}
-    message = {"role": "assistant", "content": content, "tool_calls": [call]}
-    return message, (expression if start >= 0 and expression.strip() else None)
+class Episode:
+    """The token record and message history of one episode, with the steps an environment drives."""
+
+    def __init__(self, engine: Engine, tokenizer, agent: AgentConfig, temperature: float, env: Any,
+                 episode_id: Optional[str] = None):
+        self.engine, self.tokenizer, self.agent, self.temperature = engine, tokenizer, agent, temperature
+        self.tools: list[Tool] = [as_tool(t) for t in getattr(env, "tools", ())]
+        self.tool_format: str = getattr(env, "tool_format", "hermes")
+        self.max_chars: int = getattr(env, "max_observation_chars", 2000)
+        self.schemas = [t.schema for t in self.tools] if getattr(env, "show_tools", True) and self.tools else None
+        stops = [tokenizer.convert_tokens_to_ids(s) for s in stop_strings(self.tool_format)]
+        self.stop_ids = (tokenizer.eos_token_id, *stops)
+        self.record, self.messages = _Tokens(), []
+        self.turns = self.tool_calls = self.tool_errors = self.fallbacks = 0
+        self.spent = {"generate": 0.0, "tool": 0.0}
+        self.finish, self.answer, self.last_stop_text = "", "", ""
+        self.episode_id = episode_id  # lets a server pool keep an episode's turns on one server (prefix cache)
+
+    def start(self, messages: list[dict]) -> None:
+        """Render the prompt (mask 0)."""
+        self.messages = [dict(m) for m in messages]
+        rendered = self.tokenizer.apply_chat_template(self.messages, tools=self.schemas, add_generation_prompt=True)
+        self.record.add_forced(_ids(rendered))
+        if len(self.record.ids) >= self.agent.max_total_tokens:
+            raise ValueError(f"the prompt has {len(self.record.ids)} tokens, no room under "
+                             f"agent.max_total_tokens={self.agent.max_total_tokens}")
+
+    async def generate(self) -> Optional[dict]:
+        """Sample one assistant turn (mask 1) -> its message with parsed `tool_calls` (None: no room/turns)."""
+        budget = min(self.agent.max_new_tokens, self.agent.max_total_tokens - len(self.record.ids))
+        if self.turns >= self.agent.max_turns or budget <= 0:
+            self.finish = "max_turns" if budget > 0 else "length"
+            return None
+        tick = time.perf_counter()
+        params = SamplingParams(budget, self.temperature, self.stop_ids)
+        completion = await self.engine.generate(self.record.ids, params, episode_id=self.episode_id)
+        self.spent["generate"] += time.perf_counter() - tick
+        self.record.add_sampled(completion)
+        self.turns += 1
+        last = completion.token_ids[-1]
+        stopped = last in self.stop_ids
+        self.last_stop_text = self.tokenizer.convert_ids_to_tokens(last) if stopped else ""
+        ids = completion.token_ids[:-1] if last == self.tokenizer.eos_token_id else completion.token_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        self.finish, self.answer = completion.finish_reason, text
+        first = self.tools[0] if self.tools else None
+        content, calls = (text, []) if not stopped else parse_turn(
+            text, self.tool_format, first.name if first else "", first.parameters[0] if first and first.parameters else "")
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.message_entry() for c in calls]
+            message["parsed_calls"] = calls
+        return message
+
+    async def run_tools(self, calls: list[ParsedCall]) -> list[dict]:
+        """Run the calls in order -> tool messages (errors included, counted)."""
+        by_name = {t.name: t for t in self.tools}
+        results: list[ToolResult] = []
+        for call in calls:
+            if call.error is not None:
+                results.append(ToolResult(f"error: {call.error}", True))
+            elif call.name not in by_name:
+                results.append(ToolResult(f"error: unknown tool '{call.name}'", True))
+            else:
+                results.append(await call_tool(by_name[call.name], call.arguments, self.agent.tool_timeout_s,
+                                               self.max_chars))
+        self.tool_calls += len(calls)
+        self.tool_errors += sum(r.error for r in results)
+        self.spent["tool"] += sum(r.latency_s for r in results)
+        return [{"role": "tool", "name": c.name, "content": r.text[: self.max_chars]} for c, r in zip(calls, results)]
+
+    def add_turn(self, message: dict) -> None:
+        """Record a sampled turn's message in the history (its tokens are already in the record)."""
+        self.messages.append({k: v for k, v in message.items() if k != "parsed_calls"})
+
+    def observe(self, new: list[dict]) -> bool:
+        """Append messages after the last turn as a rendered delta (mask 0); False (and "length") if
+        they would leave no room to answer."""
+        delta, fallback = render_delta(self.tokenizer, self.messages, new, self.schemas, self.last_stop_text)
+        self.fallbacks += fallback
+        if len(self.record.ids) + len(delta) >= self.agent.max_total_tokens:
+            self.finish = "length"
+            return False
+        self.messages += new
+        self.record.add_forced(delta)
+        return True
 
 
-async def call_tool(env: ToolEnv, expression: Optional[str]) -> tuple[str, bool]:
-    """Run the tool -> (observation text, is_error). Never raises (except cancellation)."""
-    if expression is None:
-        return "error: malformed call", True
-    try:
-        if inspect.iscoroutinefunction(env.tool):
-            pending = env.tool(expression)
-        else:  # a thread keeps the event loop (and the other episodes) running; it cannot be killed on timeout
-            pending = asyncio.to_thread(env.tool, expression)
-        return str(await asyncio.wait_for(pending, env.tool_timeout_s)), False
-    except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
-        return f"error: timeout after {env.tool_timeout_s:g}s", True
-    except Exception as error:  # a bad call is an observation for the model, not a crash
-        return f"error: {error}"[: env.max_error_chars] if str(error) else f"error: {type(error).__name__}", True
+async def drive(episode: Episode, env: Any, sample: dict) -> tuple[float, dict]:
+    """The reset/step loop of module docstring steps 2-4 -> (reward, reward info)."""
+    while True:
+        message = await episode.generate()
+        if message is None:
+            return 0.0, {}
+        calls = message.get("parsed_calls", [])
+        episode.add_turn(message)
+        if calls:
+            if episode.tool_calls + len(calls) > episode.agent.max_tool_calls:
+                episode.finish = "max_tool_calls"
+                return 0.0, {}
+            if not episode.observe(await episode.run_tools(calls)):
+                return 0.0, {}
+            continue
+        step: Step = await maybe_await(env.step(sample, message))
+        if step.done or not step.messages or not episode.observe(list(step.messages)):
+            return float(step.reward), dict(step.info)
 
 
-async def run_episode(engine: Engine, tokenizer, sample: dict, env: ToolEnv, agent: AgentConfig,
-                      temperature: float, *, group_id: int = 0, prompt_index: int = 0, sample_index: int = 0,
+async def run_episode(engine: Engine, tokenizer, sample: dict, env: Any, agent: AgentConfig, temperature: float,
+                      *, group_id: int = 0, prompt_index: int = 0, sample_index: int = 0,
                       generator_id: int = 0) -> Trajectory:
     started = time.perf_counter()
-    eos_id, call_end_id = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(CALL_END)
-    tools: Optional[list[Any]] = sample.get("tools")
-    messages = [dict(m) for m in sample["messages"]]
-    record = _Tokens()
-    record.add_forced(render_ids(tokenizer, messages, tools))
-    if len(record.ids) >= agent.max_total_tokens:
-        raise ValueError(f"prompt {prompt_index} has {len(record.ids)} tokens, no room under "
-                         f"agent.max_total_tokens={agent.max_total_tokens}")
-    turns = calls = errors = 0
-    spent = {"generate": 0.0, "tool": 0.0}
-    finish, answer = "max_turns", ""
-    while turns < agent.max_turns:
-        budget = min(agent.max_new_tokens, agent.max_total_tokens - len(record.ids))
-        tick = time.perf_counter()
-        completion = await engine.generate(record.ids, SamplingParams(budget, temperature, (eos_id, call_end_id)))
-        spent["generate"] += time.perf_counter() - tick
-        record.add_sampled(completion)
-        turns += 1
-        ends_with_eos = completion.token_ids[-1] == eos_id
-        answer = tokenizer.decode(completion.token_ids[:-1] if ends_with_eos else completion.token_ids,
-                                  skip_special_tokens=False)
-        if completion.token_ids[-1] != call_end_id:
-            finish = completion.finish_reason
-            messages.append({"role": "assistant", "content": answer})
-            break
-        call_message, expression = parse_call(answer, env.tool_name)
-        tick = time.perf_counter()
-        observation, failed = await call_tool(env, expression)
-        spent["tool"] += time.perf_counter() - tick
-        calls, errors = calls + 1, errors + failed
-        tool_message = {"role": "tool", "content": observation}
-        delta = render_delta(tokenizer, messages + [call_message], tool_message, tools)
-        if len(record.ids) + len(delta) >= agent.max_total_tokens:  # no room left to answer after it
-            finish = "length"
-            break
-        messages += [call_message, tool_message]
-        record.add_forced(delta)
-    reward = float(env.score(sample, answer))
+    trajectory_id = f"{generator_id}-{group_id}-{sample_index}-{uuid.uuid4().hex[:8]}"
+    episode = Episode(engine, tokenizer, agent, temperature, env, episode_id=trajectory_id)
+    if hasattr(env, "rollout"):
+        reward, info = float(await env.rollout(episode, sample)), {}
+    else:
+        episode.start(await maybe_await(env.reset(sample)))
+        reward, info = await drive(episode, env, sample)
+    record = episode.record
     return Trajectory(
-        id=f"{generator_id}-{group_id}-{sample_index}-{uuid.uuid4().hex[:8]}", group_id=group_id,
+        id=trajectory_id, group_id=group_id,
         prompt_index=prompt_index, sample_index=sample_index,
         token_ids=np.asarray(record.ids, dtype=np.int32), loss_mask=np.asarray(record.mask, dtype=np.uint8),
         behaviour_logprobs=np.asarray(record.logprobs, dtype=np.float32),
-        versions=np.asarray(record.versions, dtype=np.int32), reward=reward, num_turns=turns,
-        tool_calls=calls, tool_errors=errors, finish_reason=finish, generator_id=generator_id,
-        timings={"episode": time.perf_counter() - started, **spent}, info={"final_answer": answer},
+        versions=np.asarray(record.versions, dtype=np.int32), reward=reward, num_turns=episode.turns,
+        tool_calls=episode.tool_calls, tool_errors=episode.tool_errors, finish_reason=episode.finish or "stop",
+        generator_id=generator_id, timings={"episode": time.perf_counter() - started, **episode.spent},
+        info={"final_answer": episode.answer, "reward_info": info, "template_fallbacks": episode.fallbacks},
     )

@@ -12,16 +12,19 @@ Invariants every engine keeps (tests/test_engine.py checks the transformers one)
   - generation stops after a stop token (which is included in `token_ids`, finish_reason "stop") or
     after `max_new_tokens` tokens (finish_reason "length"), whichever comes first.
 
-Implementations: `hf_engine.TransformersEngine` (CPU/GPU, the embedded default). Run alone: nothing to
-run; see hf_engine.py.
+Implementations: `hf_engine.TransformersEngine` (CPU/GPU, the embedded default) and
+`sglang_engine.SGLangEngine` (SGLang servers on GPUs); `make_engine` picks one from `generator.engine`.
+Run alone: nothing to run; see hf_engine.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
+
+from nanoverl_async.config import GeneratorConfig
 
 
 @dataclass(frozen=True)
@@ -50,11 +53,33 @@ class Completion:
 class Engine(Protocol):
     version: int  # weights version currently loaded (optimizer steps the weights have seen)
 
-    async def generate(self, input_ids: list[int], params: SamplingParams) -> Completion:
-        """Sample a continuation of `input_ids`; concurrent calls are batched by the engine."""
+    async def generate(self, input_ids: list[int], params: SamplingParams, *,
+                       episode_id: Optional[str] = None) -> Completion:
+        """Sample a continuation of `input_ids`; concurrent calls are batched by the engine. `episode_id`
+        (optional) names the episode, so a pool of servers keeps its turns on one server (prefix cache)."""
 
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load `state_dict` as weights `version` at the next safe point (between decode steps)."""
 
     def in_flight(self) -> int:
         """Requests accepted and not yet completed (queued or decoding)."""
+
+
+def make_engine(generator: GeneratorConfig, model_path: str, *, generator_id: int, seed: int,
+                dtype: str = "float32") -> Engine:
+    """The engine `generator.engine` names, for generator `generator_id` (imports are lazy: sglang is an
+    optional extra, and its engine launches its servers here)."""
+    if generator.engine == "transformers":
+        from nanoverl_async.generators.hf_engine import TransformersEngine
+
+        # Replicas sample differently from one config seed.
+        return TransformersEngine(model_path, generator.device, dtype, seed=seed * 10_007 + generator_id)
+    if generator.engine == "sglang":
+        from nanoverl_async.generators.sglang_engine import SGLangEngine
+
+        if generator.sglang.weight_transport != "disk":
+            raise NotImplementedError("generator.sglang.weight_transport=nccl is not wired into the learner pool "
+                                      "yet (learners/sglang_nccl.py has the sender); use disk")
+        return SGLangEngine(model_path, generator.sglang, generator_id=generator_id, seed=seed * 10_007 + generator_id,
+                            dtype=dtype, command=list(generator.sglang.server_command) or None)
+    raise ValueError(f"generator.engine={generator.engine!r}: expected transformers or sglang")

@@ -91,7 +91,9 @@ class TransformersEngine:
         self.tokens_generated = 0
         self.weight_swaps = 0
 
-    async def generate(self, input_ids: list[int], params: SamplingParams) -> Completion:
+    async def generate(self, input_ids: list[int], params: SamplingParams, *,
+                       episode_id: Optional[str] = None) -> Completion:
+        """See engine.Engine.generate (`episode_id` is ignored: one process, one cache)."""
         if len(input_ids) == 0:
             raise ValueError("generate needs at least one input token")
         loop = asyncio.get_running_loop()

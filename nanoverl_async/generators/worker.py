@@ -37,25 +37,27 @@ import zmq
 import zmq.asyncio
 from transformers import AutoTokenizer
 
-from nanoverl_async.config import AgentConfig, GeneratorConfig, WeightSyncConfig
-from nanoverl_async.generators.agent_loop import ToolEnv, builtin_env, run_episode
-from nanoverl_async.generators.engine import Engine
+from nanoverl_async.config import AgentConfig, GeneratorConfig, RewardConfig, WeightSyncConfig
+from nanoverl_async.env import env_factory
+from nanoverl_async.generators.agent_loop import run_episode
+from nanoverl_async.rewards import load_reward
+from nanoverl_async.generators.engine import Engine, make_engine
 from nanoverl_async.trajectory import encode
 from nanoverl_async.weights import WeightSubscriber
 
 log = logging.getLogger(__name__)
 
 WAIT_POLL_S = 0.005  # how often a bounded wait re-checks its condition
+EVAL_TEMPERATURE = 1e-3  # evaluation is (near-)greedy: engines sample with temperature > 0 only
 
 
 class GeneratorWorker:
     def __init__(self, generator_id: int, model_path: str, generator: GeneratorConfig, agent: AgentConfig,
                  weight_sync: WeightSyncConfig, group_size: int, seed: int, buffer_endpoints: dict,
-                 weights_endpoint: str, *, dtype: str = "float32", env: Optional[ToolEnv] = None,
+                 weights_endpoint: str, *, dtype: str = "float32", env: Optional[Callable] = None,
+                 env_spec: str = "builtin:multiply", reward: Optional[RewardConfig] = None,
                  engine: Optional[Engine] = None, tokenizer=None, request_timeout_s: float = 30.0,
                  group_timeout_s: float = 600.0, lease_retry_s: float = 0.02):
-        if generator.engine != "transformers" and engine is None:
-            raise NotImplementedError(f"generator.engine={generator.engine!r}: only 'transformers' is built in")
         if model_path.startswith("builtin:"):
             from nanoverl_async.tiny_model import resolve_model_path
 
@@ -65,13 +67,12 @@ class GeneratorWorker:
         self.generator, self.agent, self.weight_sync = generator, agent, weight_sync
         self.group_size = group_size
         self.buffer_endpoints, self.weights_endpoint = buffer_endpoints, weights_endpoint
-        self.env = env or builtin_env(agent.tool_timeout_s)
+        # One environment per episode: `env` (a no-argument factory) or agent.env's spec (env.py).
+        reward_fn = load_reward(reward.path, reward.name) if reward is not None else None
+        self.make_env = env or env_factory(env_spec, reward_fn)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_path)
-        if engine is None:
-            from nanoverl_async.generators.hf_engine import TransformersEngine
-
-            # Replicas sample differently from one config seed.
-            engine = TransformersEngine(model_path, generator.device, dtype, seed=seed * 10_007 + generator_id)
+        if engine is None:  # generator.engine picks it: transformers or sglang (engine.make_engine)
+            engine = make_engine(generator, model_path, generator_id=generator_id, seed=seed, dtype=dtype)
         self.engine = engine
         self.request_timeout_s, self.group_timeout_s = request_timeout_s, group_timeout_s
         self.lease_retry_s = lease_retry_s
@@ -202,13 +203,25 @@ class GeneratorWorker:
                 episode.cancel()
 
     async def _episode(self, lease: dict, sample_index: int) -> None:
-        trajectory = await run_episode(self.engine, self.tokenizer, lease["sample"], self.env, self.agent,
+        trajectory = await run_episode(self.engine, self.tokenizer, lease["sample"], self.make_env(), self.agent,
                                        self.generator.temperature, group_id=lease["group_id"],
                                        prompt_index=lease["prompt_index"], sample_index=sample_index,
                                        generator_id=self.generator_id)
         await asyncio.wait_for(self._push.send(encode(trajectory)), self.request_timeout_s)
         self.counts["episodes"] += 1
         self.counts["tokens"] += trajectory.num_generated
+
+    async def evaluate(self, samples: list[dict]) -> dict:
+        """One near-greedy episode per sample under the current weights -> eval/* metrics (nothing pushed)."""
+        version = self.engine.version
+        episodes = await asyncio.gather(*(
+            run_episode(self.engine, self.tokenizer, sample, self.make_env(), self.agent, EVAL_TEMPERATURE,
+                        prompt_index=i, generator_id=self.generator_id) for i, sample in enumerate(samples)))
+        calls = sum(t.tool_calls for t in episodes)
+        return {"eval/reward_mean": sum(t.reward for t in episodes) / len(episodes), "eval/version": version,
+                "eval/episodes": len(episodes), "eval/tool_calls_mean": calls / len(episodes),
+                "eval/tool_error_rate": sum(t.tool_errors for t in episodes) / max(1, calls),
+                "eval/turns_mean": sum(t.num_turns for t in episodes) / len(episodes)}
 
     async def _weight_loop(self, subscriber: WeightSubscriber) -> None:
         while True:

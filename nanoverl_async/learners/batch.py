@@ -5,10 +5,12 @@ Invariants of a `TrainBatch` (checked by `collate`):
     exactly as in `Trajectory` (no shifted copies to keep in sync);
   - loss_mask is 1 exactly on tokens the policy sampled: never on prompt or tool tokens, never on
     padding, never on token 0 (no logits predict it);
-  - rows are group-contiguous (the G samples of a prompt are adjacent), which `grpo_advantages` needs.
-The only place where "logits at position i predict token i+1" is applied is `sequence_logprobs`.
+  - rows are group-contiguous (the G samples of a prompt are adjacent), which the group advantages need.
+"Logits at position i predict token i+1" is applied by `sequence_logprobs` (and, the same way, by the
+learner's entropy and critic values). `with_advantages` shapes rewards and computes the advantages on the
+whole batch; `token_budget_bounds`, `split_to` and `trimmed` cut a rank's rows into micro-batches.
 
-Run alone: `python -m pytest tests/test_algorithms.py -q -k batch`.
+Run alone: `python -m pytest tests/test_algorithms.py tests/test_fsdp_schedule.py -q`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nanoverl_async.algorithms import grpo_advantages, token_logprobs
+from nanoverl_async.algorithms import (drgrpo_advantages, gae_advantages, grpo_advantages, kl_reward_penalty,
+                                      outcome_token_rewards, overlong_penalty, reinforce_pp_advantages,
+                                      rloo_advantages, token_logprobs)
+from nanoverl_async.config import AlgorithmConfig, KLConfig
 from nanoverl_async.trajectory import Trajectory
 
 PAD_TOKEN_ID = 0  # any valid id: padded positions are masked out of attention and of the loss
@@ -35,8 +40,11 @@ class TrainBatch:
     behaviour_logprobs: Tensor  # float32 [N, L], log mu of sampled tokens (generator), 0 elsewhere
     versions: Tensor  # int64 [N, L], weight version that sampled each token, -1 elsewhere
     rewards: Tensor  # float32 [N]
-    advantages: Tensor  # float32 [N], one per sequence (outcome reward)
+    advantages: Tensor  # float32 [N] (one per sequence, outcome reward) or [N, L] (token-level estimators)
     proximal_logprobs: Optional[Tensor] = None  # float32 [N, L], log p_old (learner before this step), 0 off-mask
+    reference_logprobs: Optional[Tensor] = None  # float32 [N, L], log pi_ref (frozen reference), 0 off-mask; KL only
+    values: Optional[Tensor] = None  # float32 [N, L], the critic's V before this step, token-indexed (gae only)
+    returns: Optional[Tensor] = None  # float32 [N, L], the critic's targets A + V (gae only)
 
     @property
     def size(self) -> int:
@@ -83,6 +91,50 @@ def collate(trajectories: Sequence[Trajectory]) -> TrainBatch:
                       advantages=grpo_advantages(rewards, group_size))
 
 
+def with_advantages(batch: TrainBatch, group_size: int, algo: AlgorithmConfig, kl: KLConfig,
+                    max_length: int) -> TrainBatch:
+    """The batch with DAPO overlong-shaped rewards (a sequence of L tokens loses up to
+    algorithm.overlong.penalty as L enters the last algorithm.overlong.buffer tokens before `max_length`,
+    agent.max_total_tokens, where the episode is cut) and the advantages of `algo.advantage`, computed on
+    the WHOLE batch (group and batch statistics are global). The per-token KL reward penalty of
+    reinforce++ compares the proximal logprobs (or, when the update takes one step and none were
+    computed, the behaviour logprobs: the same policy up to mismatch) with the reference's."""
+    lengths = batch.attention_mask.sum(dim=1)
+    rewards = batch.rewards + overlong_penalty(lengths, max_length, algo.overlong.buffer, algo.overlong.penalty)
+    if algo.advantage == "grpo":
+        advantages = grpo_advantages(rewards, group_size)
+    elif algo.advantage == "drgrpo":
+        advantages = drgrpo_advantages(rewards, group_size)
+    elif algo.advantage == "rloo":
+        advantages = rloo_advantages(rewards, group_size)
+    elif algo.advantage in ("reinforce++", "gae"):
+        penalty = None
+        if kl.reward_coef > 0:
+            policy = batch.proximal_logprobs if batch.proximal_logprobs is not None else batch.behaviour_logprobs
+            penalty = kl_reward_penalty(policy, batch.reference_logprobs, batch.loss_mask, kl.estimator,
+                                        kl.reward_coef)
+        if algo.advantage == "reinforce++":
+            advantages = reinforce_pp_advantages(rewards, batch.loss_mask, algo.gamma, kl_penalty=penalty)
+        else:
+            assert batch.values is not None, "gae needs the critic's values (LearnerPool.prepare)"
+            token_rewards = outcome_token_rewards(rewards, batch.loss_mask, penalty)
+            advantages, returns = gae_advantages(token_rewards, batch.values, batch.loss_mask, algo.gamma, algo.lam)
+            return dataclasses.replace(batch, rewards=rewards, advantages=advantages, returns=returns)
+    else:
+        raise ValueError(f"unknown advantage '{algo.advantage}'")
+    return dataclasses.replace(batch, rewards=rewards, advantages=advantages)
+
+
+def explained_variance(batch: TrainBatch) -> float:
+    """1 - Var(returns - values) / Var(returns) over sampled tokens (1: the critic explains the returns;
+    <= 0: no better than a constant). Needs a gae batch (values and returns)."""
+    mask = batch.loss_mask.bool()
+    returns, values = batch.returns[mask].double(), batch.values[mask].double()
+    if returns.numel() < 2 or returns.var() == 0:
+        return 0.0
+    return float(1 - (returns - values).var() / returns.var())
+
+
 def slice_rows(batch: TrainBatch, start: int, stop: int) -> TrainBatch:
     """Rows [start, stop) of every tensor (views, no copy)."""
     return TrainBatch(**{f.name: None if getattr(batch, f.name) is None else getattr(batch, f.name)[start:stop]
@@ -102,6 +154,47 @@ def micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
     """Consecutive row blocks of at most micro_batch_size rows (0 = the whole batch in one)."""
     step = micro_batch_size if micro_batch_size > 0 else batch.size
     return [slice_rows(batch, start, min(start + step, batch.size)) for start in range(0, batch.size, step)]
+
+
+def token_budget_bounds(lengths: Sequence[int], budget: int) -> list[tuple[int, int]]:
+    """Consecutive row ranges [start, stop) whose padded size, rows x longest row, stays within `budget`
+    tokens (a row longer than the budget alone gets its own range); budget 0 = one range of all rows."""
+    bounds, start, longest = [], 0, 0
+    for row, length in enumerate(lengths):
+        longest_with = max(longest, int(length))
+        if budget > 0 and row > start and (row - start + 1) * longest_with > budget:
+            bounds.append((start, row))
+            start, longest_with = row, int(length)
+        longest = longest_with
+    if len(lengths):
+        bounds.append((start, len(lengths)))
+    return bounds
+
+
+def split_to(bounds: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
+    """Split the range with the most rows in two until there are `count` ranges. Data-parallel ranks
+    must run the same number of forward/backward passes (each all-gathers parameters collectively), so
+    every rank splits to the largest count of any rank (count <= rows, which ranks share)."""
+    bounds = list(bounds)
+    while len(bounds) < count:
+        widest = max(range(len(bounds)), key=lambda i: bounds[i][1] - bounds[i][0])
+        start, stop = bounds[widest]
+        assert stop - start > 1, f"cannot split {len(bounds)} single-row ranges into {count}"
+        middle = (start + stop) // 2
+        bounds[widest:widest + 1] = [(start, middle), (middle, stop)]
+    return bounds
+
+
+def trimmed(batch: TrainBatch, start: int, stop: int) -> TrainBatch:
+    """Rows [start, stop), with the columns after their longest row cut off (right padding only:
+    the logits of the remaining tokens do not change)."""
+    rows = slice_rows(batch, start, stop)
+    length = max(1, int(rows.attention_mask.sum(dim=1).max())) if rows.size else 1
+    return TrainBatch(**{f.name: _cut(getattr(rows, f.name), length) for f in dataclasses.fields(TrainBatch)})
+
+
+def _cut(tensor: Optional[Tensor], length: int) -> Optional[Tensor]:
+    return tensor[:, :length] if tensor is not None and tensor.dim() == 2 else tensor
 
 
 def to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:

@@ -5,8 +5,8 @@ Ray's object store once; each rank takes its own shard. Metrics come back alread
 so rank 0's dict is the pool's. The rendezvous address is picked on rank 0's own node, so the ranks
 may live on several machines of a Ray cluster. Every wait has a timeout.
 
-Run alone: there is no standalone entry point; tests/test_fsdp.py covers LearnerRank without Ray and the
-launcher's end-to-end test covers this pool.
+Run alone: there is no standalone entry point; tests/test_fsdp.py and tests/test_fsdp_schedule.py cover
+LearnerRank without Ray, tests/test_cli_run.py and tests/test_configs_run.py cover this pool end to end.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import numpy as np
 import ray
 import torch
 
-from nanoverl_async.config import AlgorithmConfig, LearnerConfig, WireConfig
-from nanoverl_async.learners.batch import TrainBatch, collate
+from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig, LearnerConfig, WireConfig
+from nanoverl_async.learners.batch import TrainBatch, collate, explained_variance, group_size_of, with_advantages
 from nanoverl_async.learners.fsdp_rank import PROCESS_GROUP_TIMEOUT_S, LearnerRank
 
 TIMEOUT_S = PROCESS_GROUP_TIMEOUT_S + 60  # a rank stuck in a collective fails first, with its own error
@@ -44,17 +44,22 @@ class _DeferredRank(LearnerRank):
 
 class LearnerPool:
     def __init__(self, cfg: LearnerConfig, algo: AlgorithmConfig, model_path: str, temperature: float, seed: int,
-                 wire: Optional[WireConfig] = None, dtype: str = "float32", micro_batch_size: int = 0,
-                 initial_version: int = 0):
-        self.algo = algo
-        self.one_update_per_batch = True  # PPO epochs / minibatches (several steps per batch) come later
+                 wire: Optional[WireConfig] = None, dtype: str = "float32", initial_version: int = 0,
+                 kl: Optional[KLConfig] = None, reference_path: str = "", max_length: int = 0,
+                 critic: Optional[CriticConfig] = None):
+        self.algo, self.kl = algo, kl or KLConfig()
+        self.max_length = max_length  # agent.max_total_tokens: the overlong shaping's limit
+        # p_old must be recomputed unless the update's own forward (one optimizer step) sees the same weights
+        self.needs_proximal = cfg.ppo_epochs * cfg.minibatches > 1
+        self.needs_reference = self.kl.loss_coef > 0 or self.kl.reward_coef > 0
         actor = ray.remote(num_cpus=0, num_gpus=1 if cfg.device == "cuda" else 0)(_DeferredRank)
         self.ranks = [actor.remote() for _ in range(cfg.world_size)]
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=TIMEOUT_S)
         wire_host = (wire or WireConfig()).host
         ray.get([actor_rank.start.remote(rank, cfg.world_size, master_addr, master_port, model_path, cfg, algo,
-                                         temperature, seed, dtype=dtype, wire_host=wire_host,
-                                         micro_batch_size=micro_batch_size, initial_version=initial_version)
+                                         temperature, seed, kl=self.kl, reference_path=reference_path, critic=critic,
+                                         max_tokens=max_length, dtype=dtype,
+                                         wire_host=wire_host, initial_version=initial_version)
                  for rank, actor_rank in enumerate(self.ranks)], timeout=TIMEOUT_S)
         self.weights_endpoint: str = ray.get(self.ranks[0].weights_endpoint.remote(), timeout=TIMEOUT_S)
 
@@ -71,20 +76,37 @@ class LearnerPool:
         return ray.get(refs)
 
     def prepare(self, batch) -> TrainBatch:
-        """The buffer's Batch (or a TrainBatch) -> a TrainBatch with advantages and, for the decoupled
-        correction, the proximal logprobs of the current weights (gathered from every rank's shard)."""
-        train_batch = batch if isinstance(batch, TrainBatch) else collate(batch.trajectories)
-        if self.algo.correction == "none" or self.one_update_per_batch:
-            # With one optimizer step per batch, the update's own forward runs on exactly the weights of
-            # version `step`: its detached logprobs ARE the proximal logprobs (update() uses them when
-            # proximal_logprobs is None), so a second forward would recompute the same numbers.
-            return train_batch
-        parts = self._all("compute_logprobs", ray.put(train_batch))
-        return dataclasses.replace(train_batch, proximal_logprobs=torch.from_numpy(np.concatenate(parts)))
+        """The buffer's Batch (or a TrainBatch) -> a TrainBatch ready for `update`: overlong-shaped
+        rewards, the proximal logprobs of the current weights when the update takes several optimizer
+        steps, the reference logprobs when KL is on, the critic's values for gae (each gathered from every
+        rank's shard), and the advantages of `algorithm.advantage`. With one optimizer step per batch the update's own forward
+        runs on exactly the weights of version `step`: its detached logprobs ARE the proximal logprobs,
+        so that forward is not run twice."""
+        if isinstance(batch, TrainBatch):
+            train_batch, group_size = batch, None
+        else:
+            train_batch, group_size = collate(batch.trajectories), group_size_of(batch.trajectories)
+        shared = ray.put(train_batch)
+        if self.needs_proximal:
+            parts = self._all("compute_logprobs", shared, "policy")
+            train_batch = dataclasses.replace(train_batch, proximal_logprobs=torch.from_numpy(np.concatenate(parts)))
+        if self.needs_reference:
+            parts = self._all("compute_logprobs", shared, "reference")
+            train_batch = dataclasses.replace(train_batch, reference_logprobs=torch.from_numpy(np.concatenate(parts)))
+        if self.algo.advantage == "gae":
+            values = torch.from_numpy(np.concatenate(self._all("compute_values", shared)))
+            train_batch = dataclasses.replace(train_batch, values=values)
+        if group_size is None:
+            return train_batch  # a ready TrainBatch keeps its advantages
+        return with_advantages(train_batch, group_size, self.algo, self.kl, self.max_length)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on the whole batch; metrics reduced over ranks."""
-        return self._all("update", ray.put(batch))[0]
+        """learner.ppo_epochs x learner.minibatches optimizer steps on the batch, one new version;
+        metrics reduced over ranks."""
+        metrics = self._all("update", ray.put(batch))[0]
+        if batch.returns is not None:  # how much of the returns' variance the critic's values explain
+            metrics["explained_variance"] = explained_variance(batch)
+        return metrics
 
     def publish_weights(self, version: int) -> None:
         """Gathers the full state dict on rank 0, which sends it on a background thread."""

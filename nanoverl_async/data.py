@@ -1,0 +1,100 @@
+"""verl-format datasets: parquet or jsonl rows -> samples for the buffer's prompt frontier.
+
+A row, as verl writes it (e.g. its examples/data_preprocess/gsm8k.py):
+
+    {"data_source": "openai/gsm8k",
+     "prompt": [{"role": "user", "content": "..."}],            # a list of chat messages
+     "reward_model": {"style": "rule", "ground_truth": "72"},
+     "extra_info": {"split": "train", "index": 0}}              # anything JSON-able
+
+    prompts = DatasetPrompts(["train.parquet"], seed=0)        # data.train_files, run.seed
+    sample = prompts(index)   # {"index", "messages", "data_source", "reward_model", "extra_info", ...}
+
+Invariants: `DatasetPrompts` is a pure function of (files, seed, index): epoch e = index // len(rows)
+visits every row once in an order shuffled by (seed, e), so a resumed run re-issues the same prompts;
+a sample is JSON-able (it travels to generators as msgpack; numpy values from parquet are converted).
+Rows are loaded lazily on the first call, in the process that uses them (the buffer), so only the
+file names cross process boundaries. A row without a list-of-messages `prompt` fails loudly, naming
+the file and row.
+
+Run alone: `python -m pytest tests/test_data_rewards.py -q`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Optional
+
+
+def read_rows(path: str) -> list[dict]:
+    """All rows of one .parquet (pyarrow) or .jsonl file, as plain Python values."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    lines = Path(path).read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def to_sample(row: dict, where: str) -> dict:
+    """A verl row -> a sample: `messages` is the prompt; every other field kept as is (JSON-able)."""
+    prompt = row.get("prompt")
+    if isinstance(prompt, str) and prompt.lstrip().startswith("["):  # a JSON-encoded message list (some exports)
+        prompt = json.loads(prompt)
+    if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m for m in prompt):
+        raise ValueError(f"{where}: 'prompt' must be a list of {{'role', 'content'}} messages, got {prompt!r:.80}")
+    sample = {k: _plain(v) for k, v in row.items() if k != "prompt"}
+    sample["messages"] = [{k: _plain(v) for k, v in m.items() if v is not None} for m in prompt]
+    return sample
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars/arrays (pandas-written parquet) -> Python values."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def load_samples(files: list[str]) -> list[dict]:
+    samples = []
+    for path in files:
+        samples += [to_sample(row, f"{path} row {i}") for i, row in enumerate(read_rows(path))]
+    if not samples:
+        raise ValueError(f"no rows in {files}")
+    return samples
+
+
+class DatasetPrompts:
+    """prompt_fn(index) over verl-format files, shuffled per epoch (see the module invariants)."""
+
+    def __init__(self, files: list[str], seed: int, shuffle: bool = True):
+        self.files, self.seed, self.shuffle = [str(Path(f).resolve()) for f in files], seed, shuffle
+        self._samples: Optional[list[dict]] = None
+        self._orders: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+    def _load(self) -> list[dict]:
+        if self._samples is None:
+            self._samples = load_samples(self.files)
+        return self._samples
+
+    def __call__(self, index: int) -> dict:
+        samples = self._load()
+        epoch, position = divmod(index, len(samples))
+        if epoch not in self._orders:
+            order = list(range(len(samples)))
+            if self.shuffle:
+                random.Random(f"nanoverl_async.data:{self.seed}:{epoch}").shuffle(order)
+            # The frontier moves forward; re-issued prompts may still come from the previous epoch.
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = order
+        row = self._orders[epoch][position]
+        return {**samples[row], "index": index, "row": row}

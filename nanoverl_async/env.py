@@ -1,0 +1,145 @@
+"""Environments: what a user writes to define a task. One instance per episode.
+
+    class Calculator(Environment):
+        tools = [calculator]                  # typed functions, sync or async (nanoverl_async/tools.py)
+        tool_format = "hermes"                # how the model writes calls (nanoverl_async/tool_parsers.py)
+
+        async def reset(self, sample):        # the prompt messages (default: sample["messages"])
+            return [{"role": "user", "content": sample["question"]}]
+
+        async def step(self, sample, message):  # after an assistant turn without tool calls
+            return Step(reward=float(message["content"].strip() == sample["answer"]))
+
+or, for full control, one function (or an Environment method) driving the episode itself:
+
+    async def rollout(episode, sample) -> float:   # episode: nanoverl_async.generators.agent_loop.Episode
+        episode.start(sample["messages"])            # the prompt (mask 0)
+        message = await episode.generate()           # one sampled assistant turn (mask 1); None: out of room
+        episode.add_turn(message)                    # into the message history
+        episode.observe([{"role": "user", "content": "Are you sure?"}])   # rendered delta, mask 0
+        ...                                          # episode.run_tools(calls) runs parsed tool calls
+        return reward
+
+YAML names either with `agent.env: package.module:Name` or `agent.env: path/to/file.py:Name`; the
+built-in task is `builtin:multiply` (multiply_task.MultiplyEnv) and `builtin:chat` is this base class:
+single-turn, no tools, scored by the verl-style reward function (`reward.path` / `reward.name`, default
+a math-verify scorer; nanoverl_async/rewards.py).
+
+Invariants: `reset` and `step` may be sync or async; `step` returning `done=False` appends its
+`messages` (e.g. a user follow-up) with mask 0 and the episode goes on; an episode cut by a limit
+(turns, tokens, tool calls) before any `step` gets reward 0.
+
+Run alone: `python -m pytest tests/test_env.py -q`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+BUILTIN_ENVS = {
+    "builtin:multiply": "nanoverl_async.multiply_task:MultiplyEnv",
+    "builtin:chat": "nanoverl_async.env:Environment",
+}
+
+
+@dataclass
+class Step:
+    """What `Environment.step` returns after a final (tool-free) assistant turn."""
+
+    reward: float = 0.0
+    done: bool = True  # False: append `messages` (mask 0) and sample another turn
+    messages: list = field(default_factory=list)  # observations, e.g. [{"role": "user", "content": ...}]
+    info: dict = field(default_factory=dict)  # JSON-able extras, kept in trajectory.info["reward_info"]
+
+
+class Environment:
+    """Base class (duck typing works too): single turn, no tools, scored by `reward_fn`."""
+
+    tools: Sequence[Any] = ()  # functions or tools.Tool the model may call
+    tool_format: str = "hermes"  # "hermes" (<tool_call>{json}</tool_call>) | "builtin" (<call>EXPR</call>)
+    max_observation_chars: int = 2000  # tool results and errors are cut to this many characters
+    show_tools: bool = True  # pass the tools' JSON schemas to the chat template (it renders them in the prompt)
+    reward_fn: Optional[Callable] = None  # verl compute_score(data_source, solution_str, ground_truth, extra_info)
+
+    async def reset(self, sample: dict) -> list[dict]:
+        """The prompt messages of this episode (the sample's `messages`, or verl's `prompt`)."""
+        return [dict(m) for m in (sample.get("messages") or sample["prompt"])]
+
+    async def step(self, sample: dict, message: dict) -> Step:
+        """Score the final answer with the verl-style reward function (default: math-verify)."""
+        from nanoverl_async.rewards import score_sample
+
+        reward, info = await score_sample(self.reward_fn, sample, message["content"])
+        return Step(reward=reward, info=info)
+
+
+def load_object(spec: str) -> Any:
+    """`package.module:Name` or `path/to/file.py:Name` -> the object (a ValueError names what is wrong)."""
+    if ":" not in spec:
+        raise ValueError(f"'{spec}' is not of the form package.module:Name or path/to/file.py:Name")
+    where, name = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        path = Path(where).resolve()
+        if not path.is_file():
+            raise ValueError(f"'{spec}': file {where} does not exist")
+        module_name = f"nanoverl_user_{path.stem}_{abs(hash(str(path))) % 10**8}"
+        module = sys.modules.get(module_name)
+        if module is None:
+            loader_spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[module_name] = module  # dataclasses and pickling look modules up by name
+            loader_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    if not hasattr(module, name):
+        raise ValueError(f"'{spec}': {where} has no attribute '{name}'")
+    return getattr(module, name)
+
+
+class FunctionEnv(Environment):
+    """Wraps a plain `async def rollout(episode, sample) -> float` as an environment."""
+
+    def __init__(self, rollout: Callable):
+        self._rollout = rollout
+
+    async def rollout(self, episode, sample: dict) -> float:
+        return await self._rollout(episode, sample)
+
+
+def resolved_env(spec: str, train_files: Sequence[str] = ()) -> str:
+    """agent.env with its default filled in: builtin:chat when data.train_files is set, else builtin:multiply."""
+    return spec or ("builtin:chat" if train_files else "builtin:multiply")
+
+
+def env_factory(spec: str, reward_fn: Optional[Callable] = None) -> Callable[[], Any]:
+    """`agent.env` -> a no-argument callable making one environment per episode.
+
+    A class is instantiated with no arguments; a function becomes a FunctionEnv. `reward_fn` (from
+    `reward.path`) is set on every instance that has no reward function of its own."""
+    target = load_object(BUILTIN_ENVS.get(spec, spec))
+    if inspect.isclass(target):
+        make = target
+    elif inspect.iscoroutinefunction(target):
+        def make():
+            return FunctionEnv(target)
+    else:
+        raise ValueError(f"agent.env '{spec}' is neither a class nor an async rollout function")
+
+    def new_env():
+        env = make()
+        if reward_fn is not None and getattr(env, "reward_fn", None) is None:
+            env.reward_fn = reward_fn
+        return env
+
+    return new_env
+
+
+async def maybe_await(value: Any) -> Any:
+    """Lets user hooks be sync or async."""
+    return await value if inspect.isawaitable(value) else value

@@ -1,0 +1,299 @@
+"""The `Engine` protocol (engine.py) on a pool of SGLang servers, driven over SGLang's native HTTP API.
+
+    engine = SGLangEngine(model_dir, SGLangConfig(servers=2), generator_id=0)   # launches, waits /health
+    completion = await engine.generate(prompt_ids, SamplingParams(64, 1.0, (eos,)), episode_id="g3-s1")
+    engine.stage_weights(state_dict, version=4)   # pause, update_weights_from_disk, continue
+
+Requests (../shared/SGLANG_PROTOCOL.md sections 2 and 6): `POST /generate` with `input_ids`,
+`return_logprob: true`, `stream: false`. Tokens and logprobs come from `meta_info.output_token_logprobs`
+(`[logprob, token, null]`, the log softmax of logits / temperature before top-p/top-k, i.e. the
+behaviour logprob the loss wants). Versions per token come from `meta_info.weight_versions` spans where
+the server returns them (0.5.23), else from `meta_info.weight_version` of that reply, else this engine's
+version when the reply arrived (client-side tagging; exact only in abort mode, where one reply never spans
+two versions).
+
+Invariants:
+  - an aborted reply (`finish_reason.type == "abort"`, HTTP 200, e.g. from `/pause_generation` abort mode)
+    is resumed: its partial tokens are appended to `input_ids`, `max_new_tokens` drops by their count,
+    their logprobs and versions are kept, and the rest is requested again from the same server (the new
+    request blocks server-side until `/continue_generation`);
+  - routing: an `episode_id` seen before, or a prompt that extends an earlier request's prompt + completion
+    (the next turn of an episode), goes to the same server (its prefix cache holds the history);
+    otherwise the server with the fewest outstanding requests;
+  - a server whose process died is restarted once per failure (newest weights, current version) and its
+    in-flight requests are re-issued from their partial tokens; an external or living server that drops
+    a connection, or any call past its timeout, raises `SGLangError` (fail loudly);
+  - like every engine: the stop token is kept and finishes with "stop"; SGLang also stops at the model's
+    own EOS tokens (also "stop").
+
+Weights: `stage_weights` (transport disk) writes a Hugging Face directory (safetensors + the base model's
+config and tokenizer files) and runs pause -> `/update_weights_from_disk` -> continue on every server. It
+blocks the caller for the update's duration (it is called between decode steps by the worker).
+The NCCL transport (`update_weights_from_distributed`) is driven from learner rank 0:
+learners/sglang_nccl.py. Run alone: `python -m pytest tests/test_sglang_contract.py -q` (fake servers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import torch
+from safetensors.torch import save_file
+
+from nanoverl_async.config import SGLangConfig
+from nanoverl_async.generators.engine import Completion, SamplingParams
+from nanoverl_async.generators.sglang_server import SGLangError, SGLangServer
+
+log = logging.getLogger(__name__)
+
+STICKY_EPISODES = 65_536  # episode -> server entries kept (oldest forgotten first)
+MAX_EMPTY_RESUMES = 1_000  # consecutive aborted replies without a token before giving up
+COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+class SGLangEngine:
+    def __init__(self, model_path: str, cfg: SGLangConfig, *, generator_id: int = 0, version: int = 0,
+                 seed: int = 0, weights_dir: str = "", servers: Optional[list[SGLangServer]] = None,
+                 command: Optional[list[str]] = None, start: bool = True, dtype: str = "auto"):
+        self.cfg, self.base_model_path, self.version = cfg, model_path, version
+        # The servers are this process's children, on this node: a local directory is enough.
+        root = weights_dir or cfg.weights_dir or os.path.join(tempfile.gettempdir(), f"nanoverl_sglang_{os.getpid()}")
+        self.weights_dir = Path(root) / f"generator_{generator_id}"
+        if servers is None:
+            if command is None:
+                from nanoverl_async.generators.sglang_server import sglang_version
+
+                log.info("sglang %s", sglang_version())  # fails loudly here if the extra is missing
+            servers = [SGLangServer(model_path, cfg.port_base + generator_id * cfg.servers + i, cfg,
+                                    initial_version=version, command=command, seed=seed * 1_000 + i, dtype=dtype)
+                       for i in range(cfg.servers)]
+        self.servers = servers
+        self.outstanding = [0] * len(servers)
+        self.latest_path = model_path  # the weights a restarted server loads
+        self.counts = {"requests": 0, "resumed": 0, "restarts": 0, "tokens": 0, "weight_updates": 0}
+        self._sticky: OrderedDict[str, int] = OrderedDict()
+        self._clients: dict[int, httpx.AsyncClient] = {}  # one per event loop
+        self._restart_locks: dict[int, asyncio.Lock] = {}
+        atexit.register(self.close)  # never leave server processes behind a normal exit
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        for server in self.servers:  # launch all first: model loading overlaps
+            server.launch()
+        for server in self.servers:
+            server.wait_ready()
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+
+    def in_flight(self) -> int:
+        return sum(self.outstanding)
+
+    # --- generation --------------------------------------------------------------------------------
+    def route(self, episode_id: Optional[str], input_ids: list[int] = ()) -> int:
+        """The episode's server if it has one, else the least busy (ties: the lowest index). Without an
+        `episode_id`, a request that extends an earlier request's prompt + completion (the next turn of an
+        episode) goes where that one went: its sequence hash was remembered when it completed."""
+        if len(self.servers) == 1:
+            return 0
+        key = episode_id
+        if key is None:
+            hashes = prefix_hashes(input_ids)
+            key = next((k for k in ((n + 1, hashes[n]) for n in reversed(range(len(hashes)))) if k in self._sticky),
+                       None)
+        if key is not None and key in self._sticky:
+            self._sticky.move_to_end(key)
+            return self._sticky[key]
+        index = min(range(len(self.servers)), key=lambda i: self.outstanding[i])
+        if episode_id is not None:
+            self.remember(episode_id, index)
+        return index
+
+    def remember(self, key, index: int) -> None:
+        self._sticky[key] = index
+        if len(self._sticky) > STICKY_EPISODES:
+            self._sticky.popitem(last=False)
+
+    async def generate(self, input_ids: list[int], params: SamplingParams, *,
+                       episode_id: Optional[str] = None) -> Completion:
+        if len(input_ids) == 0:
+            raise ValueError("generate needs at least one input token")
+        index = self.route(episode_id, input_ids)
+        self.outstanding[index] += 1
+        self.counts["requests"] += 1
+        try:
+            completion = await self._generate_on(index, list(input_ids), params, episode_id or "req")
+        finally:
+            self.outstanding[index] -= 1
+        if episode_id is None and len(self.servers) > 1:  # the next turn will extend this sequence
+            full = list(input_ids) + completion.token_ids
+            self.remember((len(full), prefix_hashes(full)[-1]), index)
+        return completion
+
+    async def _generate_on(self, index: int, input_ids: list[int], params: SamplingParams, key: str) -> Completion:
+        completion, rid, segment, empty = Completion(), f"{key}-{uuid.uuid4().hex[:12]}", 0, 0
+        while True:
+            remaining = params.max_new_tokens - len(completion.token_ids)
+            if remaining <= 0:  # a resumed request whose partial tokens already used the whole budget
+                completion.finish_reason = "length"
+                return completion
+            body = {"rid": f"{rid}-{segment}", "input_ids": input_ids + completion.token_ids,
+                    "return_logprob": True, "stream": False,
+                    "sampling_params": {"max_new_tokens": remaining, "temperature": params.temperature,
+                                        "top_p": 1.0, "top_k": -1, "stop_token_ids": list(params.stop_token_ids),
+                                        "skip_special_tokens": False, "no_stop_trim": True}}
+            segment += 1
+            reply = await self._post_generate(index, body)
+            if reply is None:  # the server was restarted: re-issue from the partial tokens
+                continue
+            tokens, logprobs, versions, finish = parse_reply(reply, self.version)
+            completion.token_ids += tokens
+            completion.logprobs += logprobs
+            completion.versions += versions
+            self.counts["tokens"] += len(tokens)
+            if finish != "abort":
+                completion.finish_reason = finish
+                return completion
+            self.counts["resumed"] += 1
+            empty = 0 if tokens else empty + 1
+            if empty > MAX_EMPTY_RESUMES:
+                raise SGLangError(f"{self.servers[index].url}: request {rid} aborted {empty} times without a token")
+
+    def _client(self) -> httpx.AsyncClient:
+        loop_id = id(asyncio.get_running_loop())
+        if loop_id not in self._clients:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+            self._clients[loop_id] = httpx.AsyncClient(timeout=self.cfg.request_timeout_s, limits=limits)
+        return self._clients[loop_id]
+
+    async def _post_generate(self, index: int, body: dict) -> Optional[dict]:
+        """The parsed reply, or None after restarting a server that died under the request."""
+        server = self.servers[index]
+        restarts = server.restarts
+        try:
+            response = await self._client().post(server.url + "/generate", json=body)
+        except httpx.TimeoutException as error:
+            raise SGLangError(f"{server.url}/generate: no reply within {self.cfg.request_timeout_s:.0f} s "
+                              f"(rid {body['rid']})") from error
+        except httpx.TransportError as error:
+            if not await self._restart_if_dead(index, restarts):
+                raise SGLangError(f"{server.url}/generate: {type(error).__name__}: {error} (rid {body['rid']})") from error
+            return None
+        if response.status_code != 200:
+            raise SGLangError(f"{server.url}/generate answered {response.status_code}: {response.text[:500]}")
+        return response.json()
+
+    async def _restart_if_dead(self, index: int, restarts_seen: int) -> bool:
+        """Restart server `index` if its process has exited (once, however many requests saw it die)."""
+        server = self.servers[index]
+        lock = self._restart_locks.setdefault(index, asyncio.Lock())
+        async with lock:
+            if server.restarts != restarts_seen:  # another request restarted it meanwhile
+                return True
+            if server.process is None:
+                return False  # not ours to restart
+            for _ in range(50):  # a dropped connection may come just before the exit is visible
+                if not server.alive():
+                    break
+                await asyncio.sleep(0.1)
+            if server.alive():
+                return False
+            await asyncio.to_thread(server.restart, self.latest_path)
+            self.counts["restarts"] += 1
+            return True
+
+    # --- weights -----------------------------------------------------------------------------------
+    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Write `state_dict` as a Hugging Face directory and load it on every server as `version`."""
+        if self.cfg.weight_transport != "disk":
+            raise NotImplementedError("generator.sglang.weight_transport=nccl: weights go from learner rank 0 "
+                                      "to the servers (learners/sglang_nccl.py), not through stage_weights")
+        path = write_hf_dir(state_dict, self.base_model_path, self.weights_dir / f"v{version}")
+        self.update_from_disk(str(path), version)
+
+    def update_from_disk(self, path: str, version: int) -> None:
+        """pause (cfg.pause_mode) -> /update_weights_from_disk -> continue, on every server."""
+        try:  # a failed pause or update still continues every server (continue on a running one is a no-op)
+            for server in self.servers:
+                server.pause(self.cfg.pause_mode)
+            for server in self.servers:
+                server.update_from_disk(path, version)
+        finally:
+            for server in self.servers:
+                server.resume()
+        old, self.latest_path, self.version = self.latest_path, path, version
+        self.counts["weight_updates"] += 1
+        if old != self.base_model_path and Path(old).parent == self.weights_dir:
+            shutil.rmtree(old, ignore_errors=True)  # keep only the newest written version
+
+
+def prefix_hashes(ids) -> list[int]:
+    """hashes[n] identifies ids[:n + 1] (a 64-bit polynomial rolling hash; keys also carry the length)."""
+    out, h = [], 0
+    for token in ids:
+        h = (h * 1_000_003 + int(token) + 1) & 0xFFFFFFFFFFFFFFFF
+        out.append(h)
+    return out
+
+
+def parse_reply(reply: dict, fallback_version: int) -> tuple[list[int], list[float], list[int], str]:
+    """A /generate reply -> (tokens, logprobs, versions, finish type); checks the §2.3 invariants."""
+    meta = reply["meta_info"]
+    triples = meta.get("output_token_logprobs") or []
+    tokens = [int(t[1]) for t in triples]
+    logprobs = [float(t[0]) for t in triples]
+    if "output_ids" in reply and list(reply["output_ids"]) != tokens:
+        raise SGLangError(f"reply {meta.get('id')}: output_ids and output_token_logprobs disagree")
+    return tokens, logprobs, token_versions(meta, len(tokens), fallback_version), meta["finish_reason"]["type"]
+
+
+def token_versions(meta: dict, count: int, fallback: int) -> list[int]:
+    """Per-token versions: the `weight_versions` spans, else `weight_version`, else `fallback`."""
+    spans = meta.get("weight_versions")
+    if spans:
+        versions = [-1] * count
+        for span in spans:
+            versions[span["start"]:span["end"]] = [_number(span["version"], fallback)] * (span["end"] - span["start"])
+        if -1 in versions or len(versions) != count:
+            raise SGLangError(f"reply {meta.get('id')}: weight_versions {spans} do not cover {count} tokens")
+        return versions
+    return [_number(meta.get("weight_version", ""), fallback)] * count
+
+
+def _number(version, fallback: int) -> int:
+    """A server version string as our int version; "default" (never updated) or none -> fallback."""
+    return int(version) if str(version).isdigit() else fallback
+
+
+def write_hf_dir(state_dict: dict[str, torch.Tensor], base_model_path: str, path: Path) -> Path:
+    """A directory `from_pretrained` (and SGLang) loads: model.safetensors + the base config/tokenizer files.
+    Written to a temporary name and renamed, so a reader never sees half a directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    seen, tensors = set(), {}
+    for name, tensor in state_dict.items():  # safetensors refuses shared storage (tied embeddings)
+        tensor = tensor.detach().cpu().contiguous()
+        pointer = tensor.untyped_storage().data_ptr()
+        tensors[name] = tensor.clone() if pointer in seen else tensor
+        seen.add(pointer)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    for name in COPIED_FILES:
+        if (Path(base_model_path) / name).exists():
+            shutil.copy(Path(base_model_path) / name, tmp / name)
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path

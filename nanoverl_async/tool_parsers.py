@@ -1,0 +1,110 @@
+"""How a model writes tool calls: parse one sampled assistant turn into (content, calls).
+
+Two formats, chosen by `Environment.tool_format`:
+  - "hermes" (Qwen2.5/Qwen3, Hermes, many others): any number of
+        <tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>
+    blocks in the turn, which ends at the eos token; the text before the first block is the content.
+  - "builtin" (the embedded tiny model, nanoverl_async/multiply_task.py): `...<call>EXPR</call>`;
+    generation stops at the `</call>` token and EXPR is the first argument of the first tool;
+  - "json" (Llama-3.1/3.2 style): a turn that is one JSON object `{"name": ..., "parameters": {...}}`
+    is one call; any other turn is a final answer.
+
+Invariant: parsing never raises. A block that is not valid JSON, lacks a "name", or has arguments that
+are not an object becomes a `ParsedCall` with `error` set (the agent loop turns it into an error
+observation); an unclosed `<tool_call>` at the end of a turn is a malformed call too. Arguments given
+as a JSON string (some models do) are decoded once.
+
+Run alone: `python -m pytest tests/test_tools.py -q`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+BUILTIN_OPEN, BUILTIN_CLOSE = "<call>", "</call>"
+FORMATS = ("hermes", "builtin", "json")
+_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", flags=re.S)
+
+
+@dataclass
+class ParsedCall:
+    name: str  # "" when it could not be read
+    arguments: dict = field(default_factory=dict)
+    error: Optional[str] = None  # set for a malformed call: the observation says why
+
+    def message_entry(self) -> dict:
+        """The entry of the assistant message's `tool_calls` for this call."""
+        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def stop_strings(tool_format: str) -> tuple[str, ...]:
+    """Token texts (besides eos) that end a turn for this format."""
+    return (BUILTIN_CLOSE,) if tool_format == "builtin" else ()
+
+
+def parse_turn(text: str, tool_format: str, default_tool: str = "", default_arg: str = "") -> tuple[str, list[ParsedCall]]:
+    """A sampled turn's text (eos removed) -> (content, calls). No calls: a final answer."""
+    if tool_format == "builtin":
+        return parse_builtin(text, default_tool, default_arg)
+    if tool_format == "hermes":
+        return parse_hermes(text)
+    if tool_format == "json":
+        return parse_json(text)
+    raise ValueError(f"tool format {tool_format!r} is not one of {', '.join(FORMATS)}")
+
+
+def parse_builtin(text: str, tool: str, arg: str) -> tuple[str, list[ParsedCall]]:
+    if not text.endswith(BUILTIN_CLOSE):
+        return text, []
+    body = text[: -len(BUILTIN_CLOSE)]
+    start = body.rfind(BUILTIN_OPEN)
+    if start < 0:
+        return body, [ParsedCall(tool, {}, "malformed call")]
+    expression = body[start + len(BUILTIN_OPEN):]
+    if not expression.strip():
+        return body[:start], [ParsedCall(tool, {arg: expression}, "malformed call")]
+    return body[:start], [ParsedCall(tool, {arg: expression})]
+
+
+def parse_hermes(text: str) -> tuple[str, list[ParsedCall]]:
+    first = text.find(HERMES_OPEN)
+    if first < 0:
+        return text, []
+    content = text[:first].rstrip("\n")
+    calls = [_hermes_call(block) for block in _HERMES_BLOCK.findall(text)]
+    tail = text[text.rfind(HERMES_CLOSE) + len(HERMES_CLOSE):] if HERMES_CLOSE in text else text[first:]
+    if HERMES_OPEN in tail:  # a block opened but never closed (e.g. cut by the token limit)
+        calls.append(ParsedCall("", {}, "malformed call: <tool_call> without </tool_call>"))
+    return content, calls
+
+
+def _hermes_call(block: str) -> ParsedCall:
+    try:
+        call = json.loads(block)
+    except json.JSONDecodeError as error:
+        return ParsedCall("", {}, f"malformed call: invalid JSON ({error.msg} at char {error.pos})")
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return ParsedCall("", {}, 'malformed call: expected {"name": ..., "arguments": {...}}')
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(arguments, dict):
+        return ParsedCall(call["name"], {}, "malformed call: arguments must be a JSON object")
+    return ParsedCall(call["name"], arguments)
+
+
+def parse_json(text: str) -> tuple[str, list[ParsedCall]]:
+    stripped = text.strip()
+    if not (stripped.startswith("{") and stripped.endswith("}")):
+        return text, []
+    call = _hermes_call(stripped)
+    if call.error is not None and not stripped.startswith('{"name"'):
+        return text, []  # JSON that is not a call attempt is an answer
+    return "", [call]

@@ -1,0 +1,175 @@
+"""Tools: typed Python functions (sync or async) the model may call, with schemas from their signatures.
+
+    def calculator(expression: str) -> str:
+        '''Evaluate one arithmetic operation.
+
+        Args:
+            expression: "A*B" with non-negative integers, e.g. "12*34".
+        '''
+
+    tool = as_tool(calculator)          # Tool(name="calculator", schema={...}, ...)
+    result = await call_tool(tool, {"expression": "12*34"})   # ToolResult("408", error=False, latency_s)
+
+The schema is OpenAI/Hermes function format, `{"type": "function", "function": {"name", "description",
+"parameters": JSON schema}}`, built from the type hints (str, int, float, bool, list[...], dict, Literal,
+Optional) and the Google-style docstring ("Args:" section; the first paragraph is the description).
+
+Invariants: `call_tool` never raises (except cancellation): unknown arguments, missing or wrongly typed
+arguments, a raising tool and a timeout each come back as `ToolResult(text="error: ...", error=True)`,
+cut to `max_chars`. Ints are accepted for float parameters; bools are not ints. A synchronous tool runs
+in a thread so the event loop (and the other episodes) keep going; Python cannot kill that thread on
+timeout, so code that may run away belongs in `nanoverl_async.sandbox` (a killable subprocess).
+
+Run alone: `python -m pytest tests/test_tools.py -q`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import re
+import time
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
+
+
+@dataclass
+class Tool:
+    """A callable with its name, JSON schema and limits. Build with `as_tool(fn)`."""
+
+    fn: Callable[..., Any]  # sync or async; returns anything str() can render
+    name: str
+    schema: dict  # {"type": "function", "function": {"name", "description", "parameters"}}
+    timeout_s: Optional[float] = None  # None: the episode's agent.tool_timeout_s
+    hints: dict = field(default_factory=dict)  # parameter -> resolved type hint, for argument checks
+
+    @property
+    def parameters(self) -> list[str]:
+        return list(self.schema["function"]["parameters"]["properties"])
+
+
+@dataclass
+class ToolResult:
+    text: str  # the observation shown to the model
+    error: bool  # True for every failure (counted in tool_errors)
+    latency_s: float = 0.0
+
+
+def as_tool(fn: Callable | Tool, name: Optional[str] = None, timeout_s: Optional[float] = None) -> Tool:
+    """A function (or a Tool, returned as is) -> Tool with a schema from its signature and docstring."""
+    if isinstance(fn, Tool):
+        return fn
+    hints = typing.get_type_hints(fn)
+    description, arg_docs = parse_docstring(inspect.getdoc(fn) or "")
+    properties, required = {}, []
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        hint = hints.get(param.name, str)
+        properties[param.name] = {**json_schema(hint), **({"description": arg_docs[param.name]}
+                                                          if param.name in arg_docs else {})}
+        if param.default is inspect.Parameter.empty:
+            required.append(param.name)
+    name = name or fn.__name__
+    schema = {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": properties, "required": required}}}
+    return Tool(fn=fn, name=name, schema=schema, timeout_s=timeout_s,
+                hints={p: hints.get(p, str) for p in properties})
+
+
+def parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """Google-style docstring -> (first paragraph, {arg: description}) from its "Args:" section."""
+    description = doc.split("\n\n", 1)[0].replace("\n", " ").strip()
+    args: dict[str, str] = {}
+    section = re.search(r"^(?:Args|Arguments|Parameters):\s*\n((?:[ \t]+.*\n?|\s*\n)+)", doc, flags=re.M)
+    if section:
+        current = None
+        for line in section.group(1).splitlines():
+            match = re.match(r"^\s+(\w+)\s*(?:\([^)]*\))?:\s*(.*)$", line)
+            if match:
+                current = match.group(1)
+                args[current] = match.group(2).strip()
+            elif current and line.strip():
+                args[current] += " " + line.strip()
+    return description, args
+
+
+def json_schema(hint: Any) -> dict:
+    """A type hint -> JSON schema (str, int, float, bool, list[T], dict, Literal, Optional[T])."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint in _JSON_TYPES:
+        return {"type": _JSON_TYPES[hint]}
+    if origin is typing.Literal:
+        return {"enum": list(args)}
+    if origin is typing.Union or type(hint).__name__ == "UnionType":
+        options = [a for a in args if a is not type(None)]
+        return json_schema(options[0]) if len(options) == 1 else {"anyOf": [json_schema(a) for a in options]}
+    if origin in (list, tuple, set):
+        return {"type": "array", **({"items": json_schema(args[0])} if args else {})}
+    if origin is dict:
+        return {"type": "object"}
+    return {}  # Any or an unknown type: no constraint
+
+
+def check_value(hint: Any, value: Any) -> bool:
+    """Whether a JSON value fits a type hint (the same subset as json_schema)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in _JSON_TYPES:
+        return isinstance(value, hint)
+    if origin is typing.Literal:
+        return value in args
+    if origin is typing.Union or type(hint).__name__ == "UnionType":
+        return any(value is None if a is type(None) else check_value(a, value) for a in args)
+    if origin in (list, tuple, set):
+        return isinstance(value, list) and (not args or all(check_value(args[0], v) for v in value))
+    if origin is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def check_arguments(tool: Tool, arguments: Any) -> Optional[str]:
+    """None if `arguments` fit the tool's signature, else a short error naming the argument."""
+    if not isinstance(arguments, dict):
+        return f"arguments must be an object, got {type(arguments).__name__}"
+    unknown = sorted(set(arguments) - set(tool.parameters))
+    if unknown:
+        return f"unknown argument '{unknown[0]}' for {tool.name}"
+    for name in tool.schema["function"]["parameters"]["required"]:
+        if name not in arguments:
+            return f"missing argument '{name}' for {tool.name}"
+    for name, value in arguments.items():
+        if not check_value(tool.hints[name], value):
+            expected = json_schema(tool.hints[name]).get("type", "a valid value")
+            return f"argument '{name}' of {tool.name} must be {expected}, got {type(value).__name__}"
+    return None
+
+
+async def call_tool(tool: Tool, arguments: Any, timeout_s: float = 5.0, max_chars: int = 2000) -> ToolResult:
+    """Check the arguments, run the tool with a timeout -> ToolResult. Never raises (but cancellation)."""
+    started = time.perf_counter()
+    timeout_s = tool.timeout_s or timeout_s
+
+    def result(text: str, error: bool) -> ToolResult:
+        return ToolResult(text[:max_chars], error, time.perf_counter() - started)
+
+    problem = check_arguments(tool, arguments)
+    if problem is not None:
+        return result(f"error: {problem}", True)
+    try:
+        if inspect.iscoroutinefunction(tool.fn):
+            pending = tool.fn(**arguments)
+        else:  # a thread keeps the event loop running; it cannot be killed on timeout
+            pending = asyncio.to_thread(tool.fn, **arguments)
+        return result(str(await asyncio.wait_for(pending, timeout_s)), False)
+    except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
+        return result(f"error: timeout after {timeout_s:g}s", True)
+    except Exception as error:  # a bad call is an observation for the model, not a crash
+        return result(f"error: {error}" if str(error) else f"error: {type(error).__name__}", True)

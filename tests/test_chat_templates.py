@@ -1,0 +1,190 @@
+"""Tokens in / tokens out against several chat templates (written here): the drift check.
+
+For each prefix-consistent template (the built-in one is in test_agent_loop.py; here a Qwen2.5-style
+Hermes template and a Llama-3-style one), a scripted model writes exactly the template's rendering of
+each assistant turn, and the episode's ids must equal the template's full rendering of the episode's
+messages up to the last sampled token: no dropped "\\n" between turns (verl#6501), no re-encoding.
+A template that drops earlier reasoning (Qwen3-like) is not prefix-consistent: the episode keeps the
+ids the model saw, counts a fallback, and differs from the full render exactly by the dropped text.
+"""
+
+import asyncio
+import json
+import string
+
+import pytest
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from nanoverl_async.config import AgentConfig
+from nanoverl_async.env import Environment, Step
+from nanoverl_async.generators.agent_loop import run_episode
+from nanoverl_async.generators.engine import Completion
+
+QWEN25 = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
+    "\n</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}{% if m.content or not loop.first %}\n{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}"
+    "\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA3 = (
+    "<|begin_of_text|>{% for m in messages %}"
+    "<|start_header_id|>{{ 'ipython' if m.role == 'tool' else m.role }}<|end_header_id|>\n\n"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "{\"name\": \"{{ c.function.name }}\", \"parameters\": {{ c.function.arguments | tojson }}}{% endfor %}"
+    "{% else %}{{ m.content }}{% endif %}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+# Qwen3-like: the reasoning of every assistant message but the last is dropped.
+DROPS_REASONING = QWEN25.replace(
+    "<|im_start|>assistant\n{{ m.content }}",
+    "<|im_start|>assistant\n{{ m.content if loop.last else m.content.split('</think>')[-1].lstrip('\n') }}")
+
+
+def char_tokenizer(template: str, specials: list[str], eos: str) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    trainer = trainers.WordLevelTrainer(vocab_size=512, min_frequency=0, special_tokens=["<unk>", *specials],
+                                        show_progress=False)
+    tok.train_from_iterator([string.printable], trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token=eos,
+                                   additional_special_tokens=[s for s in specials if s != eos],
+                                   clean_up_tokenization_spaces=False)
+    fast.chat_template = template
+    return fast
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first.
+        b: the second.
+    """
+    return a + b
+
+
+class AddEnv(Environment):
+    tools = [add]
+
+    async def step(self, sample, message):
+        if "sure" not in message["content"] and sample.get("follow_up"):
+            return Step(reward=0.0, done=False, messages=[{"role": "user", "content": "Are you sure?"}])
+        return Step(reward=float(message["content"].endswith("5")))
+
+
+class LlamaEnv(AddEnv):
+    tool_format = "json"
+
+
+class ScriptedEngine:
+    def __init__(self, tokenizer, turns):
+        self.turns = [tokenizer.encode(t, add_special_tokens=False) for t in turns]
+        self.version, self.requests = 0, []
+
+    async def generate(self, input_ids, params, episode_id=None):
+        self.requests.append(list(input_ids))
+        ids = self.turns[len(self.requests) - 1][: params.max_new_tokens]
+        return Completion(ids, [-0.1] * len(ids), [0] * len(ids), "stop" if ids[-1] in params.stop_token_ids else "length")
+
+
+def call(name, arguments):
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def turn_texts(tokenizer, messages, tools):
+    """The template's own rendering of each assistant message, cut after its end-of-turn token."""
+    eos = tokenizer.eos_token
+    texts = []
+    for k, m in enumerate(messages):
+        if m["role"] == "assistant":
+            before = tokenizer.apply_chat_template(messages[:k], tools=tools, tokenize=False, add_generation_prompt=True)
+            after = tokenizer.apply_chat_template(messages[:k + 1], tools=tools, tokenize=False)
+            piece = after[len(before):]
+            texts.append(piece[: piece.index(eos) + len(eos)])
+    return texts
+
+
+def run(tokenizer, env, messages, sample=None, **agent):
+    schemas = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "description": "the first."},
+                                         "b": {"type": "integer", "description": "the second."}},
+        "required": ["a", "b"]}}}]
+    engine = ScriptedEngine(tokenizer, turn_texts(tokenizer, messages, schemas))
+    sample = {"messages": messages[:1], **(sample or {})}
+    config = AgentConfig(**{"max_turns": 6, "max_new_tokens": 200, "max_total_tokens": 2000, **agent})
+    t = asyncio.run(run_episode(engine, tokenizer, sample, env, config, 1.0))
+    full = tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False)
+    full = full[: full.rindex(tokenizer.eos_token) + len(tokenizer.eos_token)]  # up to the last sampled token
+    return t, full
+
+
+QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>"]
+LLAMA_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+
+@pytest.mark.parametrize("template,specials,eos,env,calls_per_turn", [
+    (QWEN25, QWEN_SPECIALS, "<|im_end|>", AddEnv, 2),
+    (LLAMA3, LLAMA_SPECIALS, "<|eot_id|>", LlamaEnv, 1),
+], ids=["qwen2.5-hermes", "llama3-json"])
+def test_incremental_tokens_equal_the_full_render(template, specials, eos, env, calls_per_turn):
+    tokenizer = char_tokenizer(template, specials, eos)
+    calls = [call("add", {"a": 2, "b": 3}), call("add", {"a": 1, "b": 1})][:calls_per_turn]
+    messages = [{"role": "user", "content": "What is 2+3?"},
+                {"role": "assistant", "content": "", "tool_calls": calls},
+                *[{"role": "tool", "content": r} for r in ["5", "2"][:calls_per_turn]],
+                {"role": "assistant", "content": "It is 5"}]
+    t, full = run(tokenizer, env(), messages)
+    assert t.token_ids.tolist() == tokenizer.encode(full, add_special_tokens=False)
+    assert (t.reward, t.tool_calls, t.tool_errors, t.num_turns, t.info["template_fallbacks"]) == (1.0, calls_per_turn, 0, 2, 0)
+    tool_text = tokenizer.decode([i for i, m in zip(t.token_ids, t.loss_mask) if m == 0], skip_special_tokens=False)
+    assert "5" in tool_text and "It is 5" not in tool_text  # results are forced (mask 0), the answer sampled
+
+
+def test_user_follow_up_and_tool_errors_with_hermes():
+    tokenizer = char_tokenizer(QWEN25, QWEN_SPECIALS, "<|im_end|>")
+    messages = [{"role": "user", "content": "What is 2+3?"},
+                {"role": "assistant", "content": "", "tool_calls": [call("add", {"a": "2", "b": 3}),
+                                                                    call("mul", {"a": 2})]},
+                {"role": "tool", "content": "error: argument 'a' of add must be integer, got str"},
+                {"role": "tool", "content": "error: unknown tool 'mul'"},
+                {"role": "assistant", "content": "4"},
+                {"role": "user", "content": "Are you sure?"},
+                {"role": "assistant", "content": "sure: 5"}]
+    t, full = run(tokenizer, AddEnv(), messages, sample={"follow_up": True})
+    assert t.token_ids.tolist() == tokenizer.encode(full, add_special_tokens=False)
+    assert (t.reward, t.tool_calls, t.tool_errors, t.num_turns) == (1.0, 2, 2, 3)
+
+
+def test_template_that_drops_reasoning_is_explicit():
+    tokenizer = char_tokenizer(DROPS_REASONING, QWEN_SPECIALS, "<|im_end|>")
+    thinking = "<think>2+3, use the tool</think>\n"
+    messages = [{"role": "user", "content": "What is 2+3?"},
+                {"role": "assistant", "content": thinking, "tool_calls": [call("add", {"a": 2, "b": 3})]},
+                {"role": "tool", "content": "5"},
+                {"role": "assistant", "content": "It is 5"}]
+    schemas = None
+    engine = ScriptedEngine(tokenizer, [
+        f"<|im_start|>"[:0] + thinking + '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>',
+        "It is 5<|im_end|>"])
+    config = AgentConfig(max_turns=4, max_new_tokens=200, max_total_tokens=2000)
+    env = AddEnv()
+    env.show_tools = False
+    t = asyncio.run(run_episode(engine, tokenizer, {"messages": messages[:1]}, env, config, 1.0))
+    assert t.info["template_fallbacks"] == 1 and t.reward == 1.0
+    text = tokenizer.decode(t.token_ids.tolist(), skip_special_tokens=False)
+    full = tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False).rstrip("\n")
+    assert thinking in text and thinking not in full  # the model's own reasoning is kept, not the re-render
+    assert text == full.replace("<|im_start|>assistant\n<tool_call>", "<|im_start|>assistant\n" + thinking + "<tool_call>")
+    assert engine.requests[1] == t.token_ids[: len(engine.requests[1])].tolist()  # what the engine saw
+    assert json.loads(text.split("<tool_call>\n")[1].split("\n</tool_call>")[0])["name"] == "add"

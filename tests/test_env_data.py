@@ -1,0 +1,152 @@
+"""Environments by import/file path, verl-format datasets (parquet, jsonl) and verl-style reward functions."""
+
+import asyncio
+import json
+import math
+
+import pytest
+
+from nanoverl_async.config import AgentConfig, ConfigError, load_config
+from nanoverl_async.data import DatasetPrompts
+from nanoverl_async.env import Environment, FunctionEnv, env_factory, load_object
+from nanoverl_async.generators.agent_loop import run_episode
+from nanoverl_async.generators.engine import Completion
+from nanoverl_async.multiply_task import MultiplyEnv
+from nanoverl_async.rewards import load_reward, math_compute_score, score_sample
+from nanoverl_async.tiny_model import build_tokenizer
+
+ROWS = [{"data_source": "toy", "prompt": [{"role": "user", "content": f"{i}+{i}?"}],
+         "reward_model": {"style": "rule", "ground_truth": str(2 * i)}, "extra_info": {"index": i}} for i in range(5)]
+REWARD_FILE = '''
+async def compute_score(data_source, solution_str, ground_truth, extra_info):
+    return {"score": float(solution_str.strip() == ground_truth), "length": len(solution_str)}
+'''
+ENV_FILE = '''
+from nanoverl_async import Environment, Step
+class Echo(Environment):
+    async def step(self, sample, message):
+        return Step(reward=0.5)
+async def rollout(episode, sample):
+    return 0.25
+'''
+
+
+def write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def write_parquet(path, rows):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def test_load_object_by_module_and_file(tmp_path):
+    assert load_object("nanoverl_async.multiply_task:MultiplyEnv") is MultiplyEnv
+    (tmp_path / "my_env.py").write_text(ENV_FILE)
+    echo = load_object(f"{tmp_path}/my_env.py:Echo")
+    assert issubclass(echo, Environment)
+    for spec, why in [("nomodule", "is not of the form"), (f"{tmp_path}/nope.py:X", "does not exist"),
+                      ("nanoverl_async.env:Nope", "has no attribute 'Nope'")]:
+        with pytest.raises(ValueError, match=why):
+            load_object(spec)
+
+
+def test_env_factory_classes_functions_and_reward(tmp_path):
+    (tmp_path / "my_env.py").write_text(ENV_FILE)
+    assert isinstance(env_factory("builtin:multiply")(), MultiplyEnv)
+    make = env_factory(f"{tmp_path}/my_env.py:rollout")
+    assert isinstance(make(), FunctionEnv) and make() is not make()  # one per episode
+
+    def reward(*args):
+        return 1.0
+
+    assert env_factory("builtin:chat", reward)().reward_fn is reward
+    with pytest.raises(ValueError, match="neither a class"):
+        env_factory("nanoverl_async.multiply_task:score")
+
+
+@pytest.mark.parametrize("writer,suffix", [(write_jsonl, "jsonl"), (write_parquet, "parquet")])
+def test_dataset_prompts(tmp_path, writer, suffix):
+    path = writer(tmp_path / f"train.{suffix}", ROWS)
+    prompts = DatasetPrompts([path], seed=3)
+    first_epoch = [prompts(i) for i in range(5)]
+    assert sorted(s["row"] for s in first_epoch) == list(range(5))  # every row once per epoch
+    sample = first_epoch[0]
+    assert sample["messages"][0]["role"] == "user" and sample["index"] == 0 and "prompt" not in sample
+    assert sample["reward_model"]["ground_truth"] == str(2 * sample["row"])
+    again = DatasetPrompts([path], seed=3)
+    assert [again(i) for i in range(7)] == [prompts(i) for i in range(7)]  # pure in (files, seed, index)
+    json.dumps(sample)  # JSON-able (travels as msgpack)
+
+
+def test_bad_rows_fail_loudly(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "not messages"}])
+    with pytest.raises(ValueError, match="bad.jsonl row 0: 'prompt' must be a list"):
+        DatasetPrompts([path], 0)(0)
+
+
+def test_reward_functions(tmp_path):
+    (tmp_path / "reward.py").write_text(REWARD_FILE)
+    fn = load_reward(str(tmp_path / "reward.py"), "compute_score")
+    sample = {**ROWS[2], "messages": ROWS[2]["prompt"]}
+    assert asyncio.run(score_sample(fn, sample, "4")) == (1.0, {"length": 1.0})
+    assert asyncio.run(score_sample(None, sample, "so \\boxed{4}")) == (1.0, {})
+    with pytest.raises(ValueError, match="not a finite number"):
+        asyncio.run(score_sample(lambda *a: math.nan, sample, "4"))
+    assert math_compute_score("", "\\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert math_compute_score("", "\\boxed{3}", "4") == 0.0
+    assert load_reward("", "compute_score") is None
+
+
+class OneTurnEngine:
+    def __init__(self, tokenizer, text):
+        self.ids, self.version = tokenizer.encode(text, add_special_tokens=False), 0
+
+    async def generate(self, input_ids, params, episode_id=None):
+        return Completion(self.ids, [-0.1] * len(self.ids), [0] * len(self.ids), "stop")
+
+
+def test_dataset_episode_with_custom_reward(tmp_path):
+    (tmp_path / "reward.py").write_text(REWARD_FILE)
+    tokenizer = build_tokenizer()
+    env = env_factory("builtin:chat", load_reward(str(tmp_path / "reward.py"), "compute_score"))()
+    sample = DatasetPrompts([write_jsonl(tmp_path / "t.jsonl", ROWS[3:4])], 0)(0)
+    t = asyncio.run(run_episode(OneTurnEngine(tokenizer, "6<|end|>"), tokenizer, sample, env,
+                                AgentConfig(max_total_tokens=64), 1.0))
+    assert (t.reward, t.num_turns, t.tool_calls, t.info["reward_info"]) == (1.0, 1, 0, {"length": 1.0})
+
+
+def test_config_names_the_bad_key(tmp_path):
+    with pytest.raises(ConfigError, match="data.train_files.*does not exist"):
+        load_config(None, [f"data.train_files=[{tmp_path}/missing.parquet]"])
+    with pytest.raises(ConfigError, match="agent.env"):
+        load_config(None, ["agent.env=nanoverl_async.env:Nope"])
+    with pytest.raises(ConfigError, match="reward.path"):
+        load_config(None, [f"reward.path={tmp_path}/none.py"])
+    with pytest.raises(ConfigError, match="agent.max_tool_calls"):
+        load_config(None, ["agent.max_tool_calls=0"])
+    path = write_jsonl(tmp_path / "t.jsonl", ROWS)
+    assert load_config(None, [f"data.train_files=[{path}]"]).data.train_files == [path]
+
+
+def test_full_control_rollout_function():
+    tokenizer = build_tokenizer()
+
+    async def rollout(episode, sample):
+        episode.start(sample["messages"])
+        first = await episode.generate()
+        episode.add_turn(first)
+        assert episode.observe([{"role": "user", "content": "sure?"}])
+        second = await episode.generate()
+        return float(second["content"] == "6")
+
+    engine = OneTurnEngine(tokenizer, "6<|end|>")
+    t = asyncio.run(run_episode(engine, tokenizer, {"messages": [{"role": "user", "content": "2*3?"}]},
+                                FunctionEnv(rollout), AgentConfig(max_total_tokens=64), 1.0))
+    text = tokenizer.decode(t.token_ids.tolist(), skip_special_tokens=False)
+    assert text == "<|user|>2*3?<|end|><|assistant|>6<|end|><|user|>sure?<|end|><|assistant|>6<|end|>"
+    assert (t.reward, t.num_turns, int(t.loss_mask.sum())) == (1.0, 2, 4)

@@ -1,0 +1,169 @@
+"""The learner's update schedule on FSDP2 (CPU, gloo, no Ray): several optimizer steps per batch, unequal
+micro-batches under a token budget, a frozen reference with a KL loss, per-token advantages.
+
+2 ranks with learner.micro_batch_tokens=20 (rank 0's rows of 11 + 11 tokens need two micro-batches,
+rank 1's of 8 + 10 fit in one, which it splits in two to match rank 0's passes) and 1 rank with no budget must both equal a plain-torch loop doing
+ppo_epochs=2 x minibatches=2 optimizer steps on whole minibatches, with the proximal and reference
+logprobs computed once before the first step, and the version must advance by ONE per batch.
+
+Run alone: `python -m pytest tests/test_fsdp_schedule.py -q` (~30 s).
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from test_fsdp import LEARNER, TEMPERATURE, free_port, model_dir  # noqa: F401 (model_dir is a fixture)
+from transformers import AutoModelForCausalLM
+
+from nanoverl_async.algorithms import loss_normaliser, policy_loss, token_entropy
+from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig
+from nanoverl_async.learners.batch import collate, explained_variance, sequence_logprobs, shard, with_advantages
+from nanoverl_async.learners.fsdp_rank import LearnerRank
+from nanoverl_async.trajectory import Trajectory
+
+torch.set_num_threads(1)
+SCHEDULE = dataclasses.replace(LEARNER, ppo_epochs=2, minibatches=2, lr=5e-3)
+ALGO = AlgorithmConfig(advantage="reinforce++", correction="tis", is_cap=1.5, loss_agg="seq-mean-token-mean",
+                       entropy_coef=0.01)
+KL = KLConfig(loss_coef=0.1, estimator="k2")
+
+
+def make_batch(algo=ALGO):
+    """8 episodes in 4 groups of 2 (lengths 11, 11, 8, 10, twice), with `algo`'s advantages (None: GRPO's)."""
+    rng = np.random.default_rng(1)
+    shapes = [(3, [4, 2], 1.0), (4, [2, 3], 0.0), (3, [5], 0.0), (4, [6], 1.0)] * 2  # lengths 11, 11, 8, 10
+    trajectories = []
+    for index, (prompt, turns, reward) in enumerate(shapes):
+        mask = [0] * prompt
+        for turn, size in enumerate(turns):
+            mask += ([0, 0] if turn else []) + [1] * size
+        mask = np.array(mask, np.uint8)
+        logprobs = np.where(mask == 1, -rng.uniform(3.5, 5.5, len(mask)), 0.0).astype(np.float32)
+        trajectories.append(Trajectory(
+            id=str(index), group_id=index // 2, prompt_index=index // 2, sample_index=index % 2,
+            token_ids=rng.integers(2, 100, len(mask)).astype(np.int32), loss_mask=mask,
+            behaviour_logprobs=logprobs, versions=np.where(mask == 1, 0, -1).astype(np.int32), reward=reward))
+    batch = collate(trajectories)
+    return batch if algo is None else with_advantages(batch, 2, algo, KL, max_length=16)
+
+
+def gathered(learner, batch, which, world_size):
+    parts = [None] * world_size
+    dist.all_gather_object(parts, learner.compute_logprobs(batch, which))  # what LearnerPool.prepare does
+    return torch.from_numpy(np.concatenate(parts))
+
+
+def train(rank, world_size, port, model_dir, out_dir, micro_batch_tokens):
+    cfg = dataclasses.replace(SCHEDULE, micro_batch_tokens=micro_batch_tokens)
+    learner = LearnerRank(rank, world_size, "127.0.0.1", port, model_dir, cfg, ALGO, TEMPERATURE, seed=0, kl=KL)
+    batch = make_batch()
+    batch.proximal_logprobs = gathered(learner, batch, "policy", world_size)
+    batch.reference_logprobs = gathered(learner, batch, "reference", world_size)
+    metrics = learner.update(batch)
+    state = learner.full_state_dict()
+    if rank == 0:
+        torch.save({"metrics": metrics, "weights": state}, f"{out_dir}/{world_size}.pt")
+    learner.shutdown()
+
+
+def worker(rank, ports, model_dir, out_dir):
+    train(rank, 2, ports[0], model_dir, out_dir, micro_batch_tokens=20)
+    if rank == 0:
+        train(0, 1, ports[1], model_dir, out_dir, micro_batch_tokens=0)
+
+
+def plain_reference(model_dir, batch):
+    """ppo_epochs x minibatches steps of plain torch on whole minibatches; p_old and ref from the start."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=SCHEDULE.lr, betas=tuple(SCHEDULE.betas),
+                                  weight_decay=SCHEDULE.weight_decay)
+    with torch.no_grad():
+        initial = sequence_logprobs(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits,
+                                    batch.input_ids, TEMPERATURE)
+    initial = torch.where(batch.loss_mask.bool(), initial, 0.0)
+    losses = []
+    for _ in range(SCHEDULE.ppo_epochs):
+        for k in range(SCHEDULE.minibatches):
+            mb = shard(batch, k, SCHEDULE.minibatches)
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+            logprobs = sequence_logprobs(logits, mb.input_ids, TEMPERATURE)
+            entropy = torch.cat([torch.zeros(mb.size, 1), token_entropy(logits[:, :-1], TEMPERATURE)], dim=1)
+            rows = slice(k * mb.size, (k + 1) * mb.size)
+            loss, _ = policy_loss(
+                logprobs, initial[rows], mb.behaviour_logprobs, mb.advantages, mb.loss_mask, ALGO.correction,
+                ALGO.clip.low, ALGO.clip.high, ALGO.is_cap, mb.loss_mask.sum(), aggregation=ALGO.loss_agg,
+                agg_normaliser=loss_normaliser(mb.loss_mask, ALGO.loss_agg), ref_logprobs=initial[rows],
+                kl_coef=KL.loss_coef, kl_estimator=KL.estimator, entropy=entropy, entropy_coef=ALGO.entropy_coef)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), SCHEDULE.grad_clip)
+            optimizer.step()
+            losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def test_epochs_minibatches_and_unequal_micro_batches_match_plain_torch(model_dir, tmp_path):
+    mp.spawn(worker, args=((free_port(), free_port()), model_dir, str(tmp_path)), nprocs=2, join=True)
+    one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    batch = make_batch()
+    assert batch.advantages.shape == batch.loss_mask.shape  # per-token advantages went through trimming
+    losses, weights = plain_reference(model_dir, batch)
+    for run in (one, two):
+        assert run["metrics"]["version"] == 1 and run["metrics"]["optimizer_steps"] == 4  # one version per batch
+        assert run["metrics"]["loss"] == pytest.approx(sum(losses) / len(losses), abs=1e-5)
+        assert run["metrics"]["kl"] > 0  # the policy moved away from the reference within the batch
+        for name, tensor in weights.items():
+            assert torch.allclose(run["weights"][name], tensor, atol=1e-5), name
+    assert abs(weights["model.norm.weight"] - 1).max() > 1e-3  # the steps did move the weights
+
+
+GAE = AlgorithmConfig(advantage="gae", gamma=1.0, lam=1.0)
+CRITIC = CriticConfig(lr=1e-2, value_clip=0.2)
+
+
+def train_critic(rank, world_size, port, model_dir, out_dir, micro_batch_tokens):
+    """Two batches (values recomputed in between, as LearnerPool.prepare does): policy + critic steps."""
+    cfg = dataclasses.replace(LEARNER, micro_batch_tokens=micro_batch_tokens)
+    learner = LearnerRank(rank, world_size, "127.0.0.1", port, model_dir, cfg, GAE, TEMPERATURE, seed=0,
+                          critic=CRITIC)
+    runs = []
+    for _ in range(2):
+        batch = make_batch(algo=None)
+        parts = [None] * world_size
+        dist.all_gather_object(parts, learner.compute_values(batch))
+        batch.values = torch.from_numpy(np.concatenate(parts))
+        batch = with_advantages(batch, 2, GAE, KLConfig(), max_length=16)
+        runs.append({**learner.update(batch), "explained_variance": explained_variance(batch)})
+    critic = get_model_state_dict(learner.critic, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    policy = learner.full_state_dict()  # collectives: every rank calls them
+    if rank == 0:
+        torch.save({"runs": runs, "critic": critic, "policy": policy}, f"{out_dir}/{world_size}.pt")
+    learner.shutdown()
+
+
+def critic_worker(rank, ports, model_dir, out_dir):
+    train_critic(rank, 2, ports[0], model_dir, out_dir, micro_batch_tokens=20)
+    if rank == 0:
+        train_critic(0, 1, ports[1], model_dir, out_dir, micro_batch_tokens=0)
+
+
+def test_critic_learns_the_returns_and_two_ranks_match_one(model_dir, tmp_path):
+    mp.spawn(critic_worker, args=((free_port(), free_port()), model_dir, str(tmp_path)), nprocs=2, join=True)
+    one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    for key in ("value_loss", "vf_clip_fraction", "loss", "grad_norm", "value_grad_norm"):
+        for step in range(2):
+            assert two["runs"][step][key] == pytest.approx(one["runs"][step][key], abs=1e-5), key
+    for name, tensor in one["critic"].items():  # lr 1e-2: Adam turns fp32 summation-order noise into ~1e-5 steps
+        assert torch.allclose(two["critic"][name], tensor, atol=1e-4), name
+    for name, tensor in one["policy"].items():
+        assert torch.allclose(two["policy"][name], tensor, atol=1e-5), name
+    # gamma = lam = 1: the returns are the outcome rewards whatever V is, so the critic's loss must fall
+    first, second = one["runs"]
+    assert second["value_loss"] < first["value_loss"]
+    assert second["explained_variance"] > first["explained_variance"]
+    assert first["version"] == 1 and second["version"] == 2

@@ -1,0 +1,109 @@
+"""Tools (schema from signature and docstring, argument checks, timeouts, errors) and call parsers."""
+
+import asyncio
+from typing import Literal, Optional
+
+import pytest
+
+from nanoverl_async.tool_parsers import parse_builtin, parse_hermes
+from nanoverl_async.tools import as_tool, call_tool, check_arguments
+
+
+def search(query: str, limit: int = 5, mode: Literal["fast", "exact"] = "fast", tags: Optional[list[str]] = None,
+           weight: float = 1.0) -> str:
+    """Search the notes.
+
+    Longer explanation that is not part of the description.
+
+    Args:
+        query: what to look for,
+            possibly over two lines.
+        limit (int): how many results.
+        mode: search mode.
+    """
+    return f"{query}:{limit}:{mode}:{tags}:{weight}"
+
+
+async def slow(seconds: float) -> str:
+    """Sleep."""
+    await asyncio.sleep(seconds)
+    return "done"
+
+
+def boom(x: int) -> int:
+    raise RuntimeError("kaput")
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_schema_from_signature_and_docstring():
+    tool = as_tool(search)
+    function = tool.schema["function"]
+    assert function["name"] == "search" and function["description"] == "Search the notes."
+    props = function["parameters"]["properties"]
+    assert props["query"] == {"type": "string", "description": "what to look for, possibly over two lines."}
+    assert props["limit"] == {"type": "integer", "description": "how many results."}
+    assert props["mode"]["enum"] == ["fast", "exact"]
+    assert props["tags"] == {"type": "array", "items": {"type": "string"}}
+    assert props["weight"] == {"type": "number"}
+    assert function["parameters"]["required"] == ["query"]
+    assert as_tool(tool) is tool and as_tool(slow, name="wait").name == "wait"
+
+
+@pytest.mark.parametrize("arguments,problem", [
+    ({"query": "a"}, None),
+    ({"query": "a", "limit": 3, "weight": 2, "tags": ["x"], "mode": "exact"}, None),  # int is fine for float
+    ({}, "missing argument 'query'"),
+    ({"query": "a", "nope": 1}, "unknown argument 'nope'"),
+    ({"query": 3}, "argument 'query' of search must be string"),
+    ({"query": "a", "limit": True}, "argument 'limit' of search must be integer"),  # bool is not int
+    ({"query": "a", "limit": 2.5}, "must be integer"),
+    ({"query": "a", "mode": "slow"}, "argument 'mode'"),
+    ({"query": "a", "tags": ["x", 1]}, "argument 'tags'"),
+    ([1, 2], "arguments must be an object"),
+])
+def test_argument_checks(arguments, problem):
+    found = check_arguments(as_tool(search), arguments)
+    assert found == problem if problem is None else problem in found
+
+
+def test_call_results_and_errors():
+    ok = run(call_tool(as_tool(search), {"query": "a"}))
+    assert (ok.text, ok.error) == ("a:5:fast:None:1.0", False) and ok.latency_s >= 0
+    bad = run(call_tool(as_tool(search), {"query": 1}))
+    assert bad.error and bad.text.startswith("error: argument 'query'")
+    raised = run(call_tool(as_tool(boom), {"x": 1}))
+    assert (raised.text, raised.error) == ("error: kaput", True)
+    timed_out = run(call_tool(as_tool(slow), {"seconds": 5}, timeout_s=0.05))
+    assert (timed_out.text, timed_out.error) == ("error: timeout after 0.05s", True) and timed_out.latency_s < 1
+    own_limit = run(call_tool(as_tool(slow, timeout_s=0.02), {"seconds": 5}, timeout_s=10))
+    assert own_limit.text == "error: timeout after 0.02s"
+    assert run(call_tool(as_tool(search), {"query": "x" * 100}, max_chars=10)).text == "x" * 10
+
+
+def test_hermes_parser():
+    text = ('Let me look.\n<tool_call>\n{"name": "search", "arguments": {"query": "a"}}\n</tool_call>\n'
+            '<tool_call>{"name": "search", "arguments": "{\\"query\\": \\"b\\"}"}</tool_call>')
+    content, calls = parse_hermes(text)
+    assert content == "Let me look."
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("search", {"query": "a"}, None),
+                                                               ("search", {"query": "b"}, None)]
+    assert parse_hermes("just an answer") == ("just an answer", [])
+    broken = {
+        "<tool_call>{not json}</tool_call>": "invalid JSON",
+        '<tool_call>{"arguments": {}}</tool_call>': "expected",
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>': "must be a JSON object",
+        '<tool_call>{"name": "f", "arguments": {}': "without </tool_call>",
+    }
+    for text, why in broken.items():
+        _, calls = parse_hermes(text)
+        assert len(calls) == 1 and why in calls[0].error, text
+
+
+def test_builtin_parser():
+    assert parse_builtin("hi <call>2*3</call>", "calc", "expression")[1][0].arguments == {"expression": "2*3"}
+    assert parse_builtin("12</call>", "calc", "e")[1][0].error == "malformed call"
+    assert parse_builtin("<call> </call>", "calc", "e")[1][0].error == "malformed call"
+    assert parse_builtin("6", "calc", "e") == ("6", [])
