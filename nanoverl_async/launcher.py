@@ -112,16 +112,24 @@ class Roles:
             return ray.get(self.generators[0].evaluate.remote(self.val_samples), timeout=self.cfg.run.step_timeout_s)
 
     def next_batch(self, step: int):
-        """The buffer's batch for `step`, while watching every generator: a dead one fails the run."""
+        """The buffer's batch for `step`, while watching every generator: a dead one fails the run,
+        even when the batch is ready at the same moment (checked before the batch is returned)."""
         batch_ref = self.buffer.next_batch.remote(step, self.cfg.run.step_timeout_s)
         while True:
             ready, _ = ray.wait([batch_ref, *self.generator_runs], num_returns=1)
+            self._check_generators(step)
             if batch_ref in ready:
                 with role_failures("buffer"):
                     return ray.get(batch_ref)
-            name = self.generator_runs[ready[0]]
+
+    def _check_generators(self, step: int) -> None:
+        """A generator's `run` only returns when it failed (or was stopped): raise naming it."""
+        runs = list(self.generator_runs)
+        ended, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
+        for run_ref in ended:
+            name = self.generator_runs[run_ref]
             with role_failures(name):
-                ray.get(ready[0])
+                ray.get(run_ref)
             raise RunFailed(f"{name} stopped unexpectedly during step {step}")
 
     def shutdown(self) -> None:

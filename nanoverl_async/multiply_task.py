@@ -2,7 +2,7 @@
 
 Why this task: a tiny CPU model cannot multiply two-digit numbers itself, so it must learn to call
 the tool; the tool syntax is a few characters long, so a character-level model learns the format in
-seconds. See /work/shared/DESIGN.md "The embedded default" for the measurements behind the choice.
+seconds. See the project design notes (DESIGN.md) "The embedded default" for the measurements behind the choice.
 
 Token-level episode, with the built-in chat template (nanoverl_async/tiny_model.py):
 

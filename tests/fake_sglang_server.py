@@ -1,4 +1,4 @@
-"""A protocol-faithful fake of SGLang's native HTTP server (../shared/SGLANG_PROTOCOL.md, section 7).
+"""A protocol-faithful fake of SGLang's native HTTP server (the project notes SGLANG_PROTOCOL.md, section 7).
 
 Backed by the transformers engine, so tokens and logprobs are real: each request samples one token per
 engine call (`max_new_tokens=1` on the whole sequence so far), and concurrent requests batch inside the

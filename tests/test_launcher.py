@@ -38,6 +38,19 @@ def make_roles(model_path, tmp_path):
     return Roles(cfg, model_path)
 
 
+def kill_and_wait(actor, timeout_s: float = 30.0) -> None:
+    """ray.kill is asynchronous: wait until the actor really is gone, so the test is not a race."""
+    ray.kill(actor)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("killed actor still answers")
+
+
 @pytest.mark.parametrize("victim", ["generator", "buffer", "learner"])
 def test_dead_role_fails_the_run_naming_it(ray_session, random_tiny_model, tmp_path, victim):
     roles = make_roles(random_tiny_model, tmp_path)
@@ -46,7 +59,7 @@ def test_dead_role_fails_the_run_naming_it(ray_session, random_tiny_model, tmp_p
         assert len(batch.trajectories) == 4
         actor = {"generator": roles.generators[0], "buffer": roles.buffer,
                  "learner": roles.learners.ranks[0]}[victim]
-        ray.kill(actor)
+        kill_and_wait(actor)
         started = time.monotonic()
         with pytest.raises(RunFailed, match={"generator": "generator 0", "buffer": "buffer",
                                              "learner": "learner"}[victim]):

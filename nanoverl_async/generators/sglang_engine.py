@@ -4,7 +4,7 @@
     completion = await engine.generate(prompt_ids, SamplingParams(64, 1.0, (eos,)), episode_id="g3-s1")
     engine.stage_weights(state_dict, version=4)   # pause, update_weights_from_disk, continue
 
-Requests (../shared/SGLANG_PROTOCOL.md sections 2 and 6): `POST /generate` with `input_ids`,
+Requests (the project notes SGLANG_PROTOCOL.md sections 2 and 6): `POST /generate` with `input_ids`,
 `return_logprob: true`, `stream: false`. Tokens and logprobs come from `meta_info.output_token_logprobs`
 (`[logprob, token, null]`, the log softmax of logits / temperature before top-p/top-k, i.e. the
 behaviour logprob the loss wants). Versions per token come from `meta_info.weight_versions` spans where

@@ -1,4 +1,4 @@
-"""One SGLang server process and its control endpoints (../shared/SGLANG_PROTOCOL.md, sections 3 to 5).
+"""One SGLang server process and its control endpoints (the project notes SGLANG_PROTOCOL.md, sections 3 to 5).
 
     server = SGLangServer(model_path, port=30000, cfg=SGLangConfig())
     server.start()                    # python -m sglang.launch_server ..., waits for GET /health == 200

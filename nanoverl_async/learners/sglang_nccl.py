@@ -4,7 +4,7 @@
     sender.init_group(torch.device("cuda", 0))   # servers join as ranks 1..; rank 0 is this process
     sender.send(state_dict.items(), version=7)    # pause, [begin], buckets, [end], continue
 
-Protocol (../shared/SGLANG_PROTOCOL.md section 3): `/init_weights_update_group` blocks on every server
+Protocol (the project notes SGLANG_PROTOCOL.md section 3): `/init_weights_update_group` blocks on every server
 until rank 0 joins, so those calls run on threads while this process joins the group. For each bucket
 (at most `bucket_bytes`), `/update_weights_from_distributed` with its names, dtypes (torch attribute
 names, "bfloat16") and shapes is posted on threads, then rank 0 broadcasts each tensor in the same
