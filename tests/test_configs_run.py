@@ -8,22 +8,13 @@ import json
 import math
 
 import pytest
-import ray
 
 from nanoverl_async.config import load_config
-from nanoverl_async.launcher import launch, start_ray
+from nanoverl_async.launcher import launch
 
 pytestmark = pytest.mark.slow
 
 SMALL = ["run.total_steps=2", "data.prompts_per_step=4", "data.samples_per_prompt=4", "run.progress=false"]
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    started = start_ray(load_config(None).ray)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.mark.parametrize("name, expected_steps_per_batch", [

@@ -21,7 +21,7 @@ from nanoverl_async.algorithms import policy_loss
 from nanoverl_async.config import AlgorithmConfig, LearnerConfig
 from nanoverl_async.learners.batch import collate, sequence_logprobs
 from nanoverl_async.learners.fsdp_rank import LearnerRank
-from nanoverl_async.trajectory import Trajectory
+from synthetic import episodes
 from nanoverl_async.weights import WeightSubscriber
 
 torch.set_num_threads(1)
@@ -47,19 +47,7 @@ def model_dir(tmp_path_factory):
 
 def make_batch():
     """4 episodes in 2 groups: prompt, sampled tokens, a tool result (mask 0), more sampled tokens."""
-    rng = np.random.default_rng(0)
-    trajectories = []
-    for index, (prompt, turns, reward) in enumerate([(3, [4, 2], 1.0), (3, [5], 0.0), (4, [2, 3], 0.0), (4, [6], 1.0)]):
-        mask = [0] * prompt
-        for turn, size in enumerate(turns):
-            mask += ([0, 0] if turn else []) + [1] * size
-        mask = np.array(mask, np.uint8)
-        logprobs = np.where(mask == 1, -rng.uniform(3.5, 5.5, len(mask)), 0.0).astype(np.float32)
-        trajectories.append(Trajectory(
-            id=str(index), group_id=index // 2, prompt_index=index // 2, sample_index=index % 2,
-            token_ids=rng.integers(2, 100, len(mask)).astype(np.int32), loss_mask=mask,
-            behaviour_logprobs=logprobs, versions=np.where(mask == 1, 0, -1).astype(np.int32), reward=reward))
-    return collate(trajectories)
+    return collate(episodes([(3, [4, 2], 1.0), (3, [5], 0.0), (4, [2, 3], 0.0), (4, [6], 1.0)], seed=0))
 
 
 def train_and_report(rank, world_size, port, model_dir, out_dir, micro_batch_tokens):

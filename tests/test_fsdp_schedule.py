@@ -24,7 +24,7 @@ from nanoverl_async.algorithms import loss_normaliser, policy_loss, token_entrop
 from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig
 from nanoverl_async.learners.batch import collate, explained_variance, sequence_logprobs, shard, with_advantages
 from nanoverl_async.learners.fsdp_rank import LearnerRank
-from nanoverl_async.trajectory import Trajectory
+from synthetic import episodes
 
 torch.set_num_threads(1)
 SCHEDULE = dataclasses.replace(LEARNER, ppo_epochs=2, minibatches=2, lr=5e-3)
@@ -35,19 +35,8 @@ KL = KLConfig(loss_coef=0.1, estimator="k2")
 
 def make_batch(algo=ALGO):
     """8 episodes in 4 groups of 2 (lengths 11, 11, 8, 10, twice), with `algo`'s advantages (None: GRPO's)."""
-    rng = np.random.default_rng(1)
     shapes = [(3, [4, 2], 1.0), (4, [2, 3], 0.0), (3, [5], 0.0), (4, [6], 1.0)] * 2  # lengths 11, 11, 8, 10
-    trajectories = []
-    for index, (prompt, turns, reward) in enumerate(shapes):
-        mask = [0] * prompt
-        for turn, size in enumerate(turns):
-            mask += ([0, 0] if turn else []) + [1] * size
-        mask = np.array(mask, np.uint8)
-        logprobs = np.where(mask == 1, -rng.uniform(3.5, 5.5, len(mask)), 0.0).astype(np.float32)
-        trajectories.append(Trajectory(
-            id=str(index), group_id=index // 2, prompt_index=index // 2, sample_index=index % 2,
-            token_ids=rng.integers(2, 100, len(mask)).astype(np.int32), loss_mask=mask,
-            behaviour_logprobs=logprobs, versions=np.where(mask == 1, 0, -1).astype(np.int32), reward=reward))
+    trajectories = episodes(shapes, seed=1)
     batch = collate(trajectories)
     return batch if algo is None else with_advantages(batch, 2, algo, KL, max_length=16)
 

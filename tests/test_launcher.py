@@ -6,7 +6,7 @@ import pytest
 import ray
 
 from nanoverl_async.config import load_config
-from nanoverl_async.launcher import Roles, RunFailed, role_failures, start_ray
+from nanoverl_async.launcher import Roles, RunFailed, role_failures
 from nanoverl_async.tiny_model import TinyRecipe, build_model, build_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -21,14 +21,6 @@ def random_tiny_model(tmp_path_factory):
                                       intermediate_size=64)).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    started = start_ray(load_config(None).ray)
-    yield
-    if started:
-        ray.shutdown()
 
 
 def make_roles(model_path, tmp_path):

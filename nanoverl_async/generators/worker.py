@@ -201,6 +201,8 @@ class GeneratorWorker:
         finally:  # a failed sibling (or a timeout) must not leave the others running unowned
             for episode in episodes:
                 episode.cancel()
+            # Wait for them to unwind, so no episode pushes after run() has closed the sockets.
+            await asyncio.gather(*episodes, return_exceptions=True)
 
     async def _episode(self, lease: dict, sample_index: int) -> None:
         trajectory = await run_episode(self.engine, self.tokenizer, lease["sample"], self.make_env(), self.agent,
