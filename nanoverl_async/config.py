@@ -3,7 +3,7 @@
     cfg = load_config("configs/agent_grpo.yaml", ["staleness.max=4", "learner.world_size=2"])
 
 OmegaConf checks keys and types against the dataclasses (an unknown key or a wrong type is an
-error); `validate` then checks values that types cannot express (ranges, divisibility, choices).
+error); `validation.validate` then checks values that types cannot express (ranges, divisibility, choices).
 Every failure is raised as `ConfigError`, whose message names the offending key in one line, so
 the CLI can print it and exit non-zero before anything starts.
 """
@@ -96,6 +96,9 @@ class GeneratorConfig:
     max_groups_in_flight: int = 16  # prompt groups one generator runs at once (each is G episodes)
     torch_threads: int = 1  # intra-op threads of the generator process
     device: str = "cpu"
+    # GPUs Ray reserves for each transformers-engine replica on cuda; a fraction shares one GPU (e.g. 0.5
+    # beside learner.gpus_per_rank=0.5 on a one-GPU machine). SGLang replicas take servers x tp_size.
+    gpus_per_replica: float = 1.0
 
 
 @dataclass
@@ -107,6 +110,7 @@ class LearnerConfig:
     grad_clip: float = 1.0  # max global grad norm
     torch_threads: int = 1  # intra-op threads of each learner rank
     device: str = "cpu"  # cpu (gloo) | cuda (nccl)
+    gpus_per_rank: float = 1.0  # GPUs Ray reserves per rank on cuda; <1 shares a GPU with generators (NCCL: one rank per GPU)
     ppo_epochs: int = 1  # passes over each batch; optimizer steps per batch = ppo_epochs x minibatches
     minibatches: int = 1  # optimizer steps per pass (must divide the batch into equal per-rank shards)
     micro_batch_tokens: int = 0  # forward/backward chunks of at most this many padded tokens (0 = no bound)
@@ -214,23 +218,6 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
 
 
-CHOICES = {
-    "model.dtype": ("float32", "bfloat16"),
-    "generator.engine": ("transformers", "sglang"),
-    "generator.device": ("cpu", "cuda"),
-    "learner.device": ("cpu", "cuda"),
-    "algorithm.advantage": ("grpo", "drgrpo", "rloo", "reinforce++", "gae"),
-    "algorithm.loss": ("ppo", "gspo", "cispo"),
-    "algorithm.correction": ("decoupled", "none", "tis", "mis"),
-    "algorithm.is_level": ("token", "sequence"),
-    "algorithm.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "kl.estimator": ("k1", "k2", "k3"),
-    "weight_sync.mode": ("interrupt", "drain"),
-    "generator.sglang.weight_transport": ("disk", "nccl"),
-    "generator.sglang.pause_mode": ("abort", "retract"),
-}
-
-
 def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
     """YAML file (or None for the defaults) + `key=value` overrides -> a validated `Config`."""
     merged = OmegaConf.structured(Config)
@@ -244,6 +231,8 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
     except OmegaConfBaseException as error:
         raise ConfigError(_describe(error)) from None
     cfg: Config = OmegaConf.to_object(merged)
+    from nanoverl_async.validation import validate  # it imports this module
+
     validate(cfg)
     return cfg
 
@@ -271,114 +260,6 @@ def _describe(error: OmegaConfBaseException) -> str:
     if "not in struct" in message or "Key '" in message and "not" in message:
         return f"unknown config key '{key}'"
     return f"config key '{key}': {message}"
-
-
-def validate(cfg: Config) -> None:
-    """Value checks that types cannot express; raises ConfigError naming the key."""
-    for key, allowed in CHOICES.items():
-        value = get_key(cfg, key)
-        if value not in allowed:
-            raise ConfigError(f"config key '{key}': '{value}' is not one of {', '.join(allowed)}")
-    positive = ["run.total_steps", "data.prompts_per_step", "data.samples_per_prompt", "agent.max_turns",
-                "agent.max_new_tokens", "agent.max_total_tokens", "agent.tool_timeout_s", "agent.max_tool_calls", "generator.replicas",
-                "generator.max_groups_in_flight", "generator.torch_threads", "learner.world_size",
-                "learner.torch_threads", "run.step_timeout_s", "weight_sync.timeout_s",
-                "buffer.lease_timeout_s", "generator.temperature", "learner.lr", "algorithm.is_cap",
-                "generator.sglang.servers", "generator.sglang.tp_size", "generator.sglang.mem_fraction_static",
-                "generator.sglang.launch_timeout_s", "generator.sglang.request_timeout_s",
-                "generator.sglang.control_timeout_s"]
-    for key in positive:
-        if not get_key(cfg, key) > 0:
-            raise ConfigError(f"config key '{key}': must be > 0, got {get_key(cfg, key)}")
-    non_negative = ["staleness.max", "run.seed", "run.eval_every", "learner.weight_decay", "learner.grad_clip",
-                    "algorithm.clip.low", "algorithm.clip.high", "ray.num_cpus"]
-    for key in non_negative:
-        if get_key(cfg, key) < 0:
-            raise ConfigError(f"config key '{key}': must be >= 0, got {get_key(cfg, key)}")
-    if cfg.algorithm.clip.low >= 1:
-        raise ConfigError(f"config key 'algorithm.clip.low': must be < 1, got {cfg.algorithm.clip.low}")
-    if len(cfg.learner.betas) != 2 or not all(0 <= b < 1 for b in cfg.learner.betas):
-        raise ConfigError(f"config key 'learner.betas': must be two numbers in [0, 1), got {cfg.learner.betas}")
-    samples = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
-    if samples % cfg.learner.world_size:
-        raise ConfigError(f"config key 'learner.world_size': {cfg.learner.world_size} does not divide the "
-                          f"{samples} samples per step (data.prompts_per_step x data.samples_per_prompt)")
-    if cfg.agent.max_new_tokens >= cfg.agent.max_total_tokens:
-        raise ConfigError("config key 'agent.max_new_tokens': must be smaller than agent.max_total_tokens")
-    if not cfg.model.path:
-        raise ConfigError("config key 'model.path': must not be empty")
-    validate_algorithm(cfg)
-    validate_agent_data(cfg)
-
-
-def validate_agent_data(cfg: Config) -> None:
-    """Dataset files exist with a known suffix; agent.env and reward.path name loadable objects."""
-    if cfg.run.eval_every and not cfg.data.val_files:
-        raise ConfigError("config key 'run.eval_every': needs data.val_files (the evaluation prompts)")
-    for key in ("data.train_files", "data.val_files"):
-        for path in get_key(cfg, key):
-            if not str(path).endswith((".parquet", ".jsonl", ".json")):
-                raise ConfigError(f"config key '{key}': '{path}' is not a .parquet or .jsonl file")
-            if not Path(path).is_file():
-                raise ConfigError(f"config key '{key}': file '{path}' does not exist")
-    from nanoverl_async.env import env_factory, resolved_env  # imported here: no user code until now
-    from nanoverl_async.rewards import load_reward
-
-    from nanoverl_async.buffer.service import resolve_prompt_fn
-
-    for key, load in (("agent.env", lambda: env_factory(resolved_env(cfg.agent.env, cfg.data.train_files))),
-                      ("data.task", lambda: cfg.data.train_files or resolve_prompt_fn(cfg.data.task, cfg.run.seed)),
-                      ("reward.path", lambda: load_reward(cfg.reward.path, cfg.reward.name))):
-        try:
-            load()
-        except (ValueError, ImportError, SyntaxError) as error:
-            raise ConfigError(f"config key '{key}': {error}") from None
-
-
-INF = float("inf")
-
-
-def validate_algorithm(cfg: Config) -> None:
-    """Algorithm, KL and update-schedule values, and the combinations that cannot work together."""
-    algo, kl, learner = cfg.algorithm, cfg.kl, cfg.learner
-    ranges = {"learner.ppo_epochs": (1, INF), "learner.minibatches": (1, INF), "algorithm.gamma": (0, 1),
-              "algorithm.lam": (0, 1), "critic.lr": (1e-12, INF)}
-    ranges.update({key: (0, INF) for key in (
-        "learner.micro_batch_tokens", "algorithm.entropy_coef", "algorithm.is_low", "kl.loss_coef", "kl.reward_coef",
-        "algorithm.overlong.buffer", "algorithm.overlong.penalty", "critic.weight_decay", "critic.grad_clip",
-        "critic.value_clip")})
-    for key, (low, high) in ranges.items():
-        if not low <= get_key(cfg, key) <= high:
-            raise ConfigError(f"config key '{key}': must be in [{low}, {high}], got {get_key(cfg, key)}")
-    samples = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
-    if samples % (learner.minibatches * learner.world_size):
-        raise ConfigError(f"config key 'learner.minibatches': {learner.minibatches} minibatches x "
-                          f"{learner.world_size} ranks do not divide the {samples} samples per step evenly")
-    if algo.clip.ratio_c != 0 and algo.clip.ratio_c <= 1:
-        raise ConfigError(f"config key 'algorithm.clip.ratio_c': must be 0 (off) or > 1, got {algo.clip.ratio_c}")
-    if algo.is_low >= algo.is_cap:
-        raise ConfigError(f"config key 'algorithm.is_low': must be below algorithm.is_cap ({algo.is_cap})")
-    if algo.correction not in ("tis", "mis") and (algo.is_level != "token" or algo.is_low != 0):
-        raise ConfigError("config key 'algorithm.is_level': is_level and is_low apply to correction tis or mis "
-                          f"only, not '{algo.correction}'")
-    if algo.loss == "gspo" and algo.correction in ("tis", "mis") and algo.is_level == "token":
-        raise ConfigError(f"config key 'algorithm.is_level': loss gspo takes one ratio per sequence, so its "
-                          f"{algo.correction} correction must be sequence-level too (algorithm.is_level=sequence)")
-    if algo.advantage != "gae" and cfg.critic != CriticConfig():
-        raise ConfigError(f"config key 'critic': set, but only algorithm.advantage=gae trains a critic "
-                          f"(advantage is '{algo.advantage}')")
-    if kl.reward_coef > 0 and algo.advantage not in ("reinforce++", "gae"):
-        raise ConfigError(f"config key 'kl.reward_coef': a per-token KL reward needs a token-level advantage "
-                          f"(reinforce++ or gae), not '{algo.advantage}'; use kl.loss_coef instead")
-    if cfg.reference.path and kl.loss_coef == 0 and kl.reward_coef == 0:
-        raise ConfigError("config key 'reference.path': set, but KL is off (kl.loss_coef = kl.reward_coef = 0), "
-                          "so the reference would never be used")
-    if algo.group_filter and cfg.data.samples_per_prompt < 2:
-        raise ConfigError("config key 'algorithm.group_filter': needs data.samples_per_prompt >= 2 "
-                          "(a single-sample group always ties and would be dropped)")
-    if algo.overlong.buffer >= cfg.agent.max_total_tokens:
-        raise ConfigError(f"config key 'algorithm.overlong.buffer': must be below agent.max_total_tokens "
-                          f"({cfg.agent.max_total_tokens})")
 
 
 def get_key(cfg: Any, dotted: str) -> Any:

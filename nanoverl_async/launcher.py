@@ -80,6 +80,9 @@ class Roles:
 
     def __init__(self, cfg: Config, model_path: str):
         self.cfg = cfg
+        # run.eval_every's prompts (validation checked that data.val_files is set), loaded once
+        self.val_samples = [{**s, "index": i} for i, s in enumerate(load_samples(cfg.data.val_files))] \
+            if cfg.run.eval_every else []
         self.buffer = ray.remote(num_cpus=0, max_concurrency=4)(BufferRole).remote(
             cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max, cfg.buffer, cfg.wire,
             cfg.run.seed, prompt_source(cfg), cfg.algorithm.group_filter)
@@ -90,9 +93,7 @@ class Roles:
                                         critic=cfg.critic)
         with role_failures("buffer"):
             buffer_endpoints = ray.get(self.buffer.endpoints.remote(), timeout=60)
-        sglang = cfg.generator.sglang  # an SGLang generator's servers run on the GPUs Ray gives its actor
-        gpus = sglang.servers * sglang.tp_size if cfg.generator.engine == "sglang" and cfg.generator.device == "cuda" else 0
-        generator_actor = ray.remote(num_cpus=0, num_gpus=gpus)(GeneratorRole)
+        generator_actor = ray.remote(num_cpus=0, num_gpus=generator_gpus(cfg))(GeneratorRole)
         self.generators = [
             generator_actor.remote(
                 generator_id=i, model_path=model_path, generator=cfg.generator, agent=cfg.agent,
@@ -103,11 +104,18 @@ class Roles:
             for i in range(cfg.generator.replicas)
         ]
         self.generator_runs = {gen.run.remote(): f"generator {i}" for i, gen in enumerate(self.generators)}
+        sglang = cfg.generator.sglang
+        if cfg.generator.engine == "sglang" and sglang.weight_transport == "nccl":
+            # Learner rank 0 loads every version into every server itself, so it joins one group with all
+            # of them before the first publish. A generator's constructor returns once its servers are up.
+            with role_failures("generators (SGLang endpoints)"):
+                endpoints = ray.get([gen.sglang_endpoints.remote() for gen in self.generators],
+                                    timeout=sglang.launch_timeout_s + 60)
+            with role_failures("learner pool"):
+                self.learners.connect_sglang([e for per_generator in endpoints for e in per_generator], sglang)
 
     def evaluate(self) -> dict:
         """Near-greedy episodes on data.val_files by generator 0 (worker.evaluate) -> eval/* metrics."""
-        if not hasattr(self, "val_samples"):
-            self.val_samples = [{**s, "index": i} for i, s in enumerate(load_samples(self.cfg.data.val_files))]
         with role_failures("generator 0"):
             return ray.get(self.generators[0].evaluate.remote(self.val_samples), timeout=self.cfg.run.step_timeout_s)
 
@@ -177,6 +185,20 @@ class GeneratorRole:
 
     async def evaluate(self, samples: list) -> dict:
         return await self.worker.evaluate(samples)
+
+    async def sglang_endpoints(self) -> list[dict]:
+        """This generator's SGLang servers (url, tp_size, server_version, legacy_protocol), for learner rank 0
+        to load weights into them (generator.sglang.weight_transport=nccl)."""
+        return self.worker.engine.endpoints(node_ip=ray.util.get_node_ip_address())
+
+
+def generator_gpus(cfg: Config) -> float:
+    """GPUs Ray reserves for one generator replica: an SGLang replica's servers run on the GPUs its actor
+    is given (servers x tp_size); a transformers engine on cuda takes generator.gpus_per_replica."""
+    if cfg.generator.device != "cuda":
+        return 0
+    sglang = cfg.generator.sglang
+    return sglang.servers * sglang.tp_size if cfg.generator.engine == "sglang" else cfg.generator.gpus_per_replica
 
 
 def prompt_source(cfg: Config):

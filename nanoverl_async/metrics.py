@@ -17,42 +17,52 @@ import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 
+# Stats the buffer computes once per batch at hand-out (buffer/service.py: batch_stats and its counters),
+# logged under these names; every other numeric stat is logged as `buffer/<name>`.
+BUFFER_STAT_KEYS = {
+    "reward_mean": "reward/mean",
+    "staleness_max": "staleness/max",  # lag = step - version, over trajectories that sampled a token
+    "staleness_mean": "staleness/mean",
+    "staleness_hist": "staleness/histogram",  # {lag: trajectories}
+    "staleness_token_mean": "staleness/token_mean",  # the same, weighted by generated tokens
+    "staleness_token_hist": "staleness/token_histogram",  # {lag: generated tokens}
+    "dropped_stale": "staleness/dropped",  # groups dropped by the consumption check so far
+    "turns_mean": "episodes/turns_mean",
+    "tool_calls_mean": "episodes/tool_calls_mean",
+    "tool_errors_mean": "episodes/tool_errors_mean",
+}
+
+
 def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, step_seconds: float,
                  samples_trained: int) -> dict:
     """Everything logged for step `step`; `batch` is the buffer's Batch, `learner` the pool's metrics."""
     trajectories = batch.trajectories
     stats = batch.stats
-    rewards = np.array([t.reward for t in trajectories], dtype=np.float64)
-    lags = np.array([step - t.version for t in trajectories])
     generator_versions = stats.get("generator_versions", {})
-    metrics = {
-        "step": step,
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std()),
-        "staleness/max": int(lags.max()),
-        "staleness/mean": float(lags.mean()),
+    metrics = {"step": step}
+    for key, name in BUFFER_STAT_KEYS.items():
+        value = stats[key]
+        metrics[name] = {str(k): v for k, v in value.items()} if isinstance(value, dict) else value
+    tool_calls = sum(t.tool_calls for t in trajectories)
+    metrics.update({
+        "reward/std": float(np.std([t.reward for t in trajectories])),
         "staleness/limit": staleness_limit,
-        "staleness/histogram": {str(lag): int((lags == lag).sum()) for lag in np.unique(lags)},
-        "staleness/dropped": int(stats.get("dropped_stale", 0)),
         "samples/trained": samples_trained,
         "time/step_s": step_seconds,  # wall time from the end of the previous step: wait + train + publish
         "tokens/generated_per_s": stats.get("tokens_generated", 0) / max(step_seconds, 1e-9),
         "samples/per_s": len(trajectories) / max(step_seconds, 1e-9),
         "weights/version_lag_max": (step - min(generator_versions.values())) if generator_versions else 0,
-        "episodes/turns_mean": float(np.mean([t.num_turns for t in trajectories])),
-        "episodes/tool_calls_mean": float(np.mean([t.tool_calls for t in trajectories])),
         "episodes/tool_use_frac": float(np.mean([t.tool_calls > 0 for t in trajectories])),
-        "episodes/tool_errors_mean": float(np.mean([t.tool_errors for t in trajectories])),
         # errors / calls over the batch (malformed, unknown tool, bad arguments, raised, timed out)
-        "episodes/tool_error_rate": sum(t.tool_errors for t in trajectories) / max(1, sum(t.tool_calls for t in trajectories)),
+        "episodes/tool_error_rate": sum(t.tool_errors for t in trajectories) / max(1, tool_calls),
         "episodes/tool_latency_s": sum(t.timings.get("tool", 0.0) for t in trajectories)
-        / max(1, sum(t.tool_calls for t in trajectories)),  # mean seconds per tool call
+        / max(1, tool_calls),  # mean seconds per tool call
         "episodes/length_mean": float(np.mean([len(t.token_ids) for t in trajectories])),
         "episodes/generated_tokens_mean": float(np.mean([t.num_generated for t in trajectories])),
-    }
+    })
     for key, value in stats.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            metrics.setdefault(f"buffer/{key}", value)
+        if key not in BUFFER_STAT_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool):
+            metrics[f"buffer/{key}"] = value
     for key, value in learner.items():
         metrics[key if "/" in key else f"learner/{key}"] = value
     return metrics

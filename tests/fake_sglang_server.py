@@ -10,13 +10,17 @@ semantics at token granularity:
     under whatever weights were loaded meanwhile: `meta_info.weight_versions` then has two spans;
   - weight updates take a writer lock when not paused (wait for in-flight requests, or abort them with
     `abort_all_requests`); `--fake-version` picks 0.5.2 / 0.5.10 / 0.5.23 behaviour (section 8).
-NCCL cannot run here: `/update_weights_from_distributed` takes its tensors from `server.nccl`, a queue
-a test fills in the order rank 0 would broadcast them (learners/sglang_nccl.py's `broadcast` hook).
+`/update_weights_from_distributed` receives its tensors from rank 0 of the group `/init_weights_update_group`
+made. As a process (`real_groups`), the fake really joins that group with the body's backend (gloo on a
+CPU; learners/sglang_nccl.py's `init_custom_process_group`, as SGLang does) and receives the broadcasts; in
+process, it takes them from `server.nccl`, a queue a test fills in broadcast order (the sender's `broadcast`
+hook). `--fake-events FILE` appends one JSON line per weight update (tests check what really loaded).
 Greedy (temperature 0) is approximated by temperature 1e-4.
 
 In-process: `server = FakeSGLangServer(model_dir); server.start(); ...; server.stop()`.
 As a process (same flags as `python -m sglang.launch_server`, unknown ones ignored):
     python tests/fake_sglang_server.py --model-path DIR --port 30000 --weight-version 0 [--fake-version 0.5.10]
+        [--fake-events FILE]
 """
 
 from __future__ import annotations
@@ -66,9 +70,11 @@ class FakeSGLangServer(GenerateMixin):
         self.requests: dict = {}  # rid -> _Request, running or waiting
         self.lock = threading.Lock()
         self.nccl: "queue.Queue[torch.Tensor]" = queue.Queue()  # the fake broadcast (see the docstring)
+        self.real_groups = False  # join /init_weights_update_group's process group for real (see the docstring)
+        self.events_path = ""  # append a JSON line per weight update here
         self.calls: list[str] = []  # every path served, in order (tests check the protocol sequence)
         self.loop = asyncio.new_event_loop()
-        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
+        self.httpd = _HTTPServer((host, port), _handler(self))
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self.url = f"http://{host}:{self.port}"
@@ -218,6 +224,7 @@ class FakeSGLangServer(GenerateMixin):
             self.updating = False
             raise HTTPError(400, {"success": False, "message": f"Failed to update weights: {error}"}) from None
         self.model_path = body["model_path"]
+        self.record({"update": "disk", "version": body.get("weight_version")})
         return self.finish_update(body, body.get("weight_version"))
 
     async def _load(self, state: dict, version, strict: bool) -> None:
@@ -236,11 +243,23 @@ class FakeSGLangServer(GenerateMixin):
                 "new_version": self.weight_version}
 
     def init_group(self, body: dict):
-        self.groups[body["group_name"]] = {**body, "master_port": int(body["master_port"])}  # AReaL sends a str
+        group = {**body, "master_port": int(body["master_port"])}  # AReaL sends a str
+        if self.real_groups:  # blocks until rank 0 (the trainer) joins, as SGLang's does
+            from nanoverl_async.learners.sglang_nccl import init_custom_process_group
+
+            try:
+                group["pg"] = init_custom_process_group(
+                    body.get("backend", "nccl"), f"tcp://{body['master_address']}:{group['master_port']}",
+                    body["world_size"], body["rank_offset"], body["group_name"], timeout_s=60)
+            except Exception as error:
+                raise HTTPError(400, {"success": False, "message": f"Failed to init group: {error}"}) from None
+        self.groups[body["group_name"]] = group
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     def destroy_group(self, body: dict):
-        self.groups.pop(body.get("group_name", "weight_update_group"), None)
+        group = self.groups.pop(body.get("group_name", "weight_update_group"), None)
+        if group is not None and group.get("pg") is not None:
+            torch.distributed.destroy_process_group(group["pg"])
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     def begin_update(self, body: dict):
@@ -274,13 +293,31 @@ class FakeSGLangServer(GenerateMixin):
         if problems or not len(names) == len(dtypes) == len(shapes):
             raise HTTPError(400, {"success": False, "message": f"bad names/dtypes/shapes: {problems[:3]}"})
         self.writer_lock(body)
+        group = self.groups[body.get("group_name", "weight_update_group")].get("pg")
         state = {}
-        for name, dtype, shape in zip(names, dtypes, shapes):  # "broadcast" from rank 0, in order
-            tensor = self.nccl.get(timeout=30)
+        for name, dtype, shape in zip(names, dtypes, shapes):  # broadcast from rank 0, in order
+            if group is not None:
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                torch.distributed.broadcast(tensor, src=0, group=group)
+            else:
+                tensor = self.nccl.get(timeout=30)
             assert tensor.dtype == getattr(torch, dtype) and list(tensor.shape) == list(shape), name
             state[name] = tensor
         self.on_loop(self._load(state, body.get("weight_version"), strict=False))
+        self.record({"update": "distributed", "version": body.get("weight_version"), "tensors": len(names),
+                     "backend": self.groups[body.get("group_name", "weight_update_group")].get("backend")})
         return self.finish_update(body, body.get("weight_version"))
+
+    def record(self, event: dict) -> None:
+        if self.events_path:
+            with open(self.events_path, "a") as events:  # one short append per line: servers may share a file
+                events.write(json.dumps({"port": self.port, **event}) + "\n")
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    # SGLang (uvicorn) listens with a backlog of 2048. socketserver's 5 overflows when a pause aborts many
+    # requests and their clients resubmit at once, and an overflowed connection can be reset mid-request.
+    request_queue_size = 2048
 
 
 def _as_list(value) -> list:
@@ -342,10 +379,11 @@ def main() -> None:
     parser.add_argument("--random-seed", type=int, default=0)
     parser.add_argument("--fake-version", default="0.5.23")
     parser.add_argument("--fake-token-delay-s", type=float, default=0.0)
+    parser.add_argument("--fake-events", default="")
     args, _ = parser.parse_known_args()
     server = FakeSGLangServer(args.model_path, host=args.host, port=args.port, weight_version=args.weight_version,
                               fake_version=args.fake_version, seed=args.random_seed)
-    server.token_delay_s = args.fake_token_delay_s
+    server.token_delay_s, server.events_path, server.real_groups = args.fake_token_delay_s, args.fake_events, True
     server.start(load=False)  # /health answers 503 until the model is loaded
     server.load()
     print(f"fake sglang {args.fake_version} ready at {server.url} {uuid.uuid4().hex[:4]}", flush=True)

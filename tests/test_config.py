@@ -26,6 +26,9 @@ def test_default_config_loads_with_overrides():
     ("weight_sync.mode=sometimes", "weight_sync.mode"),
     ("algorithm.correction=magic", "algorithm.correction"),
     ("learner.betas=[0.9]", "learner.betas"),
+    ("learner.gpus_per_rank=2", "learner.gpus_per_rank"),  # a rank is one GPU or a share of one
+    ("generator.gpus_per_replica=1.5", "generator.gpus_per_replica"),
+    ("generator.gpus_per_replica=0", "generator.gpus_per_replica"),
 ])
 def test_bad_override_names_the_key(override, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):

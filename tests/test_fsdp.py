@@ -32,7 +32,11 @@ ALGO = AlgorithmConfig(is_cap=1.5)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_qwen2")
+    return write_model_dir(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+def write_model_dir(path) -> str:
+    """A tiny random Qwen2 with a word-level tokenizer, saved in `path`."""
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

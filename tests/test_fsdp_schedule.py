@@ -60,10 +60,17 @@ def train(rank, world_size, port, model_dir, out_dir, micro_batch_tokens):
     learner.shutdown()
 
 
-def worker(rank, ports, model_dir, out_dir):
-    train(rank, 2, ports[0], model_dir, out_dir, micro_batch_tokens=20)
+def two_then_one(rank, fn, ports, model_dir, out_dir):
+    fn(rank, 2, ports[0], model_dir, out_dir, micro_batch_tokens=20)
     if rank == 0:
-        train(0, 1, ports[1], model_dir, out_dir, micro_batch_tokens=0)
+        fn(0, 1, ports[1], model_dir, out_dir, micro_batch_tokens=0)
+
+
+def spawn_two_then_one(fn, model_dir, out_dir):
+    """fn(rank, world_size, port, model_dir, out_dir, micro_batch_tokens) on 2 ranks with a budget of 20
+    tokens, then on 1 rank with none; rank 0 saves `<world_size>.pt`; returns (the 1-rank, the 2-rank) saves."""
+    mp.spawn(two_then_one, args=(fn, (free_port(), free_port()), model_dir, str(out_dir)), nprocs=2, join=True)
+    return torch.load(out_dir / "1.pt"), torch.load(out_dir / "2.pt")
 
 
 def plain_reference(model_dir, batch):
@@ -97,8 +104,7 @@ def plain_reference(model_dir, batch):
 
 
 def test_epochs_minibatches_and_unequal_micro_batches_match_plain_torch(model_dir, tmp_path):
-    mp.spawn(worker, args=((free_port(), free_port()), model_dir, str(tmp_path)), nprocs=2, join=True)
-    one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    one, two = spawn_two_then_one(train, model_dir, tmp_path)
     batch = make_batch()
     assert batch.advantages.shape == batch.loss_mask.shape  # per-token advantages went through trimming
     losses, weights = plain_reference(model_dir, batch)
@@ -135,15 +141,8 @@ def train_critic(rank, world_size, port, model_dir, out_dir, micro_batch_tokens)
     learner.shutdown()
 
 
-def critic_worker(rank, ports, model_dir, out_dir):
-    train_critic(rank, 2, ports[0], model_dir, out_dir, micro_batch_tokens=20)
-    if rank == 0:
-        train_critic(0, 1, ports[1], model_dir, out_dir, micro_batch_tokens=0)
-
-
 def test_critic_learns_the_returns_and_two_ranks_match_one(model_dir, tmp_path):
-    mp.spawn(critic_worker, args=((free_port(), free_port()), model_dir, str(tmp_path)), nprocs=2, join=True)
-    one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    one, two = spawn_two_then_one(train_critic, model_dir, tmp_path)
     for key in ("value_loss", "vf_clip_fraction", "loss", "grad_norm", "value_grad_norm"):
         for step in range(2):
             assert two["runs"][step][key] == pytest.approx(one["runs"][step][key], abs=1e-5), key

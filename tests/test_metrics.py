@@ -1,11 +1,12 @@
-"""step_metrics is pure: the keys the issue promises, computed from a hand-made batch."""
+"""step_metrics is pure: the keys the issue promises, from a hand-made batch whose stats are the buffer's."""
 
 import json
 
 import numpy as np
 
-from nanoverl_async.buffer.service import Batch
-from nanoverl_async.metrics import MetricsLogger, step_metrics
+from nanoverl_async.buffer.replay import Group
+from nanoverl_async.buffer.service import Batch, batch_stats
+from nanoverl_async.metrics import BUFFER_STAT_KEYS, MetricsLogger, step_metrics
 from nanoverl_async.trajectory import Trajectory
 
 
@@ -18,20 +19,41 @@ def trajectory(version: int, reward: float, tool_calls: int) -> Trajectory:
                       num_turns=1 + tool_calls, tool_calls=tool_calls)
 
 
+def make_batch(step: int, trajectories: list[Trajectory], **counters) -> Batch:
+    """What BufferService._hand_out builds: batch_stats over the groups plus the service counters."""
+    groups = [Group(group_id=i, prompt_index=i, lease_version=0, samples={0: t}) for i, t in enumerate(trajectories)]
+    return Batch(step, trajectories, {**batch_stats(step, groups), **counters})
+
+
 def test_step_metrics_keys_and_values(tmp_path):
-    batch = Batch(step=5, trajectories=[trajectory(5, 1.0, 1), trajectory(3, 0.0, 0), trajectory(4, 1.0, 1),
-                                        trajectory(4, 0.0, 0)],
-                  stats={"generator_versions": {0: 4, 1: 5}, "tokens_generated": 120, "dropped_stale": 2})
+    batch = make_batch(5, [trajectory(5, 1.0, 1), trajectory(3, 0.0, 0), trajectory(4, 1.0, 1), trajectory(4, 0.0, 0)],
+                       generator_versions={0: 4, 1: 5}, tokens_generated=120, dropped_stale=2, wait_s=0.25)
     m = step_metrics(5, 2, batch, {"loss": 0.1, "grad_norm": 0.5}, step_seconds=2.0, samples_trained=24)
-    assert m["step"] == 5 and m["reward/mean"] == 0.5
+    assert m["step"] == 5 and m["reward/mean"] == 0.5 and m["reward/std"] == 0.5
     assert m["staleness/max"] == 2 and m["staleness/mean"] == 1.0 and m["staleness/limit"] == 2
     assert m["staleness/histogram"] == {"0": 1, "1": 2, "2": 1} and m["staleness/dropped"] == 2
+    assert m["staleness/token_histogram"] == {"0": 3, "1": 6, "2": 3} and m["staleness/token_mean"] == 1.0
     assert m["samples/trained"] == 24 and m["time/step_s"] == 2.0
     assert m["tokens/generated_per_s"] == 60.0 and m["weights/version_lag_max"] == 1
     assert m["episodes/turns_mean"] == 1.5 and m["episodes/tool_calls_mean"] == 0.5
+    assert m["episodes/tool_errors_mean"] == 0.0 and m["episodes/generated_tokens_mean"] == 3.0
     assert m["learner/loss"] == 0.1 and m["learner/grad_norm"] == 0.5
+    # each statistic appears once: the buffer's batch stats are not copied into buffer/*, its counters are
+    assert not {f"buffer/{key}" for key in BUFFER_STAT_KEYS} & set(m) and "buffer/step" not in m
+    assert m["buffer/wait_s"] == 0.25 and m["buffer/tokens_generated"] == 120
+    assert m["buffer/batch_tokens_generated"] == 12
 
     logger = MetricsLogger(tmp_path, total_steps=6, progress=False)
     logger.log(m)
     logger.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["staleness/max"] == 2
+
+
+def test_staleness_ignores_episodes_that_sampled_no_token():
+    """Version -1 (no sampled token) is not a lag of step + 1: staleness stays within the limit."""
+    silent = trajectory(0, 0.0, 0)
+    silent.loss_mask[:] = 0
+    silent.versions[:] = -1
+    batch = make_batch(3, [trajectory(3, 1.0, 0), silent], dropped_stale=0)
+    m = step_metrics(3, 1, batch, {}, step_seconds=1.0, samples_trained=2)
+    assert m["staleness/max"] == 0 and m["staleness/histogram"] == {"0": 1} and m["reward/mean"] == 0.5

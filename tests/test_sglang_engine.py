@@ -8,13 +8,15 @@ weights and the request completes; a call past its timeout fails loudly; NCCL-pr
 protocol variants, tensors through the fake's broadcast queue). Slow tier: a dead server process is
 restarted; the sender's custom process group broadcasts (gloo, two processes); the real CLI runs 3 steps
 with generator.engine=sglang on two fake server processes. `test_real_sglang_server` drives a real
-SGLang server and runs only where sglang imports and a GPU is present.
+SGLang server and runs only where sglang imports and a GPU is present. weight_transport=nccl end to end:
+tests/test_sglang_nccl.py.
 
 Run alone: `python -m pytest tests/test_sglang_engine.py -q`.
 """
 
 import asyncio
 import os
+import random
 import socket
 import sys
 import threading
@@ -130,6 +132,22 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def free_port_base(count: int) -> int:
+    """A base with `count` consecutive free ports, below Linux's ephemeral range (32768+), where an
+    outgoing connection (Ray opens many) could take port base + 1 between this check and the launch."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20_000, 32_000)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports in 20000-32000")
+
+
 @pytest.mark.slow  # two server processes start (imports of torch and transformers): ~10 s
 def test_dead_server_is_restarted_and_requests_reissued(model_dirs, tmp_path):
     cfg = SGLangConfig(launch_timeout_s=120, request_timeout_s=60, weights_dir=str(tmp_path),
@@ -206,9 +224,6 @@ def test_written_weights_load_and_factory_choices(model_dirs, tmp_path):
     path = write_hf_dir(state, model_dirs[1], tmp_path / "v1")
     loaded = AutoModelForCausalLM.from_pretrained(path).state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
-    nccl = GeneratorConfig(engine="sglang", sglang=SGLangConfig(weight_transport="nccl"))
-    with pytest.raises(NotImplementedError, match="nccl"):
-        make_engine(nccl, model_dirs[0], generator_id=0, seed=0)
     assert make_engine(GeneratorConfig(), model_dirs[0], generator_id=0, seed=0).version == 0
 
 
@@ -255,7 +270,7 @@ def test_cli_runs_with_sglang_engine_on_fake_servers(tmp_path):
     command = [sys.executable, "-m", "nanoverl_async.cli", "launch", "configs/agent_grpo.yaml",
                f"run.output_dir={tmp_path}", "run.progress=false", "run.total_steps=3", "staleness.max=1",
                "data.prompts_per_step=4", "generator.engine=sglang", "generator.sglang.servers=2",
-               f"generator.sglang.port_base={free_port()}", f"generator.sglang.weights_dir={tmp_path / 'w'}",
+               f"generator.sglang.port_base={free_port_base(2)}", f"generator.sglang.weights_dir={tmp_path / 'w'}",
                f"generator.sglang.server_command=[{sys.executable},{FAKE}]"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env,
                             cwd=Path(__file__).resolve().parent.parent)

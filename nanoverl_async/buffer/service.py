@@ -89,7 +89,8 @@ def parse_request(payload: bytes) -> dict:
 
 
 def batch_stats(step: int, groups: list[Group]) -> dict:
-    """Per-batch staleness (lag = step - version) per trajectory and per generated token, and episode shape."""
+    """Per-batch staleness (lag = step - version) per trajectory and per generated token, and episode shape;
+    the only place these are computed: metrics.step_metrics logs them (metrics.BUFFER_STAT_KEYS)."""
     trajectories = [t for g in groups for t in g.trajectories]
     lags = [step - t.version for t in trajectories if t.version >= 0]
     token_lags = Counter()
@@ -98,7 +99,6 @@ def batch_stats(step: int, groups: list[Group]) -> dict:
         token_lags.update(dict(zip(values.tolist(), counts.tolist())))
     tokens = sum(token_lags.values())
     return {
-        "step": step,
         "staleness_hist": dict(sorted(Counter(lags).items())),
         "staleness_token_hist": dict(sorted(token_lags.items())),
         "staleness_mean": float(np.mean(lags)) if lags else 0.0,

@@ -77,9 +77,6 @@ def make_engine(generator: GeneratorConfig, model_path: str, *, generator_id: in
     if generator.engine == "sglang":
         from nanoverl_async.generators.sglang_engine import SGLangEngine
 
-        if generator.sglang.weight_transport != "disk":
-            raise NotImplementedError("generator.sglang.weight_transport=nccl is not wired into the learner pool "
-                                      "yet (learners/sglang_nccl.py has the sender); use disk")
         return SGLangEngine(model_path, generator.sglang, generator_id=generator_id, seed=seed * 10_007 + generator_id,
                             dtype=dtype, command=list(generator.sglang.server_command) or None)
     raise ValueError(f"generator.engine={generator.engine!r}: expected transformers or sglang")

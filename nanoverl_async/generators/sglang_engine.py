@@ -29,8 +29,11 @@ Invariants:
 Weights: `stage_weights` (transport disk) writes a Hugging Face directory (safetensors + the base model's
 config and tokenizer files) and runs pause -> `/update_weights_from_disk` -> continue on every server. It
 blocks the caller for the update's duration (it is called between decode steps by the worker).
-The NCCL transport (`update_weights_from_distributed`) is driven from learner rank 0:
-learners/sglang_nccl.py. Run alone: `python -m pytest tests/test_sglang_contract.py -q` (fake servers).
+Transport nccl: learner rank 0 loads each version into these servers itself (`update_weights_from_distributed`,
+learners/sglang_nccl.py; `endpoints` tells it where they are), then publishes a version notice (an empty
+state dict): `stage_weights` only records that version, after checking a server holds it. A server that
+dies under nccl is not restarted (it could not rejoin rank 0's group): the generator fails, naming it.
+Run alone: `python -m pytest tests/test_sglang_contract.py -q` (fake servers).
 """
 
 from __future__ import annotations
@@ -101,6 +104,13 @@ class SGLangEngine:
 
     def in_flight(self) -> int:
         return sum(self.outstanding)
+
+    def endpoints(self, node_ip: str = "") -> list[dict]:
+        """Where the servers listen and which protocol they speak, for learner rank 0's weight-update
+        group (sglang_nccl.server_handles). A server bound to every interface is reached at `node_ip`."""
+        return [{"url": s.url.replace("://0.0.0.0:", f"://{node_ip}:") if node_ip else s.url,
+                 "tp_size": s.cfg.tp_size, "server_version": s.server_version,
+                 "legacy_protocol": s.legacy_protocol} for s in self.servers]
 
     # --- generation --------------------------------------------------------------------------------
     def route(self, episode_id: Optional[str], input_ids: list[int] = ()) -> int:
@@ -211,18 +221,38 @@ class SGLangEngine:
                 await asyncio.sleep(0.1)
             if server.alive():
                 return False
+            if self.cfg.weight_transport == "nccl":  # a fresh server would serve the base weights forever
+                raise SGLangError(f"SGLang server {server.url} died (exit code {server.process.returncode}); with "
+                                  "generator.sglang.weight_transport=nccl a restarted server cannot rejoin learner "
+                                  "rank 0's weight-update group and would serve stale weights. Restart the run, "
+                                  "or use generator.sglang.weight_transport=disk (servers restart with the newest "
+                                  "weights)")
             await asyncio.to_thread(server.restart, self.latest_path)
             self.counts["restarts"] += 1
             return True
 
     # --- weights -----------------------------------------------------------------------------------
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Write `state_dict` as a Hugging Face directory and load it on every server as `version`."""
-        if self.cfg.weight_transport != "disk":
-            raise NotImplementedError("generator.sglang.weight_transport=nccl: weights go from learner rank 0 "
-                                      "to the servers (learners/sglang_nccl.py), not through stage_weights")
+        """Write `state_dict` as a Hugging Face directory and load it on every server as `version`; with
+        transport nccl, take `version` as loaded already (a version notice: `state_dict` is empty)."""
+        if self.cfg.weight_transport == "nccl":
+            self.note_version(state_dict, version)
+            return
         path = write_hf_dir(state_dict, self.base_model_path, self.weights_dir / f"v{version}")
         self.update_from_disk(str(path), version)
+
+    def note_version(self, state_dict: dict, version: int) -> None:
+        """Transport nccl: learner rank 0 loaded `version` into the servers before publishing this notice.
+        One server is asked, so a notice never runs ahead of the weights it names."""
+        if state_dict:
+            raise ValueError(f"generator.sglang.weight_transport=nccl: stage_weights takes version notices (an "
+                             f"empty state dict), got {len(state_dict)} tensors for version {version}")
+        held = self.servers[0].weight_version()
+        if _number(held, -1) < version:  # rank 0 may have loaded a newer one meanwhile, never an older one
+            raise SGLangError(f"{self.servers[0].url} holds weights version {held!r}, but learner rank 0 announced "
+                              f"version {version} as loaded (weight_transport=nccl)")
+        self.version = version
+        self.counts["weight_updates"] += 1
 
     def update_from_disk(self, path: str, version: int) -> None:
         """pause (cfg.pause_mode) -> /update_weights_from_disk -> continue, on every server."""

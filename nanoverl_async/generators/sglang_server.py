@@ -12,7 +12,14 @@ Invariants:
     0.5.2 takes no pause body (always abort); `legacy_protocol` overrides the choice;
   - the process inherits this process's environment, so it runs on the GPUs Ray assigned to the
     generator (CUDA_VISIBLE_DEVICES); `restart` relaunches it with the newest weights on disk and the
-    current weight version, so a restarted server never tags tokens with a version it does not hold.
+    current weight version, so a restarted server never tags tokens with a version it does not hold;
+  - the server leads its own process group (a new session): `stop`/`restart`/`close` SIGTERM the whole
+    group, SIGKILL it after `timeout_s`, and SIGKILL whatever of it outlived the server, so nothing it
+    spawned keeps the GPU or the port;
+  - the server never outlives the process that launched it, however that process dies (`ray.kill`,
+    SIGKILL, OOM): a watchdog (`_SUPERVISOR`) SIGTERMs the group, then SIGKILLs it after
+    `WATCHDOG_GRACE_S`, when the launcher is gone; which thread launched the server does not matter.
+    Linux/POSIX only (fork, setsid, killpg).
 
 `command` is the launcher prefix (default `python -m sglang.launch_server`); the contract tests point it at
 tests/fake_sglang_server.py, which takes the same flags. Run alone: tests/test_sglang_contract.py.
@@ -20,8 +27,11 @@ tests/fake_sglang_server.py, which takes the same flags. Run alone: tests/test_s
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -34,6 +44,76 @@ from nanoverl_async.config import SGLangConfig
 log = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 0.2
+WATCHDOG_GRACE_S = 10.0  # the launcher is gone: SIGTERM the server's group, SIGKILL it this much later
+
+# Why a watchdog and not prctl(PR_SET_PDEATHSIG) in preexec_fn: the death signal fires when the *thread*
+# that forked the child exits, and servers are (re)launched from pool threads (asyncio.to_thread(
+# server.restart) in sglang_engine.py), so a bare PDEATHSIG kills a healthy server when its pool thread
+# retires. Instead the server is started through this trampoline (`python -I -S -c _SUPERVISOR FD GRACE
+# ARGV...`, already in the server's new session). It double-forks a watchdog, then execs the server in
+# place, so `Popen.pid` *is* the server (poll, kill and returncode stay exact) and no launch window exists
+# in which the server runs unwatched. The watchdog, orphaned at once so the server never has to reap it,
+# blocks on the read end FD of a pipe whose only write end the launcher keeps (os.pipe fds are not
+# inherited by other children, and Popen closes them): EOF means every holder of the write end is dead,
+# i.e. the launcher process, whichever thread launched. It then kills the server's process group. It exits
+# on its own within 0.5 s of the group emptying (the server stopped, or died and was reaped), so it does not
+# linger to signal a group id reused much later. Caveat: a child the launcher forks *without* exec inherits the write end,
+# which delays the watchdog until that child exits too.
+_SUPERVISOR = r'''# nanoverl_async: SGLang server watchdog + exec trampoline (generators/sglang_server.py)
+import os, select, signal, sys, time
+
+def group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass
+    return True
+
+def watch(fd, pgid, grace_s):
+    while True:  # the launcher never writes: readable and empty is EOF, the launcher is gone
+        if select.select([fd], [], [], 0.5)[0] and not os.read(fd, 64):
+            break
+        if not group_alive(pgid):
+            return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
+        if not group_alive(pgid):
+            return
+        try:
+            os.killpg(pgid, sig)
+        except OSError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and group_alive(pgid):
+            time.sleep(0.05)
+
+fd, grace_s, argv = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+pgid = os.getpgid(0)
+child = os.fork()
+if child == 0:
+    if os.fork() == 0:
+        os.setsid()  # its own session: killing the server's group or the launcher's spares the watchdog
+        os.chdir("/")
+        null = os.open(os.devnull, os.O_RDWR)
+        for std in (0, 1, 2):  # hold no pipe of the launcher's open (a reader would wait for our EOF)
+            os.dup2(null, std)
+        try:
+            watch(fd, pgid, grace_s)
+        finally:
+            os._exit(0)
+    os._exit(0)
+os.waitpid(child, 0)
+os.close(fd)
+for name in ("SIGPIPE", "SIGXFSZ"):  # Python starts with these ignored; the server gets the defaults
+    if hasattr(signal, name):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+try:
+    os.execvp(argv[0], argv)
+except OSError as error:
+    print(f"cannot launch {argv[0]}: {error}", file=sys.stderr, flush=True)
+    os._exit(127)
+'''
 
 
 class SGLangError(RuntimeError):
@@ -73,6 +153,7 @@ class SGLangServer:
         self.legacy_protocol = legacy_protocol  # None = decide from the server's version
         self.server_version = ""
         self.process: Optional[subprocess.Popen] = None
+        self._lifeline: Optional[int] = None  # the write end of the watchdog's pipe; held while we live
         self.restarts = 0
         self._client = httpx.Client(timeout=cfg.control_timeout_s)
 
@@ -91,9 +172,13 @@ class SGLangServer:
         self.wait_ready()
 
     def launch(self) -> None:
+        """Start the server process (if ours to start) under a watchdog; see `_SUPERVISOR`."""
         if self.process is None and self.command:
-            log.info("starting SGLang server: %s", " ".join(self.launch_args()))
-            self.process = subprocess.Popen(self.launch_args(), env=dict(os.environ))
+            args = self.launch_args()
+            if shutil.which(args[0]) is None:  # the trampoline would only report it as exit code 127
+                raise FileNotFoundError(errno.ENOENT, "SGLang server command not found", args[0])
+            log.info("starting SGLang server: %s", " ".join(args))
+            self.process, self._lifeline = spawn_watched(args)
 
     def wait_ready(self) -> None:
         """Wait for GET /health == 200, then read the server's version to pick the protocol variant."""
@@ -131,15 +216,22 @@ class SGLangServer:
         self.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.process is not None:
-            if self.process.poll() is None:
-                self.process.terminate()
+        """SIGTERM the server's process group, SIGKILL it after `timeout_s`, then SIGKILL what is left of
+        it (children that outlived the server); closing the lifeline then lets the watchdog exit."""
+        process = self.process
+        if process is not None:
+            if process.poll() is None:
+                signal_group(process.pid, signal.SIGTERM)
                 try:
-                    self.process.wait(timeout_s)
+                    process.wait(timeout_s)
                 except subprocess.TimeoutExpired:
-                    self.process.kill()
-                    self.process.wait(timeout_s)
+                    signal_group(process.pid, signal.SIGKILL)
+                    process.wait(timeout_s)
+            signal_group(process.pid, signal.SIGKILL)
             self.process = None
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
 
     def close(self) -> None:
         self.stop()
@@ -201,6 +293,30 @@ class SGLangServer:
     def end_update(self) -> None:
         if not self.legacy_protocol:
             self.post("/end_weight_update", {})
+
+
+def spawn_watched(args: list[str], grace_s: float = WATCHDOG_GRACE_S) -> tuple[subprocess.Popen, int]:
+    """Start `args` as the leader of a new session, guarded by a watchdog (`_SUPERVISOR`) that kills its
+    process group once this process is gone. Returns the process (its pid is the server's) and the write
+    end of the lifeline pipe, which the caller keeps open while the server should live."""
+    read_end, write_end = os.pipe()  # non-inheritable: only the trampoline gets the read end (pass_fds)
+    try:
+        process = subprocess.Popen([sys.executable, "-I", "-S", "-c", _SUPERVISOR, str(read_end), str(grace_s),
+                                    *args], env=dict(os.environ), pass_fds=(read_end,), start_new_session=True)
+    except BaseException:
+        os.close(write_end)
+        raise
+    finally:
+        os.close(read_end)
+    return process, write_end
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Send `sig` to process group `pgid`; an empty group is not an error."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _parse(reply: httpx.Response):

@@ -16,7 +16,10 @@ contiguous shard, in micro-batches of at most learner.micro_batch_tokens padded 
   - `version` counts BATCHES trained (one per training step t, however many optimizer steps it took):
     the weights published after step t are version t + 1 (DESIGN.md "Versions");
   - every collective (`update`, `compute_logprobs`, `compute_values`, `publish_weights`,
-    `save_pretrained`) must be called on all ranks, in the same order.
+    `save_pretrained`, `connect_sglang`) must be called on all ranks, in the same order.
+Weights out: by default rank 0 publishes each version's full state dict over ZeroMQ (weights.py). After
+`connect_sglang` (generator.sglang.weight_transport=nccl) rank 0 loads each version straight into the
+SGLang servers (learners/sglang_nccl.py) and publishes only a version notice (an empty state dict).
 Device: "cpu" uses gloo; "cuda" uses nccl, one GPU per rank (`local_rank`, default rank % GPUs visible).
 
 Run alone (no Ray): `python -m pytest tests/test_fsdp.py tests/test_fsdp_schedule.py -q` spawns 1 and 2
@@ -40,7 +43,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 
 from nanoverl_async.algorithms import (aggregate, kl_estimates, kl_per_token, loss_normaliser, policy_loss,
                                       reduce_token_metrics, token_entropy, value_loss)
-from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig, LearnerConfig
+from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig, LearnerConfig, SGLangConfig
 from nanoverl_async.learners.batch import (TrainBatch, sequence_logprobs, shard, split_to, to_device, token_budget_bounds,
                                            trimmed)
 from nanoverl_async.weights import WeightPublisher
@@ -85,6 +88,8 @@ class LearnerRank:
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.critic_cfg.lr,
                                                       betas=tuple(cfg.betas), weight_decay=self.critic_cfg.weight_decay)
         self.publisher = WeightPublisher(wire_host) if rank == 0 else None
+        self.nccl_transport = False  # set by connect_sglang on every rank (publish_weights gathers differently)
+        self.sender = None  # rank 0's SGLangWeightSender once connected
 
     def _sharded_model(self, path: str, model_class=AutoModelForCausalLM, **kwargs) -> torch.nn.Module:
         """A causal LM (or, for the critic, its backbone with a token-level head) with fp32 master weights,
@@ -246,13 +251,44 @@ class LearnerRank:
         metrics["loss"] = loss.detach()
         return loss, metrics
 
+    def connect_sglang(self, endpoints: list[dict], cfg: SGLangConfig, master_addr: str, master_port: int) -> None:
+        """Switch to weight_transport=nccl on every rank; rank 0 also joins one process group with every
+        SGLang server in `endpoints` (it is rank 0 of that group, at master_addr:master_port on its node)."""
+        from nanoverl_async.learners.sglang_nccl import SGLangWeightSender, server_handles
+
+        self.nccl_transport = True
+        if self.rank == 0:
+            self.sender = SGLangWeightSender(server_handles(endpoints, cfg), master_addr, master_port,
+                                             pause_mode=cfg.pause_mode, timeout_s=cfg.control_timeout_s)
+            self.sender.init_group(self.device)
+
     def publish_weights(self, version: int) -> None:
-        """Collective: gather the full state dict to rank 0's CPU; rank 0 publishes it (non-blocking) in
-        the run's dtype (what the generators compute in; a no-op for float32)."""
+        """Collective: gather the full state dict to rank 0 in the run's dtype (what the generators compute
+        in; a no-op for float32). Disk transport: to rank 0's CPU, published without blocking. NCCL transport:
+        on rank 0's device (no CPU round trip), loaded into every server before this returns (they are
+        paused only meanwhile), then a version notice tells the generators which version their servers hold."""
+        if self.nccl_transport:
+            state_dict = self._gathered_on_device()
+            if self.sender is not None:
+                self.sender.send(state_dict.items(), version)
+                del state_dict
+                self.publisher.publish(version, {})
+            return
         state_dict = self.full_state_dict()
         if self.publisher is not None:
             self.publisher.publish(version, {name: tensor.to(self.dtype) if tensor.is_floating_point() else tensor
                                              for name, tensor in state_dict.items()})
+
+    @torch.no_grad()
+    def _gathered_on_device(self) -> dict[str, torch.Tensor]:
+        """Collective: the full state dict on rank 0's device in the run's dtype ({} on other ranks),
+        gathered one tensor at a time, so the other ranks hold at most one unsharded tensor at once."""
+        out = {}
+        for name, tensor in self.model.state_dict().items():
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if self.rank == 0:
+                out[name] = full.to(self.dtype) if full.is_floating_point() else full
+        return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the full (unsharded) fp32 state dict on rank 0's CPU; {} on other ranks."""
@@ -274,6 +310,8 @@ class LearnerRank:
         dist.barrier()
 
     def shutdown(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
         if self.publisher is not None:
             self.publisher.close()
         if dist.is_initialized():

@@ -20,7 +20,7 @@ import numpy as np
 import ray
 import torch
 
-from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig, LearnerConfig, WireConfig
+from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig, LearnerConfig, SGLangConfig, WireConfig
 from nanoverl_async.learners.batch import TrainBatch, collate, explained_variance, group_size_of, with_advantages
 from nanoverl_async.learners.fsdp_rank import PROCESS_GROUP_TIMEOUT_S, LearnerRank
 
@@ -52,7 +52,7 @@ class LearnerPool:
         # p_old must be recomputed unless the update's own forward (one optimizer step) sees the same weights
         self.needs_proximal = cfg.ppo_epochs * cfg.minibatches > 1
         self.needs_reference = self.kl.loss_coef > 0 or self.kl.reward_coef > 0
-        actor = ray.remote(num_cpus=0, num_gpus=1 if cfg.device == "cuda" else 0)(_DeferredRank)
+        actor = ray.remote(num_cpus=0, num_gpus=cfg.gpus_per_rank if cfg.device == "cuda" else 0)(_DeferredRank)
         self.ranks = [actor.remote() for _ in range(cfg.world_size)]
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=TIMEOUT_S)
         wire_host = (wire or WireConfig()).host
@@ -108,8 +108,16 @@ class LearnerPool:
             metrics["explained_variance"] = explained_variance(batch)
         return metrics
 
+    def connect_sglang(self, endpoints: list[dict], cfg: SGLangConfig) -> None:
+        """generator.sglang.weight_transport=nccl: rank 0 joins one process group with every SGLang server
+        (GeneratorRole.sglang_endpoints), meeting at its own node's IP on a free port there. From then on
+        `publish_weights` loads weights straight into the servers."""
+        master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=TIMEOUT_S)
+        self._all("connect_sglang", endpoints, cfg, master_addr, master_port)
+
     def publish_weights(self, version: int) -> None:
-        """Gathers the full state dict on rank 0, which sends it on a background thread."""
+        """Gathers the full state dict on rank 0, which sends it on a background thread (disk transport), or
+        loads it into the SGLang servers before returning and then sends a version notice (nccl)."""
         self._all("publish_weights", version)
 
     def save_pretrained(self, path: str) -> None:

@@ -13,21 +13,29 @@ of 0.5.23 and later need `/begin_weight_update` .. `/end_weight_update` around i
 from the server's version). The servers are paused (`pause_mode`) for the whole update, so no token is
 sampled from half-updated weights; every token carries the version it was sampled with.
 
-`broadcast` replaces the NCCL broadcast (tests pass the fake server's queue). Status: the HTTP side is
-tested against the fake server (tests/test_sglang_engine.py), and the custom group with gloo between two
-processes; NCCL with a real SGLang server has never run (no GPU, no sglang here), and the sender is not
-yet wired into LearnerPool (the launcher uses disk updates).
+`broadcast` replaces the NCCL broadcast (tests pass the fake server's queue). The group's backend is
+`nccl` when rank 0's device is cuda and `gloo` on cpu (`/init_weights_update_group` passes it through), so
+the CPU tests run the real path against fake server processes. Status: wired end to end with
+`generator.sglang.weight_transport: nccl` (LearnerPool.connect_sglang, LearnerRank.publish_weights; the
+generators learn each version from an empty-state-dict notice); tested with gloo against the fake server
+(tests/test_sglang_nccl.py, including the real CLI); NCCL with a real SGLang server has never run (no GPU,
+no sglang here).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Optional
 
 import torch
 
+from nanoverl_async.config import SGLangConfig
 from nanoverl_async.generators.sglang_server import SGLangError, SGLangServer
+
+log = logging.getLogger(__name__)
 
 
 def buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -54,10 +62,34 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                         timeout=timeout, device_id=device)
+    # A default group bound to a device (the learner's NCCL world) would make torch build this group with
+    # ncclCommSplit from the learner's communicator, which the servers are not part of: rank 0 would hang.
+    # Hide the binding for the call, so the group gets its own communicator (as NeMo RL does).
+    default = _world.default_pg
+    bound = default.bound_device_id if default is not None else None
+    if default is not None:
+        default.bound_device_id = None
+    try:
+        group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                             timeout=timeout, device_id=device if backend == "nccl" else None)
+    finally:
+        if default is not None:
+            default.bound_device_id = bound
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+def server_handles(endpoints: list[dict], cfg: SGLangConfig) -> list[SGLangServer]:
+    """Handles on servers another process launched (GeneratorRole.sglang_endpoints: url, tp_size,
+    server_version, legacy_protocol): `url` makes them external (never launched or restarted from here),
+    and the version fields pick the protocol variant without asking the servers again."""
+    servers = []
+    for endpoint in endpoints:
+        server = SGLangServer("", 0, dataclasses.replace(cfg, tp_size=endpoint["tp_size"]), url=endpoint["url"],
+                              legacy_protocol=endpoint["legacy_protocol"])
+        server.server_version = endpoint["server_version"]
+        servers.append(server)
+    return servers
 
 
 class SGLangWeightSender:
@@ -76,16 +108,18 @@ class SGLangWeightSender:
         return [self._threads.submit(server.post, path, body) for server, body in zip(self.servers, bodies)]
 
     def init_group(self, device: Optional[torch.device] = None) -> None:
-        """Create the group {rank 0: this process, ranks 1..: every server's TP ranks}."""
+        """Create the group {rank 0: this process, ranks 1..: every server's TP ranks}: nccl when `device`
+        is cuda, gloo otherwise (default: cpu)."""
+        self.device = device if device is not None else torch.device("cpu")
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
         world_size = 1 + sum(server.cfg.tp_size for server in self.servers)
         offsets = [1 + sum(s.cfg.tp_size for s in self.servers[:i]) for i in range(len(self.servers))]
         bodies = [{"master_address": self.master_address, "master_port": self.master_port, "rank_offset": offset,
-                   "world_size": world_size, "group_name": self.group_name, "backend": "nccl"} for offset in offsets]
+                   "world_size": world_size, "group_name": self.group_name, "backend": backend} for offset in offsets]
         pending = self._on_all("/init_weights_update_group", bodies)
-        self.device = device
         if self.broadcast is None:  # the real thing: join as rank 0 (blocks until every server has joined)
-            self.group = init_custom_process_group("nccl", f"tcp://{self.master_address}:{self.master_port}",
-                                                   world_size, 0, self.group_name, self.timeout_s, device)
+            self.group = init_custom_process_group(backend, f"tcp://{self.master_address}:{self.master_port}",
+                                                   world_size, 0, self.group_name, self.timeout_s, self.device)
         for future in pending:
             future.result(self.timeout_s)
 
@@ -97,7 +131,7 @@ class SGLangWeightSender:
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load every tensor into every server as weights `version` (servers paused meanwhile)."""
-        if self.device is None and self.broadcast is None:
+        if self.group is None and self.broadcast is None:
             raise SGLangError("SGLangWeightSender.send before init_group")
         parts = buckets(list(named_tensors), self.bucket_bytes)
         try:
@@ -123,8 +157,13 @@ class SGLangWeightSender:
                 server.resume()
 
     def close(self) -> None:
+        """Leave the group. The servers may be gone already (generators stop first at shutdown): a failed
+        `/destroy_weights_update_group` is only logged."""
         for server in self.servers:
-            server.post("/destroy_weights_update_group", {"group_name": self.group_name})
+            try:
+                server.post("/destroy_weights_update_group", {"group_name": self.group_name})
+            except SGLangError as error:
+                log.info("weight-update group not destroyed on %s: %s", server.url, error)
         self._threads.shutdown(wait=False)
         if self.group is not None:
             torch.distributed.destroy_process_group(self.group)

@@ -1,0 +1,65 @@
+"""The CUDA paths, run only where a GPU is present (skipped on the CPU CI machine).
+
+The transformers engine on cuda samples with logprobs equal to a full forward pass on the GPU, and one
+FSDP2 learner rank on NCCL takes the same two steps as plain torch on the CPU (the checks of
+test_engine.py and test_fsdp.py, on the other device). Ran on an H200 (see README "What runs where").
+"""
+
+import asyncio
+import dataclasses
+import socket
+
+import pytest
+import torch
+
+from nanoverl_async.generators.engine import SamplingParams
+from nanoverl_async.generators.hf_engine import TransformersEngine
+from nanoverl_async.learners.fsdp_rank import LearnerRank
+from test_engine import tiny_qwen2
+from test_fsdp import ALGO, LEARNER, TEMPERATURE, make_batch, plain_reference, write_model_dir
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+TOL = 1e-4  # fp32 on both devices; kernels differ in summation order
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2_cuda")
+    tiny_qwen2().save_pretrained(path)
+    return str(path)
+
+
+def test_engine_on_cuda_matches_a_full_forward(qwen_dir):
+    engine = TransformersEngine(qwen_dir, device="cuda", seed=3)
+    reference = tiny_qwen2().cuda()
+    prompts, limits = [[5, 6, 7, 8, 9], [3], [20, 21, 22, 23]], [12, 5, 9]
+
+    async def main():
+        return await asyncio.gather(*(engine.generate(p, SamplingParams(n, 0.7)) for p, n in zip(prompts, limits)))
+
+    for prompt, limit, completion in zip(prompts, limits, asyncio.run(main())):
+        assert len(completion.token_ids) == limit and completion.versions == [0] * limit
+        ids = torch.tensor([prompt + completion.token_ids], device="cuda")
+        with torch.no_grad():
+            logits = reference(input_ids=ids).logits[0, len(prompt) - 1: -1].float()
+        expected = torch.log_softmax(logits / 0.7, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+        assert completion.logprobs == pytest.approx(expected.tolist(), abs=TOL)
+
+
+def test_nccl_learner_rank_matches_plain_torch(tmp_path):
+    model_dir = write_model_dir(tmp_path)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    learner = LearnerRank(0, 1, "127.0.0.1", port, model_dir, dataclasses.replace(LEARNER, device="cuda"),
+                          ALGO, TEMPERATURE, seed=0)
+    try:
+        batch = make_batch()
+        first, second = learner.update(batch), learner.update(batch)
+        weights = learner.full_state_dict()
+    finally:
+        learner.shutdown()
+    _, losses, reference_weights = plain_reference(model_dir, batch)
+    assert [first["loss"], second["loss"]] == pytest.approx(losses, abs=TOL)
+    for name, tensor in reference_weights.items():
+        assert torch.allclose(weights[name].cpu(), tensor, atol=TOL), name

@@ -1,0 +1,161 @@
+"""generator.sglang.weight_transport=nccl end to end: learner rank 0 loads weights into the SGLang servers
+(learners/sglang_nccl.py) and the generators learn each version from an empty-state-dict notice.
+
+Fast: the version notice crosses the weights wire; SGLangEngine.stage_weights takes notices (checks a server
+holds the version, never writes weights); a dead server is not restarted under nccl; endpoints and the
+handles rank 0 builds from them; make_engine accepts nccl; the config error for drain. Slow: the sender's
+real process group (gloo) against a fake server process; the real CLI for 3 steps with two fake servers.
+
+Run alone: `python -m pytest tests/test_sglang_nccl.py -q` (`-m "not slow"` for the fast tier).
+"""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanoverl_async.config import ConfigError, GeneratorConfig, SGLangConfig, load_config
+from nanoverl_async.generators.engine import SamplingParams, make_engine
+from nanoverl_async.generators.sglang_engine import SGLangEngine
+from nanoverl_async.generators.sglang_server import SGLangError, SGLangServer
+from nanoverl_async.learners.sglang_nccl import SGLangWeightSender, server_handles
+from nanoverl_async.weights import WeightPublisher, WeightSubscriber
+from sglang_helpers import PROMPT, assert_close, model_dirs, reference_logprobs, server, shared_server  # noqa: F401
+from test_sglang_engine import FAKE, free_port, free_port_base
+
+NCCL = SGLangConfig(weight_transport="nccl")
+
+
+def test_version_notice_crosses_the_weights_wire():
+    publisher = WeightPublisher()
+    subscriber = WeightSubscriber(publisher.endpoint)
+    try:
+        publisher.publish(3, {})  # what rank 0 publishes after loading version 3 into the servers
+        assert subscriber.wait_newest(0, timeout_s=10) == (3, {})
+    finally:
+        subscriber.close()
+        publisher.close()
+
+
+def test_stage_weights_takes_version_notices(server, tmp_path):
+    handle = SGLangServer(server.model_path, server.port, NCCL, url=server.url)
+    engine = SGLangEngine(server.model_path, SGLangConfig(weight_transport="nccl", weights_dir=str(tmp_path)),
+                          servers=[handle])
+    server.weight_version = "2"  # rank 0 loaded version 2 (update_weights_from_distributed)
+    engine.stage_weights({}, 2)
+    assert engine.version == 2 and engine.counts["weight_updates"] == 1
+    assert not any(tmp_path.iterdir()) and "/update_weights_from_disk" not in server.calls
+    completion = asyncio.run(engine.generate(PROMPT, SamplingParams(3, 1.0)))
+    assert completion.versions == [2, 2, 2]
+    with pytest.raises(SGLangError, match="holds weights version '2'"):
+        engine.stage_weights({}, 5)  # a notice ahead of the servers' weights
+    with pytest.raises(ValueError, match="version notices"):
+        engine.stage_weights({"w": torch.zeros(1)}, 3)
+    assert engine.version == 2
+
+
+def test_dead_server_is_not_restarted_under_nccl():
+    port = free_port()  # nothing listens there: the request's connection fails
+    handle = SGLangServer("unused", port, NCCL, command=[sys.executable, "-c", "pass"])
+    handle.process = subprocess.Popen([sys.executable, "-c", "pass"])  # a server process that has exited
+    handle.process.wait()
+    engine = SGLangEngine("unused", NCCL, servers=[handle], start=False)
+    try:
+        with pytest.raises(SGLangError, match=rf"127.0.0.1:{port} died.*cannot rejoin.*weight_transport=disk"):
+            asyncio.run(engine.generate(PROMPT, SamplingParams(2, 1.0)))
+        assert handle.restarts == 0
+    finally:
+        handle.process = None
+
+
+def test_endpoints_and_the_handles_rank_0_builds(server):
+    two_gpus = SGLangConfig(tp_size=2)
+    engine = SGLangEngine(server.model_path, two_gpus,
+                          servers=[SGLangServer(server.model_path, server.port, two_gpus, url=server.url)])
+    endpoints = engine.endpoints()
+    assert endpoints == [{"url": server.url, "tp_size": 2, "server_version": "0.5.23", "legacy_protocol": False}]
+    wildcard = SGLangServer("m", 9, SGLangConfig(), url="http://0.0.0.0:9")  # bound to every interface
+    wildcard = SGLangEngine("m", SGLangConfig(), servers=[wildcard], start=False)
+    assert wildcard.endpoints(node_ip="10.1.2.3")[0]["url"] == "http://10.1.2.3:9"
+    (handle,) = server_handles(endpoints, SGLangConfig())
+    assert (handle.url, handle.cfg.tp_size, handle.server_version) == (server.url, 2, "0.5.23")
+    assert handle.legacy_protocol is False
+    assert handle.process is None and handle.command == []  # external: never launched or restarted by rank 0
+
+
+def test_make_engine_accepts_nccl(monkeypatch):
+    import nanoverl_async.generators.sglang_engine as sglang_engine
+
+    made = []
+    monkeypatch.setattr(sglang_engine, "SGLangEngine", lambda *args, **kw: made.append((args, kw)) or "engine")
+    assert make_engine(GeneratorConfig(engine="sglang", sglang=NCCL), "m", generator_id=0, seed=0) == "engine"
+    assert made[0][0][1].weight_transport == "nccl"
+
+
+def test_nccl_needs_interrupt_mode():
+    nccl = ["generator.engine=sglang", "generator.sglang.weight_transport=nccl"]
+    with pytest.raises(ConfigError, match="config key 'weight_sync.mode'.*weight_transport=nccl"):
+        load_config(None, [*nccl, "weight_sync.mode=drain"])
+    assert load_config(None, [*nccl, "weight_sync.mode=interrupt"]).weight_sync.mode == "interrupt"
+
+
+@pytest.mark.slow  # a fake server process (imports torch and transformers)
+def test_sender_loads_a_fake_server_process_over_a_real_group(model_dirs, tmp_path):
+    """The real path on a CPU: the fake joins rank 0's gloo group and receives the broadcast tensors."""
+    from transformers import AutoModelForCausalLM
+
+    events = tmp_path / "events.jsonl"
+    cfg = SGLangConfig(launch_timeout_s=120, control_timeout_s=60, server_args=["--fake-events", str(events)])
+    process = SGLangServer(model_dirs[0], free_port(), cfg, command=[sys.executable, FAKE])
+    process.start()
+    try:
+        servers = server_handles(SGLangEngine(model_dirs[0], cfg, servers=[process], start=False).endpoints(), cfg)
+        sender = SGLangWeightSender(servers, "127.0.0.1", free_port(), bucket_bytes=40_000, timeout_s=60)
+        sender.init_group(torch.device("cpu"))
+        state = AutoModelForCausalLM.from_pretrained(model_dirs[1]).state_dict()
+        sender.send(state.items(), version=1)
+        sender.close()
+        loaded = [json.loads(line) for line in events.read_text().splitlines()]
+        assert {e["backend"] for e in loaded} == {"gloo"} and sum(e["tensors"] for e in loaded) == len(state)
+        assert process.weight_version() == "1"
+        completion = asyncio.run(SGLangEngine(model_dirs[0], cfg, servers=[process], start=False).generate(
+            PROMPT, SamplingParams(6, 1.0)))
+        assert completion.versions == [1] * 6
+        assert_close(completion.logprobs, reference_logprobs(model_dirs[1], PROMPT, completion.token_ids))
+    finally:
+        process.close()
+
+
+@pytest.mark.slow
+def test_cli_runs_with_nccl_transport_on_fake_servers(tmp_path):
+    """The whole loop with weight_transport=nccl: learner rank 0 joins a gloo group with two fake server
+    processes and loads each version into them; the generator learns versions from notices only."""
+    events = tmp_path / "events.jsonl"
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    command = [sys.executable, "-m", "nanoverl_async.cli", "launch", "configs/agent_grpo.yaml",
+               f"run.output_dir={tmp_path}", "run.progress=false", "run.total_steps=3", "staleness.max=1",
+               "data.prompts_per_step=4", "generator.engine=sglang", "generator.sglang.servers=2",
+               "generator.sglang.weight_transport=nccl", "generator.sglang.control_timeout_s=120",
+               f"generator.sglang.port_base={free_port_base(2)}", f"generator.sglang.weights_dir={tmp_path / 'w'}",
+               f"generator.sglang.server_command=[{sys.executable},{FAKE}]",
+               f"generator.sglang.server_args=[--fake-events,{events}]"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env,
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    loaded = [json.loads(line) for line in events.read_text().splitlines()]
+    assert {e["update"] for e in loaded} == {"distributed"} and {e["backend"] for e in loaded} == {"gloo"}
+    for port in {e["port"] for e in loaded}:  # both servers received versions 1, 2, 3, in order
+        assert [e["version"] for e in loaded if e["port"] == port][-3:] == ["1", "2", "3"]
+    assert len({e["port"] for e in loaded}) == 2
+    # Step 2 trains on tokens the servers sampled with version >= 1 (lag = 2 - version <= 1): the versions
+    # come from the servers' replies, and the generator reported the notices' versions to the buffer.
+    assert any(int(lag) <= 1 for lag in rows[2]["staleness/token_histogram"])
+    assert rows[2]["weights/version_lag_max"] <= 1
+    assert not (tmp_path / "w").exists() or not any((tmp_path / "w").rglob("model.safetensors"))
