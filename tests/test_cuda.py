@@ -63,3 +63,30 @@ def test_nccl_learner_rank_matches_plain_torch(tmp_path):
     assert [first["loss"], second["loss"]] == pytest.approx(losses, abs=TOL)
     for name, tensor in reference_weights.items():
         assert torch.allclose(weights[name].cpu(), tensor, atol=TOL), name
+
+
+def test_nccl_weight_group_beside_the_learners_nccl_world(tmp_path):
+    """Rank 0's side of update_weights_from_distributed on real NCCL, next to the learner's own NCCL world
+    (bound to its device, which once made torch split the new group from it and hang). One GPU cannot
+    hold two NCCL ranks, so the weight group here has rank 0 alone: no SGLang server joins."""
+    from nanoverl_async.config import SGLangConfig
+    from nanoverl_async.weights import WeightSubscriber
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    learner = LearnerRank(0, 1, "127.0.0.1", ports[0], write_model_dir(tmp_path), dataclasses.replace(
+        LEARNER, device="cuda"), ALGO, TEMPERATURE, seed=0)
+    subscriber = WeightSubscriber(learner.weights_endpoint())
+    try:
+        learner.connect_sglang([], SGLangConfig(control_timeout_s=60), "127.0.0.1", ports[1])
+        assert learner.sender.group is not None
+        learner.update(make_batch())
+        learner.publish_weights(version=1)  # gathered on the GPU, broadcast over the weight group
+        version, notice = subscriber.wait_newest(current_version=0, timeout_s=60)
+        assert version == 1 and notice == {}  # the version notice carries no tensors
+    finally:
+        subscriber.close()
+        learner.shutdown()
