@@ -259,10 +259,8 @@ def test_real_sglang_server(tmp_path):
         engine.close()
 
 
-@pytest.mark.slow
-def test_cli_runs_with_sglang_engine_on_fake_servers(tmp_path):
-    """The whole loop with generator.engine=sglang: the worker launches two fake server processes, routes
-    episodes over them, and loads each new version with update_weights_from_disk between pause/continue."""
+def run_cli_on_fake_servers(tmp_path, *overrides: str) -> list[dict]:
+    """The real CLI for 3 steps with generator.engine=sglang on two fake server processes; metrics rows."""
     import json
     import subprocess
 
@@ -271,12 +269,20 @@ def test_cli_runs_with_sglang_engine_on_fake_servers(tmp_path):
                f"run.output_dir={tmp_path}", "run.progress=false", "run.total_steps=3", "staleness.max=1",
                "data.prompts_per_step=4", "generator.engine=sglang", "generator.sglang.servers=2",
                f"generator.sglang.port_base={free_port_base(2)}", f"generator.sglang.weights_dir={tmp_path / 'w'}",
-               f"generator.sglang.server_command=[{sys.executable},{FAKE}]"]
+               f"generator.sglang.server_command=[{sys.executable},{FAKE}]", *overrides]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env,
                             cwd=Path(__file__).resolve().parent.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1, 2]
+    return rows
+
+
+@pytest.mark.slow
+def test_cli_runs_with_sglang_engine_on_fake_servers(tmp_path):
+    """The whole loop with generator.engine=sglang: the worker launches two fake server processes, routes
+    episodes over them, and loads each new version with update_weights_from_disk between pause/continue."""
+    rows = run_cli_on_fake_servers(tmp_path)
     assert all(row["staleness/max"] <= row["staleness/limit"] for row in rows)
     assert sorted(p.name for p in (tmp_path / "w" / "generator_0").iterdir())[-1].startswith("v")
 

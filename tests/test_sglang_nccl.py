@@ -11,10 +11,8 @@ Run alone: `python -m pytest tests/test_sglang_nccl.py -q` (`-m "not slow"` for 
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +24,7 @@ from nanoverl_async.generators.sglang_server import SGLangError, SGLangServer
 from nanoverl_async.learners.sglang_nccl import SGLangWeightSender, server_handles
 from nanoverl_async.weights import WeightPublisher, WeightSubscriber
 from sglang_helpers import PROMPT, assert_close, model_dirs, reference_logprobs, server, shared_server  # noqa: F401
-from test_sglang_engine import FAKE, free_port, free_port_base
+from test_sglang_engine import FAKE, free_port, run_cli_on_fake_servers
 
 NCCL = SGLangConfig(weight_transport="nccl")
 
@@ -136,19 +134,9 @@ def test_cli_runs_with_nccl_transport_on_fake_servers(tmp_path):
     """The whole loop with weight_transport=nccl: learner rank 0 joins a gloo group with two fake server
     processes and loads each version into them; the generator learns versions from notices only."""
     events = tmp_path / "events.jsonl"
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    command = [sys.executable, "-m", "nanoverl_async.cli", "launch", "configs/agent_grpo.yaml",
-               f"run.output_dir={tmp_path}", "run.progress=false", "run.total_steps=3", "staleness.max=1",
-               "data.prompts_per_step=4", "generator.engine=sglang", "generator.sglang.servers=2",
-               "generator.sglang.weight_transport=nccl", "generator.sglang.control_timeout_s=120",
-               f"generator.sglang.port_base={free_port_base(2)}", f"generator.sglang.weights_dir={tmp_path / 'w'}",
-               f"generator.sglang.server_command=[{sys.executable},{FAKE}]",
-               f"generator.sglang.server_args=[--fake-events,{events}]"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env,
-                            cwd=Path(__file__).resolve().parent.parent)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [0, 1, 2]
+    rows = run_cli_on_fake_servers(tmp_path, "generator.sglang.weight_transport=nccl",
+                                   "generator.sglang.control_timeout_s=120",
+                                   f"generator.sglang.server_args=[--fake-events,{events}]")
     loaded = [json.loads(line) for line in events.read_text().splitlines()]
     assert {e["update"] for e in loaded} == {"distributed"} and {e["backend"] for e in loaded} == {"gloo"}
     for port in {e["port"] for e in loaded}:  # both servers received versions 1, 2, 3, in order
