@@ -17,8 +17,8 @@ Invariants:
     group, SIGKILL it after `timeout_s`, and SIGKILL whatever of it outlived the server, so nothing it
     spawned keeps the GPU or the port;
   - the server never outlives the process that launched it, however that process dies (`ray.kill`,
-    SIGKILL, OOM): a watchdog (`_SUPERVISOR`) SIGTERMs the group, then SIGKILLs it after
-    `WATCHDOG_GRACE_S`, when the launcher is gone; which thread launched the server does not matter.
+    SIGKILL, OOM): a watchdog (generators/watchdog.py) SIGTERMs the group, then SIGKILLs it
+    after a grace period, when the launcher is gone; which thread launched the server does not matter.
     Linux/POSIX only (fork, setsid, killpg).
 
 `command` is the launcher prefix (default `python -m sglang.launch_server`); the contract tests point it at
@@ -40,82 +40,11 @@ from typing import Optional
 import httpx
 
 from nanoverl_async.config import SGLangConfig
+from nanoverl_async.generators.watchdog import signal_group, spawn_watched
 
 log = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 0.2
-WATCHDOG_GRACE_S = 10.0  # the launcher is gone: SIGTERM the server's group, SIGKILL it this much later
-
-# Why a watchdog and not prctl(PR_SET_PDEATHSIG) in preexec_fn: the death signal fires when the *thread*
-# that forked the child exits, and servers are (re)launched from pool threads (asyncio.to_thread(
-# server.restart) in sglang_engine.py), so a bare PDEATHSIG kills a healthy server when its pool thread
-# retires. Instead the server is started through this trampoline (`python -I -S -c _SUPERVISOR FD GRACE
-# ARGV...`, already in the server's new session). It double-forks a watchdog, then execs the server in
-# place, so `Popen.pid` *is* the server (poll, kill and returncode stay exact) and no launch window exists
-# in which the server runs unwatched. The watchdog, orphaned at once so the server never has to reap it,
-# blocks on the read end FD of a pipe whose only write end the launcher keeps (os.pipe fds are not
-# inherited by other children, and Popen closes them): EOF means every holder of the write end is dead,
-# i.e. the launcher process, whichever thread launched. It then kills the server's process group. It exits
-# on its own within 0.5 s of the group emptying (the server stopped, or died and was reaped), so it does not
-# linger to signal a group id reused much later. Caveat: a child the launcher forks *without* exec inherits the write end,
-# which delays the watchdog until that child exits too.
-_SUPERVISOR = r'''# nanoverl_async: SGLang server watchdog + exec trampoline (generators/sglang_server.py)
-import os, select, signal, sys, time
-
-def group_alive(pgid):
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        pass
-    return True
-
-def watch(fd, pgid, grace_s):
-    while True:  # the launcher never writes: readable and empty is EOF, the launcher is gone
-        if select.select([fd], [], [], 0.5)[0] and not os.read(fd, 64):
-            break
-        if not group_alive(pgid):
-            return
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
-        if not group_alive(pgid):
-            return
-        try:
-            os.killpg(pgid, sig)
-        except OSError:
-            return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and group_alive(pgid):
-            time.sleep(0.05)
-
-fd, grace_s, argv = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
-pgid = os.getpgid(0)
-child = os.fork()
-if child == 0:
-    if os.fork() == 0:
-        os.setsid()  # its own session: killing the server's group or the launcher's spares the watchdog
-        os.chdir("/")
-        null = os.open(os.devnull, os.O_RDWR)
-        for std in (0, 1, 2):  # hold no pipe of the launcher's open (a reader would wait for our EOF)
-            os.dup2(null, std)
-        try:
-            watch(fd, pgid, grace_s)
-        finally:
-            os._exit(0)
-    os._exit(0)
-os.waitpid(child, 0)
-os.close(fd)
-for name in ("SIGPIPE", "SIGXFSZ"):  # Python starts with these ignored; the server gets the defaults
-    if hasattr(signal, name):
-        signal.signal(getattr(signal, name), signal.SIG_DFL)
-try:
-    os.execvp(argv[0], argv)
-except OSError as error:
-    print(f"cannot launch {argv[0]}: {error}", file=sys.stderr, flush=True)
-    os._exit(127)
-'''
-
-
 class SGLangError(RuntimeError):
     """An SGLang server refused a call, timed out, or died; the message names which and why."""
 
@@ -172,7 +101,7 @@ class SGLangServer:
         self.wait_ready()
 
     def launch(self) -> None:
-        """Start the server process (if ours to start) under a watchdog; see `_SUPERVISOR`."""
+        """Start the server process (if ours to start) under a watchdog (generators/watchdog.py)."""
         if self.process is None and self.command:
             args = self.launch_args()
             if shutil.which(args[0]) is None:  # the trampoline would only report it as exit code 127
@@ -293,30 +222,6 @@ class SGLangServer:
     def end_update(self) -> None:
         if not self.legacy_protocol:
             self.post("/end_weight_update", {})
-
-
-def spawn_watched(args: list[str], grace_s: float = WATCHDOG_GRACE_S) -> tuple[subprocess.Popen, int]:
-    """Start `args` as the leader of a new session, guarded by a watchdog (`_SUPERVISOR`) that kills its
-    process group once this process is gone. Returns the process (its pid is the server's) and the write
-    end of the lifeline pipe, which the caller keeps open while the server should live."""
-    read_end, write_end = os.pipe()  # non-inheritable: only the trampoline gets the read end (pass_fds)
-    try:
-        process = subprocess.Popen([sys.executable, "-I", "-S", "-c", _SUPERVISOR, str(read_end), str(grace_s),
-                                    *args], env=dict(os.environ), pass_fds=(read_end,), start_new_session=True)
-    except BaseException:
-        os.close(write_end)
-        raise
-    finally:
-        os.close(read_end)
-    return process, write_end
-
-
-def signal_group(pgid: int, sig: int) -> None:
-    """Send `sig` to process group `pgid`; an empty group is not an error."""
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _parse(reply: httpx.Response):
