@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from test_fsdp import LEARNER, TEMPERATURE, free_port, model_dir  # noqa: F401 (model_dir is a fixture)
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from nanoverl_async.algorithms import loss_normaliser, policy_loss, token_entropy
 from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig
@@ -136,6 +136,7 @@ def train_critic(rank, world_size, port, model_dir, out_dir, micro_batch_tokens)
         runs.append({**learner.update(batch), "explained_variance": explained_variance(batch)})
     critic = get_model_state_dict(learner.critic, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     policy = learner.full_state_dict()  # collectives: every rank calls them
+    learner.save_pretrained(f"{out_dir}/final{world_size}")
     if rank == 0:
         torch.save({"runs": runs, "critic": critic, "policy": policy}, f"{out_dir}/{world_size}.pt")
     learner.shutdown()
@@ -155,3 +156,9 @@ def test_critic_learns_the_returns_and_two_ranks_match_one(model_dir, tmp_path):
     assert second["value_loss"] < first["value_loss"]
     assert second["explained_variance"] > first["explained_variance"]
     assert first["version"] == 1 and second["version"] == 2
+    # final/ holds the policy and, in final/critic, the critic, each loadable by transformers as trained
+    saved = AutoModelForTokenClassification.from_pretrained(tmp_path / "final2" / "critic", dtype=torch.float32)
+    for name, tensor in saved.state_dict().items():
+        assert torch.allclose(tensor, two["critic"][name]), name
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "final2", dtype=torch.float32)
+    assert all(torch.allclose(tensor, two["policy"][name]) for name, tensor in saved.state_dict().items())

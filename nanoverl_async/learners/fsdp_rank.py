@@ -299,15 +299,12 @@ class LearnerRank:
         return self.publisher.endpoint if self.publisher is not None else ""
 
     def save_pretrained(self, path: str) -> None:
-        """Collective: rank 0 writes a Hugging Face directory (config, weights, tokenizer) at `path`."""
-        state_dict = self.full_state_dict()
-        if self.rank == 0:
-            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-            model.load_state_dict(state_dict)
-            model.save_pretrained(path)
-            if _has_tokenizer(self.model_path):
-                AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
-        dist.barrier()
+        """Collective: rank 0 writes a Hugging Face directory (config, weights, tokenizer) at `path`, and
+        the critic's (advantage=gae; AutoModelForTokenClassification, one label) at `path/critic`."""
+        _save_hf(self.model, AutoModelForCausalLM, self.model_path, path, self.rank)
+        if self.critic is not None:
+            _save_hf(self.critic, AutoModelForTokenClassification, self.critic_cfg.path or self.model_path,
+                     f"{path}/critic", self.rank, num_labels=1)
 
     def shutdown(self) -> None:
         if self.sender is not None:
@@ -316,6 +313,19 @@ class LearnerRank:
             self.publisher.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _save_hf(module: torch.nn.Module, model_class, source: str, path: str, rank: int, **kwargs) -> None:
+    """Collective: gather `module`'s full state dict and have rank 0 save it as `model_class` built from
+    `source` (its config and tokenizer files are copied too)."""
+    state_dict = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        model = model_class.from_pretrained(source, dtype=torch.float32, **kwargs)
+        model.load_state_dict(state_dict)
+        model.save_pretrained(path)
+        if _has_tokenizer(source):
+            AutoTokenizer.from_pretrained(source).save_pretrained(path)
+    dist.barrier()
 
 
 def _device(kind: str, rank: int, local_rank: Optional[int]) -> torch.device:
