@@ -21,7 +21,7 @@ from nanoverl_async.config import ConfigError, GeneratorConfig, SGLangConfig, lo
 from nanoverl_async.generators.engine import SamplingParams, make_engine
 from nanoverl_async.generators.sglang_engine import SGLangEngine
 from nanoverl_async.generators.sglang_server import SGLangError, SGLangServer
-from nanoverl_async.learners.sglang_nccl import SGLangWeightSender, server_handles
+from nanoverl_async.learners.sglang_nccl import SGLangWeightSender, check_reachable, server_handles
 from nanoverl_async.weights import WeightPublisher, WeightSubscriber
 from sglang_helpers import PROMPT, assert_close, model_dirs, reference_logprobs, server, shared_server  # noqa: F401
 from test_sglang_engine import FAKE, free_port, run_cli_on_fake_servers
@@ -76,7 +76,8 @@ def test_endpoints_and_the_handles_rank_0_builds(server):
     engine = SGLangEngine(server.model_path, two_gpus,
                           servers=[SGLangServer(server.model_path, server.port, two_gpus, url=server.url)])
     endpoints = engine.endpoints()
-    assert endpoints == [{"url": server.url, "tp_size": 2, "server_version": "0.5.23", "legacy_protocol": False}]
+    assert endpoints == [{"url": server.url, "tp_size": 2, "server_version": "0.5.23", "legacy_protocol": False,
+                          "node_ip": ""}]
     wildcard = SGLangServer("m", 9, SGLangConfig(), url="http://0.0.0.0:9")  # bound to every interface
     wildcard = SGLangEngine("m", SGLangConfig(), servers=[wildcard], start=False)
     assert wildcard.endpoints(node_ip="10.1.2.3")[0]["url"] == "http://10.1.2.3:9"
@@ -147,3 +148,10 @@ def test_cli_runs_with_nccl_transport_on_fake_servers(tmp_path):
     assert any(int(lag) <= 1 for lag in rows[2]["staleness/token_histogram"])
     assert rows[2]["weights/version_lag_max"] <= 1
     assert not (tmp_path / "w").exists() or not any((tmp_path / "w").rglob("model.safetensors"))
+
+
+def test_loopback_servers_on_another_node_are_refused_before_joining():
+    here = {"url": "http://127.0.0.1:30000", "node_ip": "10.0.0.1"}
+    check_reachable([here, {"url": "http://10.0.0.2:30000", "node_ip": "10.0.0.2"}], rank0_ip="10.0.0.1")
+    with pytest.raises(SGLangError, match=r"generator\.sglang\.host=0\.0\.0\.0"):
+        check_reachable([here, {"url": "http://127.0.0.1:30001", "node_ip": "10.0.0.2"}], rank0_ip="10.0.0.1")

@@ -110,7 +110,7 @@ class SGLangEngine:
         group (sglang_nccl.server_handles). A server bound to every interface is reached at `node_ip`."""
         return [{"url": s.url.replace("://0.0.0.0:", f"://{node_ip}:") if node_ip else s.url,
                  "tp_size": s.cfg.tp_size, "server_version": s.server_version,
-                 "legacy_protocol": s.legacy_protocol} for s in self.servers]
+                 "legacy_protocol": s.legacy_protocol, "node_ip": node_ip} for s in self.servers]
 
     # --- generation --------------------------------------------------------------------------------
     def route(self, episode_id: Optional[str], input_ids: list[int] = ()) -> int:

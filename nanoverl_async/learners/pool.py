@@ -23,6 +23,7 @@ import torch
 from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig, LearnerConfig, SGLangConfig, WireConfig
 from nanoverl_async.learners.batch import TrainBatch, collate, explained_variance, group_size_of, with_advantages
 from nanoverl_async.learners.fsdp_rank import PROCESS_GROUP_TIMEOUT_S, LearnerRank
+from nanoverl_async.learners.sglang_nccl import check_reachable
 
 TIMEOUT_S = PROCESS_GROUP_TIMEOUT_S + 60  # a rank stuck in a collective fails first, with its own error
 
@@ -113,6 +114,7 @@ class LearnerPool:
         (GeneratorRole.sglang_endpoints), meeting at its own node's IP on a free port there. From then on
         `publish_weights` loads weights straight into the servers."""
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=TIMEOUT_S)
+        check_reachable(endpoints, master_addr)
         self._all("connect_sglang", endpoints, cfg, master_addr, master_port)
 
     def publish_weights(self, version: int) -> None:

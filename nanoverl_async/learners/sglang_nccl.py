@@ -92,6 +92,16 @@ def server_handles(endpoints: list[dict], cfg: SGLangConfig) -> list[SGLangServe
     return servers
 
 
+def check_reachable(endpoints: list[dict], rank0_ip: str) -> None:
+    """Raise if a server listens on loopback on another node than learner rank 0 (it could not be reached)."""
+    unreachable = [e["url"] for e in endpoints
+                   if "://127.0.0.1:" in e["url"] and e.get("node_ip", "") not in ("", rank0_ip)]
+    if unreachable:
+        raise SGLangError(f"learner rank 0 (node {rank0_ip}) cannot reach SGLang servers {unreachable} on other "
+                          "nodes: they listen on 127.0.0.1; set generator.sglang.host=0.0.0.0 (or the node's "
+                          "address) for weight_transport=nccl across nodes")
+
+
 class SGLangWeightSender:
     def __init__(self, servers: list[SGLangServer], master_address: str, master_port: int, *,
                  group_name: str = "weight_update_group", bucket_bytes: int = 512 << 20, pause_mode: str = "abort",
