@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from nanoverl_async.algorithms import loss_normaliser, policy_loss, token_entropy
 from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig
-from nanoverl_async.learners.batch import collate, explained_variance, sequence_logprobs, shard, with_advantages
+from nanoverl_async.learners.batch import (TrainBatch, collate, epoch_order, explained_variance, sequence_logprobs,
+                                           with_advantages)
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from synthetic import episodes
 
@@ -83,13 +84,16 @@ def plain_reference(model_dir, batch):
                                     batch.input_ids, TEMPERATURE)
     initial = torch.where(batch.loss_mask.bool(), initial, 0.0)
     losses = []
-    for _ in range(SCHEDULE.ppo_epochs):
+    for epoch in range(SCHEDULE.ppo_epochs):
+        order = epoch_order(batch.size, seed=0, version=0, epoch=epoch)  # the learner's shuffle, rows by hand
         for k in range(SCHEDULE.minibatches):
-            mb = shard(batch, k, SCHEDULE.minibatches)
+            rows = order[k * batch.size // SCHEDULE.minibatches:(k + 1) * batch.size // SCHEDULE.minibatches]
+            mb = TrainBatch(**{f: None if getattr(batch, f) is None else getattr(batch, f)[rows]
+                               for f in ("input_ids", "attention_mask", "loss_mask", "behaviour_logprobs",
+                                         "versions", "rewards", "advantages")})
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
             logprobs = sequence_logprobs(logits, mb.input_ids, TEMPERATURE)
             entropy = torch.cat([torch.zeros(mb.size, 1), token_entropy(logits[:, :-1], TEMPERATURE)], dim=1)
-            rows = slice(k * mb.size, (k + 1) * mb.size)
             loss, _ = policy_loss(
                 logprobs, initial[rows], mb.behaviour_logprobs, mb.advantages, mb.loss_mask, ALGO.correction,
                 ALGO.clip.low, ALGO.clip.high, ALGO.is_cap, mb.loss_mask.sum(), aggregation=ALGO.loss_agg,
@@ -115,6 +119,14 @@ def test_epochs_minibatches_and_unequal_micro_batches_match_plain_torch(model_di
         for name, tensor in weights.items():
             assert torch.allclose(run["weights"][name], tensor, atol=1e-5), name
     assert abs(weights["model.norm.weight"] - 1).max() > 1e-3  # the steps did move the weights
+
+
+def test_each_epoch_draws_its_own_minibatches():
+    orders = [epoch_order(64, seed=0, version=3, epoch=e) for e in range(3)]
+    assert all(sorted(order.tolist()) == list(range(64)) for order in orders)  # permutations of the rows
+    assert len({tuple(order.tolist()) for order in orders}) == 3  # a different order each epoch
+    assert torch.equal(orders[0], epoch_order(64, seed=0, version=3, epoch=0))  # the same on every rank
+    assert not torch.equal(orders[0], epoch_order(64, seed=0, version=4, epoch=0))  # and each batch
 
 
 GAE = AlgorithmConfig(advantage="gae", gamma=1.0, lam=1.0)

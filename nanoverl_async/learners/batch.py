@@ -141,6 +141,20 @@ def slice_rows(batch: TrainBatch, start: int, stop: int) -> TrainBatch:
                          for f in dataclasses.fields(TrainBatch)})
 
 
+def take_rows(batch: TrainBatch, rows: Tensor) -> TrainBatch:
+    """The rows `rows` (an index tensor) of every tensor, in that order (copies)."""
+    return TrainBatch(**{f.name: None if getattr(batch, f.name) is None else getattr(batch, f.name)[rows]
+                         for f in dataclasses.fields(TrainBatch)})
+
+
+def epoch_order(size: int, seed: int, version: int, epoch: int) -> Tensor:
+    """The row order of one pass over a batch split into minibatches: a fresh permutation per (seed,
+    version, epoch), the same on every rank and world size, so that each minibatch mixes prompts' groups
+    and each epoch draws different minibatches (PPO's minibatch SGD, Schulman et al. 2017, Algorithm 1)."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + version) * 1_009 + epoch)
+    return torch.randperm(size, generator=generator)
+
+
 def shard(batch: TrainBatch, rank: int, world_size: int) -> TrainBatch:
     """This rank's contiguous block of rows. Equal shards are required: FSDP ranks must run the same
     number of forward/backward passes, since each one all-gathers parameters collectively."""

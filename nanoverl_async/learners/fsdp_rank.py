@@ -44,8 +44,8 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 from nanoverl_async.algorithms import (aggregate, kl_estimates, kl_per_token, loss_normaliser, policy_loss,
                                       reduce_token_metrics, token_entropy, value_loss)
 from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig, LearnerConfig, SGLangConfig
-from nanoverl_async.learners.batch import (TrainBatch, sequence_logprobs, shard, split_to, to_device, token_budget_bounds,
-                                           trimmed)
+from nanoverl_async.learners.batch import (TrainBatch, epoch_order, sequence_logprobs, shard, split_to, take_rows,
+                                           to_device, token_budget_bounds, trimmed)
 from nanoverl_async.weights import WeightPublisher
 
 PROCESS_GROUP_TIMEOUT_S = 600  # a collective that waits longer than this fails loudly instead of hanging
@@ -61,7 +61,7 @@ class LearnerRank:
                  local_rank: Optional[int] = None):
         torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(seed + rank)
-        self.rank, self.world_size, self.cfg, self.algo = rank, world_size, cfg, algo
+        self.rank, self.world_size, self.cfg, self.algo, self.seed = rank, world_size, cfg, algo, seed
         self.kl = kl or KLConfig()
         self.max_tokens = max_tokens  # seq-mean-token-sum-norm's constant (agent.max_total_tokens)
         self.model_path, self.temperature = model_path, temperature
@@ -156,16 +156,19 @@ class LearnerRank:
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """ppo_epochs x minibatches optimizer steps on the batch, then version += 1: ONE new version per
         batch, however many optimizer steps (DESIGN.md "Versions"). Minibatch k is the k-th contiguous
-        block of rows of the whole batch, of which each rank trains its own shard. Without
+        block of rows of the batch in this epoch's order (`epoch_order`: shuffled when there are several
+        minibatches), of which each rank trains its own shard. Without
         proximal_logprobs the update's own detached logprobs stand in for p_old, which is exact only
         with one optimizer step per batch (LearnerPool.prepare computes them otherwise). Metrics are
         reduced over ranks, then averaged over optimizer steps (`*_max` keys: max)."""
         assert batch.proximal_logprobs is not None or self.steps_per_batch == 1, \
             "several optimizer steps per batch need the proximal logprobs (LearnerPool.prepare)"
         history = []
-        for _ in range(self.cfg.ppo_epochs):
+        for epoch in range(self.cfg.ppo_epochs):
+            ordered = batch if self.cfg.minibatches == 1 else \
+                take_rows(batch, epoch_order(batch.size, self.seed, self.version, epoch))
             for k in range(self.cfg.minibatches):
-                minibatch = shard(batch, k, self.cfg.minibatches)
+                minibatch = shard(ordered, k, self.cfg.minibatches)
                 history.append(self._optimizer_step(shard(minibatch, self.rank, self.world_size)))
         self.version += 1
         out = {key: max(h[key] for h in history) if key.endswith("_max") else
