@@ -3,7 +3,8 @@ state on 1 and 2 gloo ranks, the checkpoint folders (atomic, pruned, found by re
 config errors. The real CLI run, saved and resumed, is in tests/test_cli_run.py.
 """
 
-import dataclasses
+import json
+
 import msgpack
 import numpy as np
 import pytest
@@ -13,12 +14,15 @@ import torch.multiprocessing as mp
 from hypothesis import HealthCheck, settings
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from nanoverl_async import checkpoint
 from nanoverl_async.buffer.gate import AdmissionGate
 from nanoverl_async.buffer.replay import STRAGGLER, ReplayBuffer
 from nanoverl_async.buffer.service import BufferService
-from nanoverl_async.config import AlgorithmConfig, BufferConfig, CriticConfig, KLConfig, WireConfig
+from nanoverl_async.config import (AlgorithmConfig, BufferConfig, ConfigError, CriticConfig, KLConfig, RunConfig,
+                                   WireConfig, load_config)
 from nanoverl_async.learners.batch import collate, with_advantages
 from nanoverl_async.learners.fsdp_rank import LearnerRank
+from nanoverl_async.metrics import MetricsLogger
 from synthetic import episodes
 from test_fsdp import LEARNER, TEMPERATURE, free_port, write_model_dir
 from test_replay import TIMEOUT, GateAndReplay, fill
@@ -174,3 +178,62 @@ def test_learner_dcp_save_load_gives_the_same_next_update(tmp_path):
                 assert torch.equal(result["loaded"][part][key], tensor), (name, part, key)
                 assert torch.equal(resumed[key], result["expected"][part][key]), (name, part, key)
             assert any(not torch.equal(resumed[key], tensor) for key, tensor in saved.items())  # it did train
+
+
+# ---- the folders: atomic, pruned, found by run.resume=auto; and the config errors ----
+
+def fake_save(output_dir, step, keep=2):
+    folder = checkpoint.begin(str(output_dir), step)
+    (folder / "buffer.msgpack").write_bytes(b"x")
+    return checkpoint.commit(folder, {"step": step}, keep)
+
+
+def test_folders_are_published_whole_pruned_and_found_by_auto(tmp_path):
+    run = RunConfig(output_dir=str(tmp_path), resume="auto")
+    assert checkpoint.find_checkpoint(run) is None  # auto before any checkpoint: a fresh run
+    for step in (2, 4, 6):
+        fake_save(tmp_path, step)
+    crashed = checkpoint.begin(str(tmp_path), 8)  # a save that died before its rename
+    (crashed / "meta.json").write_text(json.dumps({"step": 8}))
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == [".step_8.tmp", "step_4", "step_6"]
+    assert checkpoint.find_checkpoint(run) == root / "step_6"
+    assert checkpoint.read_meta(root / "step_6") == {"step": 6}
+    fake_save(tmp_path, 8, keep=0)  # the leftover .tmp is cleared; keep=0 keeps all
+    assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_6", "step_8"]
+    explicit = RunConfig(output_dir=str(tmp_path), resume=str(root / "step_4"))
+    assert checkpoint.find_checkpoint(explicit) == root / "step_4"
+
+
+def test_resumed_metrics_keep_each_step_once(tmp_path):
+    logger = MetricsLogger(tmp_path, 6, progress=False)
+    for step in range(5):  # a run that saved at step 4, logged step 4, then crashed
+        logger.file.write(json.dumps({"step": step}) + "\n")
+    logger.close()
+    logger = MetricsLogger(tmp_path, 6, progress=False, start_step=4)
+    logger.file.write(json.dumps({"step": 4}) + "\n")
+    logger.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("run.save_every=-1", "run.save_every"),
+    ("run.keep_checkpoints=-2", "run.keep_checkpoints"),
+    ("run.resume=/nonexistent/step_3", "run.resume"),
+])
+def test_bad_checkpoint_keys_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("configs/agent_grpo.yaml", [override])
+
+
+def test_resume_needs_a_checkpoint_folder_and_steps_left(tmp_path):
+    (tmp_path / "step_2").mkdir()  # no meta.json: not a checkpoint
+    with pytest.raises(ConfigError, match=r"run\.resume.*not a checkpoint"):
+        load_config("configs/agent_grpo.yaml", [f"run.resume={tmp_path / 'step_2'}"])
+    folder = fake_save(tmp_path, 4)
+    with pytest.raises(ConfigError, match=r"run\.total_steps"):
+        load_config("configs/agent_grpo.yaml", [f"run.resume={folder}", "run.total_steps=4"])
+    cfg = load_config("configs/agent_grpo.yaml", [f"run.output_dir={tmp_path}", "run.resume=auto",
+                                                  "run.total_steps=6"])
+    assert checkpoint.find_checkpoint(cfg.run) == folder
