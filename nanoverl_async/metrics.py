@@ -80,8 +80,7 @@ class MetricsLogger:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if start_step and self.path.is_file():  # resumed: keep the rows before the checkpoint's step, once
-            rows = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] < start_step]
+            rows = [line for line in self.path.read_text().splitlines() if _step_of(line) < start_step]
             self.path.write_text("".join(f"{row}\n" for row in rows))
         self.file = self.path.open("a" if start_step else "w")
         self.total_steps = total_steps
@@ -124,3 +123,11 @@ class MetricsLogger:
         self.file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def _step_of(line: str) -> float:
+    """A metrics.jsonl row's step; infinity for a blank or torn line (a crash mid-write), which is dropped."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
