@@ -33,6 +33,11 @@ class RunConfig:
     wandb: bool = False  # also log metrics to Weights & Biases (offline unless WANDB_MODE says otherwise)
     progress: bool = True  # live console progress line
     eval_every: int = 0  # every N steps: near-greedy episodes on data.val_files, logged as eval/*; 0 = off
+    save_every: int = 0  # every N steps: the whole async state to output_dir/checkpoints/step_N; 0 = off
+    keep_checkpoints: int = 2  # the newest checkpoints kept after each save; 0 = all
+    # "" = a fresh run; auto = the newest complete checkpoint under output_dir/checkpoints (fresh if none);
+    # or the path of one step_N folder. metrics.jsonl is appended to from the checkpoint's step.
+    resume: str = ""
 
 
 @dataclass

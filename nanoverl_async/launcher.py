@@ -7,18 +7,26 @@ batches, trains, and publishes weights (DESIGN.md "Processes and data flow"). Ev
 class (buffer/, generators/, learners/); Ray appears here only to place them in processes. A role
 that dies ends the run with `RunFailed` naming it, never a hang: the loop waits on the buffer and on
 every generator at once, and every wait has a timeout.
+
+Checkpoints (run.save_every, run.resume; layout in checkpoint.py): after publishing version t + 1 the
+loop saves the whole async state (learner ranks collectively, the buffer its own file, the controller
+meta.json last). A resumed run loads it into freshly placed roles before any generator leases, publishes
+the restored weights first, and continues at the checkpoint's step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import ray
 
+from nanoverl_async import checkpoint
 from nanoverl_async.buffer.service import BufferService
 from nanoverl_async.config import Config, RayConfig, to_dict, to_yaml
 from nanoverl_async.data import DatasetPrompts, load_samples
@@ -39,12 +47,16 @@ def launch(cfg: Config) -> Path:
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "config.yaml").write_text(to_yaml(cfg))
     model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    resume_from = checkpoint.find_checkpoint(cfg.run)  # None: a fresh run
+    start = checkpoint.read_meta(resume_from)["step"] if resume_from else 0
+    if resume_from:
+        warn_config_changes(cfg, resume_from)
     started_ray = start_ray(cfg.ray)
-    roles = Roles(cfg, model_path)
+    roles = Roles(cfg, model_path, resume_from, start)
     logger = MetricsLogger(output_dir, cfg.run.total_steps, cfg.run.progress,
-                           wandb_config=to_dict(cfg) if cfg.run.wandb else None)
+                           wandb_config=to_dict(cfg) if cfg.run.wandb else None, start_step=start)
     try:
-        train(cfg, roles, logger)
+        train(cfg, roles, logger, start)
         with role_failures("learner pool"):
             roles.learners.save_pretrained(str(output_dir / "final"))
     finally:
@@ -55,10 +67,11 @@ def launch(cfg: Config) -> Path:
     return output_dir
 
 
-def train(cfg: Config, roles: "Roles", logger: MetricsLogger) -> None:
+def train(cfg: Config, roles: "Roles", logger: MetricsLogger, start: int = 0) -> None:
     """The RL dataflow (seed 002, Listing 1), with generation running ahead in the background."""
-    samples_trained, last_step_end = 0, time.monotonic()
-    for step in range(cfg.run.total_steps):
+    samples_trained = start * cfg.data.prompts_per_step * cfg.data.samples_per_prompt  # every batch is B x G
+    last_step_end = time.monotonic()
+    for step in range(start, cfg.run.total_steps):
         batch = roles.next_batch(step)  # blocks until B complete groups with step - version <= eta
         waited = time.monotonic() - last_step_end
         with role_failures("learner pool"):
@@ -72,25 +85,52 @@ def train(cfg: Config, roles: "Roles", logger: MetricsLogger) -> None:
             learner_metrics.update(roles.evaluate())  # eval/*: data.val_files on generator 0's weights
         logger.log(step_metrics(step, cfg.staleness.max, batch, learner_metrics, now - last_step_end,
                                 samples_trained))
-        last_step_end = now
+        maybe_checkpoint(cfg, roles, step + 1)  # the state after step `step`: weights version step + 1
+        last_step_end = time.monotonic()  # a save's time is not the next step's
+
+
+def maybe_checkpoint(cfg: Config, roles: "Roles", version: int) -> None:
+    """Every run.save_every steps: learner ranks write their DCP shards, the buffer its state, then the
+    controller meta.json and one rename make the folder complete (checkpoint.py)."""
+    if not cfg.run.save_every or version % cfg.run.save_every:
+        return
+    folder = checkpoint.begin(cfg.run.output_dir, version)
+    with role_failures("learner pool"):
+        roles.learners.save_checkpoint(str(folder / "learner"))
+    with role_failures("buffer"):  # generators keep streaming: the buffer's state is a cut taken under its lock
+        counters = ray.get(roles.buffer.save_state.remote(str(folder / "buffer.msgpack"), version),
+                           timeout=cfg.run.step_timeout_s)
+    checkpoint.commit(folder, checkpoint.make_meta(cfg, version, counters), cfg.run.keep_checkpoints)
+
+
+def warn_config_changes(cfg: Config, resume_from: Path) -> None:
+    """Resuming with other settings (say a new learning rate) is allowed, but never silent."""
+    changed = checkpoint.changed_keys(checkpoint.read_meta(resume_from)["config"], checkpoint.trained_config(cfg))
+    if changed:
+        print(f"resuming from {resume_from} with changed config keys: {', '.join(changed)}", file=sys.stderr)
 
 
 class Roles:
-    """The placed processes: one buffer, `generator.replicas` generators, `learner.world_size` ranks."""
+    """The placed processes: one buffer, `generator.replicas` generators, `learner.world_size` ranks.
+    With `resume_from` (a checkpoint of step `start`), buffer and learners restore it before any
+    generator exists, and the restored weights are published before the constructor returns."""
 
-    def __init__(self, cfg: Config, model_path: str):
+    def __init__(self, cfg: Config, model_path: str, resume_from: Optional[Path] = None, start: int = 0):
         self.cfg = cfg
         # run.eval_every's prompts (validation checked that data.val_files is set), loaded once
         self.val_samples = [{**s, "index": i} for i, s in enumerate(load_samples(cfg.data.val_files))] \
             if cfg.run.eval_every else []
         self.buffer = ray.remote(num_cpus=0, max_concurrency=4)(BufferRole).remote(
             cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max, cfg.buffer, cfg.wire,
-            cfg.run.seed, prompt_source(cfg), cfg.algorithm.group_filter)
+            cfg.run.seed, prompt_source(cfg), cfg.algorithm.group_filter,
+            restore_from=str(resume_from / "buffer.msgpack") if resume_from else "")
         with role_failures("learner pool"):
             self.learners = LearnerPool(cfg.learner, cfg.algorithm, model_path, cfg.generator.temperature,
                                         cfg.run.seed, wire=cfg.wire, dtype=cfg.model.dtype, kl=cfg.kl,
                                         reference_path=cfg.reference.path, max_length=cfg.agent.max_total_tokens,
-                                        critic=cfg.critic)
+                                        critic=cfg.critic, initial_version=start)
+            if resume_from:
+                self.learners.load_checkpoint(str(resume_from / "learner"), start)
         with role_failures("buffer"):
             buffer_endpoints = ray.get(self.buffer.endpoints.remote(), timeout=60)
         generator_actor = ray.remote(num_cpus=0, num_gpus=generator_gpus(cfg))(GeneratorRole)
@@ -113,6 +153,9 @@ class Roles:
                                     timeout=sglang.launch_timeout_s + 60)
             with role_failures("learner pool"):
                 self.learners.connect_sglang([e for per_generator in endpoints for e in per_generator], sglang)
+        if resume_from:  # generators start on the base weights; the restored buffer leases only to `start`
+            with role_failures("learner pool"):
+                self.learners.publish_weights(version=start)
 
     def evaluate(self) -> dict:
         """Near-greedy episodes on data.val_files by generator 0 (worker.evaluate) -> eval/* metrics."""
@@ -153,8 +196,17 @@ class Roles:
 class BufferRole:
     """The buffer service in its own process (methods, not properties, so Ray can call them)."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, restore_from: str = ""):
         self.service = BufferService(*args)
+        if restore_from:  # before any generator connects (Roles creates them afterwards)
+            self.service.restore(Path(restore_from).read_bytes())
+
+    def save_state(self, path: str, version: int) -> dict:
+        """Write buffer.msgpack; returns the gate's counters for meta.json."""
+        Path(path).write_bytes(self.service.state_bytes(version))
+        stats = self.service.stats()
+        return {key: stats[key] for key in ("leased", "consumed", "released", "expired", "reissued",
+                                            "groups_in_flight", "groups_ready")}
 
     def endpoints(self) -> dict:
         return self.service.endpoints

@@ -59,6 +59,8 @@ def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, ste
         / max(1, tool_calls),  # mean seconds per tool call
         "episodes/length_mean": float(np.mean([len(t.token_ids) for t in trajectories])),
         "episodes/generated_tokens_mean": float(np.mean([t.num_generated for t in trajectories])),
+        # which prompts this step trained on: a resumed run never trains on one twice (tests/test_cli_run.py)
+        "batch/prompt_indices": sorted({t.prompt_index for t in trajectories}),
     })
     for key, value in stats.items():
         if key not in BUFFER_STAT_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -69,13 +71,18 @@ def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, ste
 
 
 class MetricsLogger:
-    """Appends metrics to metrics.jsonl, shows a progress line, mirrors to wandb when enabled."""
+    """Appends metrics to metrics.jsonl, shows a progress line, mirrors to wandb when enabled. A run
+    resumed at `start_step` appends to the file, after dropping the rows of steps >= start_step that the
+    earlier run logged after its checkpoint, so every step appears once."""
 
     def __init__(self, output_dir: Path, total_steps: int, progress: bool = True,
-                 wandb_config: Optional[dict] = None):
+                 wandb_config: Optional[dict] = None, start_step: int = 0):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = self.path.open("w")
+        if start_step and self.path.is_file():  # resumed: keep the rows before the checkpoint's step, once
+            rows = [line for line in self.path.read_text().splitlines() if _step_of(line) < start_step]
+            self.path.write_text("".join(f"{row}\n" for row in rows))
+        self.file = self.path.open("a" if start_step else "w")
         self.total_steps = total_steps
         self.progress = progress
         self.started = time.monotonic()
@@ -83,7 +90,7 @@ class MetricsLogger:
         if progress and sys.stdout.isatty():  # a live bar in a terminal; plain lines when piped to a file
             self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=20),
                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn())
-            self.bar_task = self.bar.add_task("train", total=total_steps, info="starting")
+            self.bar_task = self.bar.add_task("train", total=total_steps, completed=start_step, info="starting")
             self.bar.start()
         self.wandb_run = None
         if wandb_config is not None:
@@ -95,7 +102,8 @@ class MetricsLogger:
         self.file.write(json.dumps(metrics) + "\n")
         self.file.flush()
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in metrics.items() if not isinstance(v, dict)}, step=metrics["step"])
+            self.wandb_run.log({k: v for k, v in metrics.items() if not isinstance(v, (dict, list))},
+                               step=metrics["step"])
         if self.progress:
             self._print_line(metrics)
 
@@ -115,3 +123,11 @@ class MetricsLogger:
         self.file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def _step_of(line: str) -> float:
+    """A metrics.jsonl row's step; infinity for a blank or torn line (a crash mid-write), which is dropped."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")

@@ -43,7 +43,7 @@ def validate(cfg: Config) -> None:
     for key in positive:
         if not get_key(cfg, key) > 0:
             raise ConfigError(f"config key '{key}': must be > 0, got {get_key(cfg, key)}")
-    non_negative = ["staleness.max", "run.seed", "run.eval_every", "learner.weight_decay", "learner.grad_clip",
+    non_negative = ["staleness.max", "run.seed", "run.eval_every", "run.save_every", "run.keep_checkpoints", "learner.weight_decay", "learner.grad_clip",
                     "algorithm.clip.low", "algorithm.clip.high", "ray.num_cpus"]
     for key in non_negative:
         if get_key(cfg, key) < 0:
@@ -73,6 +73,17 @@ def validate(cfg: Config) -> None:
                           "generator.sglang.weight_transport=disk")
     validate_algorithm(cfg)
     validate_agent_data(cfg)
+    validate_resume(cfg)
+
+
+def validate_resume(cfg: Config) -> None:
+    """run.resume names a checkpoint (or is "" / auto), and the run goes beyond its step."""
+    from nanoverl_async.checkpoint import find_checkpoint, read_meta
+
+    checkpoint = find_checkpoint(cfg.run)  # ConfigError for a path that is not a checkpoint
+    if checkpoint is not None and read_meta(checkpoint)["step"] >= cfg.run.total_steps:
+        raise ConfigError(f"config key 'run.total_steps': {cfg.run.total_steps} steps are already done by the "
+                          f"checkpoint {checkpoint} (step {read_meta(checkpoint)['step']}); raise run.total_steps")
 
 
 def validate_agent_data(cfg: Config) -> None:

@@ -52,3 +52,27 @@ def test_cli_bad_config_fails_before_starting(tmp_path):
     assert result.returncode == 2
     assert "staleness.max" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_cli_saves_and_resumes_the_whole_async_state(tmp_path):
+    """4 steps saving every 2, then the same command resumed to 6 steps: each step logged once, the learner
+    continues at version 4, and no prompt is trained on twice across the two runs."""
+    common = ("run.save_every=2", "staleness.max=1", "data.prompts_per_step=4", "data.samples_per_prompt=4")
+    first = run_cli(tmp_path, "run.total_steps=4", *common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_cli(tmp_path, "run.total_steps=6", "run.resume=auto", *common)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "changed config keys" not in second.stderr  # only run.* changed, which resuming allows
+    rows = read_metrics(tmp_path)
+    assert [row["step"] for row in rows] == list(range(6))
+    assert rows[4]["learner/version"] == 5  # the restored weights were version 4, trained once more
+    for row in rows:
+        assert row["staleness/max"] <= 1  # step t trained on versions >= t - staleness.max
+        assert row["buffer/consumed"] == 4 * (row["step"] + 1)  # the gate's counters were restored too
+        assert row["samples/trained"] == 16 * (row["step"] + 1)
+    trained = [index for row in rows for index in row["batch/prompt_indices"]]
+    assert len(trained) == 6 * 4 and len(set(trained)) == len(trained)  # no prompt trained on twice
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert checkpoints == ["step_4", "step_6"]  # run.keep_checkpoints=2 pruned step_2
+    meta = json.loads((tmp_path / "checkpoints" / "step_4" / "meta.json").read_text())
+    assert meta["step"] == 4 and meta["buffer"]["consumed"] == 16

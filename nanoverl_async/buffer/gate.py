@@ -19,6 +19,11 @@ Invariants (property-tested in tests/test_replay.py with the replay buffer):
 A lease carries a deadline: `expire(now)` frees every incomplete lease past it (slot back, prompt
 re-issued), so a group that can never complete (a corrupt message, a dead generator) cannot block.
 
+Checkpoints (`state` / `restore`): the frontier, the counters and the live leases. A restored gate
+keeps complete leases (their groups are restored in the replay buffer) and returns every lease that
+was in flight for re-issue, once, as `release` does; it refuses generators below `min_version` (the
+restored weights), so no episode of a resumed run is sampled by weights older than the checkpoint.
+
 Run alone: `python -m pytest tests/test_gate.py -q`.
 """
 
@@ -54,6 +59,7 @@ class AdmissionGate:
         self._next_group_id = 0
         self.counters = {"leased": 0, "completed": 0, "consumed": 0, "released": 0, "expired": 0,
                          "reissued": 0}
+        self.min_version = 0  # a generator below it gets no lease (a resumed run: the checkpoint's version)
 
     @property
     def groups_started(self) -> int:
@@ -73,6 +79,8 @@ class AdmissionGate:
         if version < 0 or max_groups < 0:
             raise ValueError(f"lease: version {version} and max_groups {max_groups} must be >= 0")
         leases = []
+        if version < self.min_version:
+            return leases  # still on weights older than the checkpoint it resumed from: wait for newer ones
         for _ in range(min(max_groups, self.capacity(version))):
             if self.reissue:
                 index = self.reissue.popleft()
@@ -120,6 +128,27 @@ class AdmissionGate:
         """A JSON-able snapshot of where every prompt is (for tests, metrics and checkpoints)."""
         return {"next_index": self.next_index, "reissue": list(self.reissue),
                 "live": {g: lease.prompt_index for g, lease in self.live.items()}}
+
+    def state(self) -> dict:
+        """Everything `restore` needs, msgpack-able (samples are not stored: prompt_fn recomputes them)."""
+        live = [[lease.group_id, lease.prompt_index, lease.version, lease.generator_id, lease.complete]
+                for lease in self.live.values()]
+        return {"next_index": self.next_index, "reissue": list(self.reissue), "live": live,
+                "next_group_id": self._next_group_id, "counters": dict(self.counters)}
+
+    def restore(self, state: dict, min_version: int, now: float) -> list[int]:
+        """Load `state()` into this (fresh) gate; in-flight leases are released for re-issue. Returns
+        the group ids of the complete leases kept (their groups must be restored in the replay buffer)."""
+        assert not self.live and self.counters["leased"] == 0, "restore into a fresh gate only"
+        self.next_index, self.reissue = state["next_index"], deque(state["reissue"])
+        self._next_group_id, self.counters = state["next_group_id"], dict(state["counters"])
+        self.min_version = min_version
+        for group_id, index, version, generator_id, complete in state["live"]:
+            self.live[group_id] = Lease(group_id, index, self.prompt_fn(index), version, generator_id,
+                                        now + self.lease_timeout_s, complete)
+            if not complete:  # its generator's episodes died with the old run: the prompt goes out again
+                self.release(group_id, reissue=True)
+        return list(self.live)
 
     def _requeue(self, lease: Lease, reissue: bool) -> None:
         if reissue:

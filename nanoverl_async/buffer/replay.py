@@ -18,6 +18,11 @@ a trajectory for an unknown group (a straggler of an expired lease, whose prompt
 group_id) or a duplicate sample is dropped and counted, never mixed in. Every group handed out has G
 trajectories, ordered by sample_index, and satisfies t - u <= eta.
 
+Checkpoints (`state` / `restore`): ready groups with their trajectories (the trajectory wire codec,
+never pickle), the partial groups' finished trajectories, and the counters. `restore` keeps only the
+ready groups whose leases the restored gate kept; partial groups are discarded with their leases
+(gate.py), their trajectories are in the file only as a record of the in-flight work at save time.
+
 Run alone: `python -m pytest tests/test_replay.py -q`.
 """
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nanoverl_async import trajectory as wire
 from nanoverl_async.trajectory import Trajectory
 
 # What `add` did with a trajectory.
@@ -111,6 +117,29 @@ class ReplayBuffer:
         for group in oldest:
             del self.ready[group.group_id]
         return oldest, dropped
+
+    def state(self) -> dict:
+        """Ready and partial groups (trajectories as `trajectory.encode` bytes) and the counters."""
+        def group_state(group: Group) -> list:
+            return [group.group_id, group.prompt_index, group.lease_version, group.arrival,
+                    [wire.encode(t) for t in group.trajectories]]
+        return {"ready": [group_state(g) for g in self.ready.values()],
+                "partial": [group_state(g) for g in self.open_groups.values()],
+                "arrivals": self._arrivals, "counters": dict(self.counters)}
+
+    def restore(self, state: dict, keep: list[int]) -> None:
+        """Load `state()` into this (empty) buffer: the ready groups named in `keep` (the restored gate's
+        complete leases), in their saved completion order. Partial groups are not restored (see above)."""
+        assert not self.ready and not self.open_groups, "restore into an empty buffer only"
+        kept = set(keep)
+        for group_id, prompt_index, lease_version, arrival, encoded in state["ready"]:
+            assert group_id in kept, f"ready group {group_id} has no complete lease in the gate's state"
+            group = Group(group_id, prompt_index, lease_version, arrival=arrival)
+            group.samples = {t.sample_index: t for t in map(wire.decode, encoded)}
+            assert len(group.samples) == self.group_size, f"group {group_id}: {len(group.samples)} samples"
+            self.ready[group_id] = group
+        assert set(self.ready) == kept, f"complete leases without a ready group: {sorted(kept - set(self.ready))}"
+        self._arrivals, self.counters = state["arrivals"], dict(state["counters"])
 
     @property
     def num_ready(self) -> int:

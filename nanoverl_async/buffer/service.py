@@ -14,6 +14,11 @@ Invariants: a message that fails to decode or validate is dropped, counted and l
 keeps running; gate and replay are only touched under one lock; a crash of the thread is re-raised by
 `next_batch`, never a silent hang. msgpack only, never pickle.
 
+Checkpoints: `state_bytes(version)` is one msgpack map {"format", "version", "gate", "replay",
+"service"} taken under the lock while generators keep streaming (a consistent cut: every trajectory
+is either in it or arrives after it); `restore(data)` loads it into a fresh service before any
+generator connects (gate.py, replay.py: in-flight leases are re-issued, complete groups kept).
+
 Run alone: `python -m pytest tests/test_buffer_service.py -q`.
 """
 
@@ -40,6 +45,7 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 20  # the thread wakes at least this often to expire leases and notice close()
 DRAIN_MAX = 256  # messages taken from one socket before looking at the other (no starvation)
+STATE_FORMAT = 1  # buffer.msgpack's layout (state_bytes); bump when it changes
 BUILTIN_TASKS = {"builtin:multiply": "nanoverl_async.multiply_task:make_prompt"}
 
 
@@ -197,6 +203,25 @@ class BufferService:
             "generator_tokens": dict(self._generator_tokens),
             "tokens_generated": self._tokens_since_batch,
         }
+
+    def state_bytes(self, version: int) -> bytes:
+        """The whole buffer state at weights `version` (the checkpoint's step), as msgpack bytes."""
+        with self._cond:
+            state = {"format": STATE_FORMAT, "version": version, "gate": self.gate.state(),
+                     "replay": self.replay.state(), "service": dict(self._counters)}
+        return msgpack.packb(state, use_bin_type=True)
+
+    def restore(self, data: bytes) -> None:
+        """Load `state_bytes` into this fresh service; generators below its version get no lease."""
+        state = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"buffer state format {state.get('format')!r}, expected {STATE_FORMAT}")
+        with self._cond:
+            kept = self.gate.restore(state["gate"], state["version"], time.monotonic())
+            self.replay.restore(state["replay"], kept)
+            self._counters.update(state["service"])
+        log.info("buffer: restored at version %d: %d complete groups kept, frontier %s", state["version"],
+                 len(kept), {k: v for k, v in self.gate.frontier().items() if k != "live"})
 
     def close(self) -> None:
         """Stop the thread and close both sockets (linger 0); returns within ~POLL_MS."""

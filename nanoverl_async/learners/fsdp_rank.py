@@ -16,7 +16,8 @@ contiguous shard, in micro-batches of at most learner.micro_batch_tokens padded 
   - `version` counts BATCHES trained (one per training step t, however many optimizer steps it took):
     the weights published after step t are version t + 1 (DESIGN.md "Versions");
   - every collective (`update`, `compute_logprobs`, `compute_values`, `publish_weights`,
-    `save_pretrained`, `connect_sglang`) must be called on all ranks, in the same order.
+    `save_pretrained`, `save_checkpoint`, `load_checkpoint`, `connect_sglang`) must be called on all
+    ranks, in the same order.
 Weights out: by default rank 0 publishes each version's full state dict over ZeroMQ (weights.py). After
 `connect_sglang` (generator.sglang.weight_transport=nccl) rank 0 loads each version straight into the
 SGLang servers (learners/sglang_nccl.py) and publishes only a version notice (an empty state dict).
@@ -46,6 +47,7 @@ from nanoverl_async.algorithms import (aggregate, kl_estimates, kl_per_token, lo
 from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig, LearnerConfig, SGLangConfig
 from nanoverl_async.learners.batch import (TrainBatch, epoch_order, sequence_logprobs, shard, split_to, take_rows,
                                            to_device, token_budget_bounds, trimmed)
+from nanoverl_async.learners.checkpoint import load_training_state, save_training_state
 from nanoverl_async.weights import WeightPublisher
 
 PROCESS_GROUP_TIMEOUT_S = 600  # a collective that waits longer than this fails loudly instead of hanging
@@ -308,6 +310,15 @@ class LearnerRank:
         if self.critic is not None:
             _save_hf(self.critic, AutoModelForTokenClassification, self.critic_cfg.path or self.model_path,
                      f"{path}/critic", self.rank, num_labels=1)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Collective: this rank's shards of models and optimizers, DCP, under `path` (learners/checkpoint.py)."""
+        save_training_state(self, path)
+
+    def load_checkpoint(self, path: str, version: int) -> None:
+        """Collective: restore what `save_checkpoint` wrote; the weights are then version `version`."""
+        load_training_state(self, path)
+        self.version = version
 
     def shutdown(self) -> None:
         if self.sender is not None:

@@ -122,6 +122,14 @@ class LearnerPool:
         loads it into the SGLang servers before returning and then sends a version notice (nccl)."""
         self._all("publish_weights", version)
 
+    def save_checkpoint(self, path: str) -> None:
+        """Every rank writes its DCP shards of models and optimizers under `path` (learners/checkpoint.py)."""
+        self._all("save_checkpoint", path)
+
+    def load_checkpoint(self, path: str, version: int) -> None:
+        """Every rank loads its shards from `path`; the pool's weights are then version `version`."""
+        self._all("load_checkpoint", path, version)
+
     def save_pretrained(self, path: str) -> None:
         self._all("save_pretrained", path)
 

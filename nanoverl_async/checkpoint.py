@@ -1,0 +1,117 @@
+"""Checkpoint folders of the whole asynchronous state, and finding the one to resume from.
+
+    output_dir/checkpoints/step_N/
+        learner/        torch.distributed.checkpoint of policy + AdamW (+ critic + its AdamW with gae),
+                        sharded, every learner rank writes its own part (learners/checkpoint.py)
+        buffer.msgpack  the prompt frontier, live leases, complete groups' trajectories, counters
+                        (BufferService.state_bytes)
+        meta.json       step (= the weights' version), seed, the config and its digest, buffer counters
+
+Invariants: a folder named `step_N` is complete. The launcher writes into `.step_N.tmp`, the controller
+writes meta.json last, and one `rename` publishes it, so a crash mid-save leaves only a `.tmp` folder,
+which the next save removes and `run.resume=auto` never picks. After each save only the newest
+`run.keep_checkpoints` folders are kept (0 = all).
+
+Not saved: the generators' partial episodes (DESIGN.md lists them; we deliberately do not): a resumed
+buffer re-issues every prompt that was in flight, and the generators sample it again from the restored
+policy. That costs at most the work that was in flight, and keeps the generators stateless.
+The generators' sampling RNG is re-seeded from run.seed rather than saved: which episode draws which
+random number depends on timing anyway, so asynchronous runs are not bit-reproducible. Prompt order
+needs no RNG state: a prompt is a pure function of (run.seed, index) (data.py, multiply_task.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+from nanoverl_async.config import Config, ConfigError, RunConfig, to_dict
+
+META = "meta.json"
+STEP_DIR = re.compile(r"step_(\d+)")
+# run.* keys a resumed run may change freely; every other key of the config is compared on resume
+RESUME_FREE_KEYS = ("run",)
+
+
+def checkpoints_dir(output_dir: str) -> Path:
+    return Path(output_dir).resolve() / "checkpoints"
+
+
+def is_checkpoint(path: Path) -> bool:
+    return path.is_dir() and STEP_DIR.fullmatch(path.name) is not None and (path / META).is_file()
+
+
+def find_checkpoint(run: RunConfig) -> Optional[Path]:
+    """The folder `run.resume` names: None for a fresh run ("" , or "auto" before any checkpoint); the
+    newest complete step_N under output_dir/checkpoints for "auto"; else the path, which must be one."""
+    if not run.resume:
+        return None
+    if run.resume == "auto":
+        root = checkpoints_dir(run.output_dir)
+        found = [p for p in root.iterdir() if is_checkpoint(p)] if root.is_dir() else []
+        return max(found, key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)), default=None)
+    path = Path(run.resume).resolve()
+    if not is_checkpoint(path):
+        raise ConfigError(f"config key 'run.resume': '{run.resume}' is not a checkpoint (a step_N folder with "
+                          f"{META}); use \"\" for a fresh run or \"auto\" for the newest under run.output_dir")
+    return path
+
+
+def read_meta(path: Path) -> dict:
+    return json.loads((path / META).read_text())
+
+
+def begin(output_dir: str, step: int) -> Path:
+    """A fresh, empty `.step_N.tmp` folder (a crashed save's leftovers are removed first)."""
+    tmp = checkpoints_dir(output_dir) / f".step_{step}.tmp"
+    for stale in tmp.parent.glob(".step_*.tmp") if tmp.parent.is_dir() else []:
+        shutil.rmtree(stale)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit(tmp: Path, meta: dict, keep: int) -> Path:
+    """Write meta.json last, publish the folder as step_N with one rename, prune old checkpoints."""
+    (tmp / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+    final = tmp.parent / f"step_{meta['step']}"
+    if final.exists():  # resumed from an earlier step than this one: the older run's copy is replaced
+        shutil.rmtree(final)
+    tmp.rename(final)
+    if keep:
+        steps = sorted((p for p in tmp.parent.iterdir() if is_checkpoint(p)),
+                       key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)))
+        for old in steps[:-keep]:
+            shutil.rmtree(old)
+    return final
+
+
+def make_meta(cfg: Config, step: int, buffer_counters: dict) -> dict:
+    config = trained_config(cfg)
+    return {"step": step, "version": step, "seed": cfg.run.seed, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "config_digest": config_digest(config), "config": config, "buffer": buffer_counters}
+
+
+def trained_config(cfg: Config) -> dict:
+    """The config without the keys a resumed run may change (run.*: steps, output, resume, ...)."""
+    return {k: v for k, v in to_dict(cfg).items() if k not in RESUME_FREE_KEYS}
+
+
+def config_digest(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dicts (to warn on resume)."""
+    keys = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys += changed_keys(a, b, f"{prefix}{key}.")
+        elif a != b:
+            keys.append(f"{prefix}{key}")
+    return keys

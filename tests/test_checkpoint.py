@@ -1,0 +1,241 @@
+"""Checkpoint and resume, piece by piece: the buffer's state with leases in flight, the learner's DCP
+state on 1 and 2 gloo ranks, the checkpoint folders (atomic, pruned, found by resume=auto) and the
+config errors. The real CLI run, saved and resumed, is in tests/test_cli_run.py.
+"""
+
+import json
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import HealthCheck, settings
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from nanoverl_async import checkpoint
+from nanoverl_async.buffer.gate import AdmissionGate
+from nanoverl_async.buffer.replay import STRAGGLER, ReplayBuffer
+from nanoverl_async.buffer.service import BufferService
+from nanoverl_async.config import (AlgorithmConfig, BufferConfig, ConfigError, CriticConfig, KLConfig, RunConfig,
+                                   WireConfig, load_config)
+from nanoverl_async.learners.batch import collate, with_advantages
+from nanoverl_async.learners.fsdp_rank import LearnerRank
+from nanoverl_async.metrics import MetricsLogger
+from synthetic import episodes
+from test_fsdp import LEARNER, TEMPERATURE, free_port, write_model_dir
+from test_replay import TIMEOUT, GateAndReplay, fill
+
+
+# ---- the buffer: nothing lost or doubled across a save and restore with leases in flight ----
+
+def round_trip(gate: AdmissionGate, replay: ReplayBuffer, version: int) -> tuple[AdmissionGate, ReplayBuffer]:
+    """What BufferService.state_bytes / restore do, without sockets: state -> msgpack -> a fresh pair."""
+    data = msgpack.packb({"gate": gate.state(), "replay": replay.state()}, use_bin_type=True)
+    state = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    new_gate = AdmissionGate(gate.prompts_per_step, gate.staleness, gate.lease_timeout_s, gate.prompt_fn)
+    new_replay = ReplayBuffer(replay.group_size, replay.group_filter)
+    new_replay.restore(state["replay"], new_gate.restore(state["gate"], version, now=0.0))
+    return new_gate, new_replay
+
+
+class GateAndReplayWithRestarts(GateAndReplay):
+    """tests/test_replay.py's random interleavings, plus a save-and-restore at random moments: the
+    frontier invariants (every prompt in exactly one place, each consumed at most once) must hold
+    across it, in-flight prompts are re-issued once, and their old episodes arrive as stragglers."""
+
+    EVENTS = GateAndReplay.EVENTS + ["restart"]
+
+    def restart(self, data):
+        before = self.gate.frontier()
+        in_flight = [g for g, lease in self.gate.live.items() if not lease.complete]
+        ready = {g: [t.id for t in group.trajectories] for g, group in self.replay.ready.items()}
+        self.gate, self.replay = round_trip(self.gate, self.replay, self.version)
+        after = self.gate.frontier()
+        assert after["next_index"] == before["next_index"]
+        assert after["reissue"] == before["reissue"] + [before["live"][g] for g in in_flight]
+        assert {g: [t.id for t in group.trajectories] for g, group in self.replay.ready.items()} == ready
+        self.expired.update(in_flight)  # their episodes died with the old run: any late one is a straggler
+        # the pool publishes the restored weights at start: every generator holds the learner's version
+        self.generator_versions = [self.version] * len(self.generator_versions)
+        if self.version:  # a generator still on older weights gets nothing
+            assert self.gate.lease(self.version - 1, 1, self.now) == []
+
+
+GateAndReplayWithRestarts.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None,
+                                                       suppress_health_check=[HealthCheck.too_slow])
+test_buffer_state_survives_restarts_at_random_moments = GateAndReplayWithRestarts.TestCase
+
+
+def test_restored_buffer_reissues_in_flight_prompt_once_and_keeps_complete_groups():
+    B, G, eta = 2, 2, 1
+    gate, replay = AdmissionGate(B, eta, TIMEOUT, prompt_fn=lambda i: {"index": i}), ReplayBuffer(G)
+    leases = gate.lease(version=0, max_groups=4, now=0.0)
+    for lease in leases:
+        replay.open(lease.group_id, lease.prompt_index, lease.version)
+    fill(replay, leases[0].group_id, leases[0].prompt_index, [0, 0])  # complete
+    gate.complete(leases[0].group_id)
+    fill(replay, leases[1].group_id, leases[1].prompt_index, [0])  # partial: one episode of two finished
+    gate2, replay2 = round_trip(gate, replay, version=0)
+    assert replay2.state()["partial"] == []  # the partial group went with its lease
+    assert replay.state()["partial"][0][4]  # ... though the saved file did hold its finished episode
+    assert list(gate2.live) == [leases[0].group_id] and list(replay2.ready) == [leases[0].group_id]
+    assert gate2.frontier()["reissue"] == [1, 2, 3] and gate2.groups_started == 1
+    again = gate2.lease(version=0, max_groups=4, now=0.0)
+    assert [lease.prompt_index for lease in again] == [1, 2, 3]  # re-issued once each, before fresh ones
+    assert replay2.add(replay.open_groups[leases[1].group_id].trajectories[0]) == STRAGGLER
+
+
+def test_buffer_service_state_bytes_round_trip_and_min_version():
+    def service():
+        return BufferService(1, 1, 0, BufferConfig(lease_timeout_s=30), WireConfig(), 0, lambda i: {"index": i})
+
+    old, new = service(), service()
+    try:
+        (lease,) = old.gate.lease(version=3, max_groups=1, now=0.0)
+        old.replay.open(lease.group_id, lease.prompt_index, 3)
+        new.restore(old.state_bytes(version=3))
+        assert new.gate.frontier() == {"next_index": 1, "reissue": [0], "live": {}}
+        assert new.gate.lease(version=2, max_groups=1, now=0.0) == []  # below the checkpoint's weights
+        assert [l.prompt_index for l in new.gate.lease(version=3, max_groups=1, now=0.0)] == [0]
+        with pytest.raises(ValueError, match="format"):
+            service_state = msgpack.packb({"format": 99})
+            old.restore(service_state)
+    finally:
+        old.close()
+        new.close()
+
+
+# ---- the learner: DCP save/load gives exactly the next update a run without it gives ----
+
+GAE = AlgorithmConfig(advantage="gae", gamma=1.0, lam=1.0)
+GRPO = AlgorithmConfig(is_cap=1.5)
+
+
+def prepared(learner, world_size, algo, seed):
+    """A batch with advantages (and the critic's values for gae), as LearnerPool.prepare makes it."""
+    batch = collate(episodes([(3, [4, 2], 1.0), (3, [5], 0.0), (4, [2, 3], 0.0), (4, [6], 1.0)], seed=seed))
+    if algo.advantage == "gae":
+        parts = [None] * world_size
+        dist.all_gather_object(parts, learner.compute_values(batch))
+        batch.values = torch.from_numpy(np.concatenate(parts))
+        batch = with_advantages(batch, 2, algo, KLConfig(), max_length=16)
+    return batch
+
+
+def snapshot(learner) -> dict:
+    """Collective: full policy (and critic) weights on rank 0, copied (on one CPU rank the full state
+    dict is the live parameters themselves)."""
+    out = {"policy": learner.full_state_dict()}
+    if learner.critic is not None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        out["critic"] = get_model_state_dict(learner.critic, options=options)
+    return {part: {key: tensor.clone() for key, tensor in state.items()} for part, state in out.items()}
+
+
+def save_then_resume(rank, world_size, ports, model_dir, out_dir, algo):
+    """Update, save, update (the reference); then fresh ranks load the save and make the same update."""
+    def make(port):
+        return LearnerRank(rank, world_size, "127.0.0.1", port, model_dir, LEARNER, algo, TEMPERATURE, seed=0,
+                           critic=CriticConfig(lr=1e-2) if algo.advantage == "gae" else None)
+
+    learner = make(ports[0])
+    learner.update(prepared(learner, world_size, algo, seed=0))  # Adam moments are no longer zero
+    learner.save_checkpoint(f"{out_dir}/learner")
+    saved = snapshot(learner)
+    learner.update(prepared(learner, world_size, algo, seed=1))
+    expected = snapshot(learner)
+    learner.shutdown()
+    learner = make(ports[1])  # fresh weights and optimizer
+    learner.load_checkpoint(f"{out_dir}/learner", version=1)
+    loaded = snapshot(learner)
+    metrics = learner.update(prepared(learner, world_size, algo, seed=1))
+    resumed = snapshot(learner)
+    learner.shutdown()
+    if rank == 0:
+        torch.save({"saved": saved, "loaded": loaded, "expected": expected, "resumed": resumed,
+                    "version": metrics["version"]}, f"{out_dir}/result.pt")
+
+
+def worker(rank, ports, model_dir, out_dir):
+    """2 ranks with a critic (gae), then (saving a process start) rank 0 alone with GRPO."""
+    save_then_resume(rank, 2, ports[:2], model_dir, f"{out_dir}/two", GAE)
+    if rank == 0:
+        save_then_resume(0, 1, ports[2:], model_dir, f"{out_dir}/one", GRPO)
+
+
+def test_learner_dcp_save_load_gives_the_same_next_update(tmp_path):
+    model_dir = write_model_dir(tmp_path / "model")
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+    mp.spawn(worker, args=([free_port() for _ in range(4)], model_dir, str(tmp_path)), nprocs=2, join=True)
+    for name, parts in (("one", ["policy"]), ("two", ["policy", "critic"])):
+        result = torch.load(tmp_path / name / "result.pt")
+        assert result["version"] == 2
+        for part in parts:
+            saved, resumed = result["saved"][part], result["resumed"][part]
+            for key, tensor in saved.items():
+                assert torch.equal(result["loaded"][part][key], tensor), (name, part, key)
+                assert torch.equal(resumed[key], result["expected"][part][key]), (name, part, key)
+            assert any(not torch.equal(resumed[key], tensor) for key, tensor in saved.items())  # it did train
+
+
+# ---- the folders: atomic, pruned, found by run.resume=auto; and the config errors ----
+
+def fake_save(output_dir, step, keep=2):
+    folder = checkpoint.begin(str(output_dir), step)
+    (folder / "buffer.msgpack").write_bytes(b"x")
+    return checkpoint.commit(folder, {"step": step}, keep)
+
+
+def test_folders_are_published_whole_pruned_and_found_by_auto(tmp_path):
+    run = RunConfig(output_dir=str(tmp_path), resume="auto")
+    assert checkpoint.find_checkpoint(run) is None  # auto before any checkpoint: a fresh run
+    for step in (2, 4, 6):
+        fake_save(tmp_path, step)
+    crashed = checkpoint.begin(str(tmp_path), 8)  # a save that died before its rename
+    (crashed / "meta.json").write_text(json.dumps({"step": 8}))
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == [".step_8.tmp", "step_4", "step_6"]
+    assert checkpoint.find_checkpoint(run) == root / "step_6"
+    assert checkpoint.read_meta(root / "step_6") == {"step": 6}
+    fake_save(tmp_path, 8, keep=0)  # the leftover .tmp is cleared; keep=0 keeps all
+    assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_6", "step_8"]
+    explicit = RunConfig(output_dir=str(tmp_path), resume=str(root / "step_4"))
+    assert checkpoint.find_checkpoint(explicit) == root / "step_4"
+
+
+def test_resumed_metrics_keep_each_step_once(tmp_path):
+    logger = MetricsLogger(tmp_path, 6, progress=False)
+    for step in range(5):  # a run that saved at step 4, logged step 4, then crashed mid-write
+        logger.file.write(json.dumps({"step": step}) + "\n")
+    logger.file.write('{"step": 5, "rew')
+    logger.close()
+    logger = MetricsLogger(tmp_path, 6, progress=False, start_step=4)
+    logger.file.write(json.dumps({"step": 4}) + "\n")
+    logger.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("run.save_every=-1", "run.save_every"),
+    ("run.keep_checkpoints=-2", "run.keep_checkpoints"),
+    ("run.resume=/nonexistent/step_3", "run.resume"),
+])
+def test_bad_checkpoint_keys_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("configs/agent_grpo.yaml", [override])
+
+
+def test_resume_needs_a_checkpoint_folder_and_steps_left(tmp_path):
+    (tmp_path / "step_2").mkdir()  # no meta.json: not a checkpoint
+    with pytest.raises(ConfigError, match=r"run\.resume.*not a checkpoint"):
+        load_config("configs/agent_grpo.yaml", [f"run.resume={tmp_path / 'step_2'}"])
+    folder = fake_save(tmp_path, 4)
+    with pytest.raises(ConfigError, match=r"run\.total_steps"):
+        load_config("configs/agent_grpo.yaml", [f"run.resume={folder}", "run.total_steps=4"])
+    cfg = load_config("configs/agent_grpo.yaml", [f"run.output_dir={tmp_path}", "run.resume=auto",
+                                                  "run.total_steps=6"])
+    assert checkpoint.find_checkpoint(cfg.run) == folder
