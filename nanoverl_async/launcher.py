@@ -77,10 +77,12 @@ def train(cfg: Config, roles: "Roles", logger: MetricsLogger, start: int = 0) ->
         with role_failures("learner pool"):
             train_batch = roles.learners.prepare(batch)  # proximal logprobs (version `step`), advantages
             learner_metrics = roles.learners.update(train_batch)  # ppo_epochs x minibatches FSDP2 steps
+            trained = time.monotonic()
             roles.learners.publish_weights(version=step + 1)  # async; generators apply it when ready
         samples_trained += len(batch.trajectories)
         now = time.monotonic()
-        learner_metrics["time/wait_batch_s"] = waited
+        learner_metrics.update({"time/wait_batch_s": waited, "time/train_s": trained - last_step_end - waited,
+                                "time/publish_s": now - trained})  # publish: the gather (+ nccl: the load)
         if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
             learner_metrics.update(roles.evaluate())  # eval/*: data.val_files on generator 0's weights
         logger.log(step_metrics(step, cfg.staleness.max, batch, learner_metrics, now - last_step_end,

@@ -30,6 +30,7 @@ BUFFER_STAT_KEYS = {
     "turns_mean": "episodes/turns_mean",
     "tool_calls_mean": "episodes/tool_calls_mean",
     "tool_errors_mean": "episodes/tool_errors_mean",
+    "generators_gated_frac": "generators/gated_frac",  # share of generator time the gate refused new groups
 }
 
 

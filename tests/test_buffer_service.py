@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import zmq
 
-from nanoverl_async.buffer.service import BufferService, parse_request, resolve_prompt_fn
+from nanoverl_async.buffer.service import BufferService, GatedClock, parse_request, resolve_prompt_fn
 from nanoverl_async.config import BufferConfig, WireConfig
 from nanoverl_async.trajectory import Trajectory, encode
 
@@ -175,3 +175,25 @@ def test_resolve_prompt_fn():
     assert resolve_prompt_fn("operator:add", seed=3)(5) == 8  # module:attr is called as fn(seed, index)
     with pytest.raises(ValueError, match="builtin"):
         resolve_prompt_fn("multiply", seed=0)
+
+
+def test_gated_clock_counts_refused_generator_time_per_window():
+    clock = GatedClock(now=0.0)
+    clock.observe(1, refused=True, now=1.0)  # generator 1 refused from t=1 ...
+    clock.observe(1, refused=True, now=2.0)  # (still the same spell)
+    clock.observe(1, refused=False, now=3.0)  # ... until t=3: 2 s
+    clock.observe(2, refused=True, now=6.0)  # generator 2 refused from t=6, still at t=8
+    assert clock.fraction(now=8.0, generators=2) == pytest.approx((2 + 2) / (8 * 2))
+    clock.observe(2, refused=False, now=9.0)  # the open spell counts from the new window's start
+    assert clock.fraction(now=10.0, generators=2) == pytest.approx(1 / (2 * 2))
+    assert clock.fraction(now=11.0, generators=2) == 0.0
+
+
+def test_refused_leases_show_up_as_gated_time(make_service):
+    service, client = make_service(B=1, G=1, eta=0)
+    (lease,) = client.lease(version=0, max_groups=2)  # version 0 may start B=1 group
+    assert client.lease(version=0, max_groups=2) == []  # then the staleness bound refuses it
+    time.sleep(0.3)
+    client.push.send(encode(make_trajectory(lease, 0, [0])))
+    batch = service.next_batch(0, timeout_s=5)
+    assert 0.1 < batch.stats["generators_gated_frac"] <= 1.0

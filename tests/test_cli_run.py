@@ -11,7 +11,8 @@ pytestmark = pytest.mark.slow
 
 REQUIRED_KEYS = {"step", "reward/mean", "staleness/max", "staleness/mean", "staleness/limit", "samples/trained",
                  "time/step_s", "tokens/generated_per_s", "weights/version_lag_max", "episodes/turns_mean",
-                 "episodes/tool_calls_mean"}
+                 "episodes/tool_calls_mean", "generators/gated_frac", "time/wait_batch_s", "time/train_s",
+                 "time/publish_s"}
 
 
 def run_cli(tmp_path, *overrides, timeout=600):

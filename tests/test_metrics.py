@@ -27,7 +27,8 @@ def make_batch(step: int, trajectories: list[Trajectory], **counters) -> Batch:
 
 def test_step_metrics_keys_and_values(tmp_path):
     batch = make_batch(5, [trajectory(5, 1.0, 1), trajectory(3, 0.0, 0), trajectory(4, 1.0, 1), trajectory(4, 0.0, 0)],
-                       generator_versions={0: 4, 1: 5}, tokens_generated=120, dropped_stale=2, wait_s=0.25)
+                       generator_versions={0: 4, 1: 5}, tokens_generated=120, dropped_stale=2, wait_s=0.25,
+                       generators_gated_frac=0.125)
     m = step_metrics(5, 2, batch, {"loss": 0.1, "grad_norm": 0.5}, step_seconds=2.0, samples_trained=24)
     assert m["step"] == 5 and m["reward/mean"] == 0.5 and m["reward/std"] == 0.5
     assert m["staleness/max"] == 2 and m["staleness/mean"] == 1.0 and m["staleness/limit"] == 2
@@ -37,7 +38,7 @@ def test_step_metrics_keys_and_values(tmp_path):
     assert m["tokens/generated_per_s"] == 60.0 and m["weights/version_lag_max"] == 1
     assert m["episodes/turns_mean"] == 1.5 and m["episodes/tool_calls_mean"] == 0.5
     assert m["episodes/tool_errors_mean"] == 0.0 and m["episodes/generated_tokens_mean"] == 3.0
-    assert m["learner/loss"] == 0.1 and m["learner/grad_norm"] == 0.5
+    assert m["learner/loss"] == 0.1 and m["learner/grad_norm"] == 0.5 and m["generators/gated_frac"] == 0.125
     # each statistic appears once: the buffer's batch stats are not copied into buffer/*, its counters are
     assert not {f"buffer/{key}" for key in BUFFER_STAT_KEYS} & set(m) and "buffer/step" not in m
     assert m["buffer/wait_s"] == 0.25 and m["buffer/tokens_generated"] == 120
@@ -54,6 +55,6 @@ def test_staleness_ignores_episodes_that_sampled_no_token():
     silent = trajectory(0, 0.0, 0)
     silent.loss_mask[:] = 0
     silent.versions[:] = -1
-    batch = make_batch(3, [trajectory(3, 1.0, 0), silent], dropped_stale=0)
+    batch = make_batch(3, [trajectory(3, 1.0, 0), silent], dropped_stale=0, generators_gated_frac=0.0)
     m = step_metrics(3, 1, batch, {}, step_seconds=1.0, samples_trained=2)
     assert m["staleness/max"] == 0 and m["staleness/histogram"] == {"0": 1} and m["reward/mean"] == 0.5

@@ -118,6 +118,31 @@ def batch_stats(step: int, groups: list[Group]) -> dict:
     }
 
 
+class GatedClock:
+    """How long generators are refused by the admission gate (an empty lease reply: the staleness bound
+    holds them back), as a share of generator time per window between batches: `generators/gated_frac`,
+    what raising staleness.max would buy back. A refused generator may still be finishing its groups;
+    it starts none until the gate opens (new weights, or the learner consuming a step)."""
+
+    def __init__(self, now: float):
+        self.window_start, self.closed_s = now, 0.0
+        self.refused_since: dict[int, float] = {}  # generator -> its first refusal in the current spell
+
+    def observe(self, generator_id: int, refused: bool, now: float) -> None:
+        if refused:
+            self.refused_since.setdefault(generator_id, now)
+        elif generator_id in self.refused_since:
+            self.closed_s += now - max(self.refused_since.pop(generator_id), self.window_start)
+
+    def fraction(self, now: float, generators: int) -> float:
+        """Refused seconds / generator seconds since the last call (spells still open count up to now);
+        starts the next window."""
+        still_refused = sum(now - max(since, self.window_start) for since in self.refused_since.values())
+        share = (self.closed_s + still_refused) / (max(now - self.window_start, 1e-9) * max(1, generators))
+        self.window_start, self.closed_s = now, 0.0
+        return share
+
+
 class BufferService:
     def __init__(self, prompts_per_step: int, group_size: int, staleness: int, config: BufferConfig,
                  wire_config: WireConfig, seed: int, task: Union[str, Callable[[int], dict]],
@@ -131,6 +156,7 @@ class BufferService:
         self._generator_versions: dict[int, int] = {}
         self._generator_tokens: Counter = Counter()
         self._tokens_since_batch = 0
+        self._gated = GatedClock(time.monotonic())
         self._error: BaseException | None = None
         self._context = zmq.Context()
         self._pull = self._context.socket(zmq.PULL)
@@ -178,7 +204,8 @@ class BufferService:
     def _hand_out(self, step: int, groups: list[Group], waited_s: float) -> Batch:
         for group in groups:
             self.gate.consume(group.group_id)
-        stats = {**batch_stats(step, groups), **self._stats_locked(), "wait_s": waited_s}
+        stats = {**batch_stats(step, groups), **self._stats_locked(), "wait_s": waited_s,
+                 "generators_gated_frac": self._gated.fraction(time.monotonic(), len(self._generator_versions))}
         self._tokens_since_batch = 0
         return Batch(step, [t for g in groups for t in g.trajectories], stats)
 
@@ -288,8 +315,9 @@ class BufferService:
             self._generator_versions[request["generator_id"]] = request["version"]
             if request["op"] == "report":
                 return msgpack.packb({"ok": True}, use_bin_type=True)
-            leases = self.gate.lease(request["version"], request["max_groups"], time.monotonic(),
-                                     request["generator_id"])
+            now = time.monotonic()
+            leases = self.gate.lease(request["version"], request["max_groups"], now, request["generator_id"])
+            self._gated.observe(request["generator_id"], refused=not leases and request["max_groups"] > 0, now=now)
             for lease in leases:
                 self.replay.open(lease.group_id, lease.prompt_index, lease.version)
         reply = [{"group_id": l.group_id, "prompt_index": l.prompt_index, "sample": l.sample} for l in leases]
