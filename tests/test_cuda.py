@@ -7,7 +7,6 @@ test_engine.py and test_fsdp.py, on the other device). Ran on an H200 (see READM
 
 import asyncio
 import dataclasses
-import socket
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from test_engine import tiny_qwen2
-from test_fsdp import ALGO, LEARNER, TEMPERATURE, make_batch, plain_reference, write_model_dir
+from test_fsdp import ALGO, LEARNER, TEMPERATURE, free_port, make_batch, plain_reference, write_model_dir
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TOL = 1e-4  # fp32 on both devices; kernels differ in summation order
@@ -48,10 +47,7 @@ def test_engine_on_cuda_matches_a_full_forward(qwen_dir):
 
 def test_nccl_learner_rank_matches_plain_torch(tmp_path):
     model_dir = write_model_dir(tmp_path)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    learner = LearnerRank(0, 1, "127.0.0.1", port, model_dir, dataclasses.replace(LEARNER, device="cuda"),
+    learner = LearnerRank(0, 1, "127.0.0.1", free_port(), model_dir, dataclasses.replace(LEARNER, device="cuda"),
                           ALGO, TEMPERATURE, seed=0)
     try:
         batch = make_batch()
@@ -72,11 +68,7 @@ def test_nccl_weight_group_beside_the_learners_nccl_world(tmp_path):
     from nanoverl_async.config import SGLangConfig
     from nanoverl_async.weights import WeightSubscriber
 
-    ports = []
-    for _ in range(2):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            ports.append(probe.getsockname()[1])
+    ports = [free_port(), free_port()]
     learner = LearnerRank(0, 1, "127.0.0.1", ports[0], write_model_dir(tmp_path), dataclasses.replace(
         LEARNER, device="cuda"), ALGO, TEMPERATURE, seed=0)
     subscriber = WeightSubscriber(learner.weights_endpoint())

@@ -297,8 +297,7 @@ class LearnerRank:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the full (unsharded) fp32 state dict on rank 0's CPU; {} on other ranks."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=options)
+        return _full_state_dict(self.model)
 
     def weights_endpoint(self) -> str:
         return self.publisher.endpoint if self.publisher is not None else ""
@@ -329,10 +328,15 @@ class LearnerRank:
             dist.destroy_process_group()
 
 
+def _full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: `module`'s full (unsharded) state dict on rank 0's CPU; {} on other ranks."""
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
 def _save_hf(module: torch.nn.Module, model_class, source: str, path: str, rank: int, **kwargs) -> None:
     """Collective: gather `module`'s full state dict and have rank 0 save it as `model_class` built from
     `source` (its config and tokenizer files are copied too)."""
-    state_dict = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state_dict = _full_state_dict(module)
     if rank == 0:
         model = model_class.from_pretrained(source, dtype=torch.float32, **kwargs)
         model.load_state_dict(state_dict)
