@@ -36,7 +36,7 @@ from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
 from nanoverl_async.learners.batch import collate, group_size_of, with_advantages
 from nanoverl_async.learners.fsdp_rank import LearnerRank
-from nanoverl_async.tiny_model import resolve_model_path
+from nanoverl_async.models import resolve_model_path
 from nanoverl_async.trajectory import Trajectory
 
 TRAIN_SEQUENCES = 64

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from nanoverl_async import multiply_task  # noqa: E402
-from nanoverl_async.tiny_model import resolve_model_path  # noqa: E402
+from nanoverl_async.models import resolve_model_path  # noqa: E402
 
 _CALL = re.compile(r"<call>(.*?)</call>$", re.S)
 

@@ -36,6 +36,8 @@ META = "meta.json"
 STEP_DIR = re.compile(r"step_(\d+)")
 # run.* keys a resumed run may change freely; every other key of the config is compared on resume
 RESUME_FREE_KEYS = ("run",)
+# keys that make a run another run: resuming a checkpoint written with other values is refused
+LINEAGE_KEYS = ("run.seed", "model.path", "data.task", "data.train_files", "agent.env")
 
 
 def checkpoints_dir(output_dir: str) -> Path:
@@ -60,6 +62,48 @@ def find_checkpoint(run: RunConfig) -> Optional[Path]:
         raise ConfigError(f"config key 'run.resume': '{run.resume}' is not a checkpoint (a step_N folder with "
                           f"{META}); use \"\" for a fresh run or \"auto\" for the newest under run.output_dir")
     return path
+
+
+def open_output_dir(cfg: Config) -> Optional[Path]:
+    """Make run.output_dir ready and return the checkpoint to resume from (None: a fresh run), losing no
+    earlier run: a fresh run refuses a non-empty directory unless run.overwrite clears it, and a resume
+    refuses a checkpoint of another lineage (LINEAGE_KEYS) or of a finished run."""
+    out = Path(cfg.run.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"config key 'run.output_dir': '{out}' is a file, not a directory")
+    resume_from = find_checkpoint(cfg.run)
+    if resume_from is None and out.is_dir() and any(out.iterdir()):
+        if not cfg.run.overwrite:
+            hint = "" if cfg.run.resume else "run.resume=auto to continue it, "
+            raise ConfigError(f"config key 'run.output_dir': '{out}' already holds a run and no checkpoint is "
+                              f"resumed; set {hint}a new run.output_dir, or run.overwrite=true to clear it")
+        shutil.rmtree(out)
+    if resume_from is not None:
+        check_resumable(cfg, resume_from)
+    out.mkdir(parents=True, exist_ok=True)
+    return resume_from
+
+
+def check_resumable(cfg: Config, resume_from: Path) -> None:
+    """The checkpoint is this run's (same lineage) and leaves work to do: steps, or at least final/."""
+    meta = read_meta(resume_from)
+    old = {**meta["config"], "run": {"seed": meta["seed"]}}
+    new = {**trained_config(cfg), "run": {"seed": cfg.run.seed}}
+    other = [f"{key} {_get(old, key)!r} -> {_get(new, key)!r}" for key in LINEAGE_KEYS if _get(old, key) != _get(new, key)]
+    if other:
+        raise ConfigError(f"config key 'run.resume': checkpoint {resume_from} belongs to another run ("
+                          f"{'; '.join(other)}); resume with the same values or start a new run.output_dir")
+    done = meta["step"] > cfg.run.total_steps or (meta["step"] == cfg.run.total_steps
+                                                    and (Path(cfg.run.output_dir) / "final").is_dir())
+    if done:
+        raise ConfigError(f"config key 'run.total_steps': {cfg.run.total_steps} steps are already done by the "
+                          f"checkpoint {resume_from} (step {meta['step']}); raise run.total_steps")
+
+
+def _get(config: dict, dotted: str):
+    for part in dotted.split("."):
+        config = config.get(part, {}) if isinstance(config, dict) else None
+    return config
 
 
 def read_meta(path: Path) -> dict:

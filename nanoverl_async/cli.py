@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         launch(cfg)
+    except ConfigError as error:  # what only launching can check: the output directory, the checkpoint
+        print(f"nanoverl-async: config error: {error}", file=sys.stderr)
+        return 2
     except RunFailed as error:
         print(f"nanoverl-async: run failed: {error}", file=sys.stderr)
         return 1

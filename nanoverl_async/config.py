@@ -38,6 +38,7 @@ class RunConfig:
     # "" = a fresh run; auto = the newest complete checkpoint under output_dir/checkpoints (fresh if none);
     # or the path of one step_N folder. metrics.jsonl is appended to from the checkpoint's step.
     resume: str = ""
+    overwrite: bool = False  # a fresh run may clear a non-empty output_dir (else it refuses: no run is lost)
 
 
 @dataclass

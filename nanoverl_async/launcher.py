@@ -34,7 +34,7 @@ from nanoverl_async.env import resolved_env
 from nanoverl_async.generators.worker import GeneratorWorker
 from nanoverl_async.learners.pool import LearnerPool
 from nanoverl_async.metrics import MetricsLogger, step_metrics
-from nanoverl_async.tiny_model import resolve_model_path
+from nanoverl_async.models import resolve_model_path
 
 
 class RunFailed(RuntimeError):
@@ -44,10 +44,9 @@ class RunFailed(RuntimeError):
 def launch(cfg: Config) -> Path:
     """Run one training job; returns the output directory (metrics.jsonl, final/)."""
     output_dir = Path(cfg.run.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    resume_from = checkpoint.open_output_dir(cfg)  # None: a fresh run (into an empty or overwritten dir)
     (output_dir / "config.yaml").write_text(to_yaml(cfg))
     model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-    resume_from = checkpoint.find_checkpoint(cfg.run)  # None: a fresh run
     start = checkpoint.read_meta(resume_from)["step"] if resume_from else 0
     if resume_from:
         warn_config_changes(cfg, resume_from)

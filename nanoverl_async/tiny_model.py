@@ -1,10 +1,10 @@
 """The built-in tiny model: `builtin:tiny`, created locally (no download) and cached.
 
-    path = resolve_model_path("builtin:tiny")        # builds once (~a minute), then a cache hit
+    path = build_tiny()                               # builds once (~a minute), then a cache hit
     model = AutoModelForCausalLM.from_pretrained(path); tok = AutoTokenizer.from_pretrained(path)
 
-What it is: a character-level tokenizer trained with `tokenizers` (every character one token, so
-each digit and operator is one token) with a compact chat template, and a ~1M-parameter
+What it is: a byte-level tokenizer without merges (every byte one token, so each digit and operator
+is one token, and any text round-trips) with a compact chat template, and a ~1M-parameter
 Qwen2ForCausalLM warm-started by a short SFT on demos of the built-in "A*B?" task
 (nanoverl_async/multiply_task.py). The warm start is calibrated to leave RL something to learn: the
 policy sampled at temperature 1 uses the tool rarely and succeeds rarely at first (DESIGN.md,
@@ -15,6 +15,9 @@ Invariants:
   version, the chat template), so a changed recipe never reuses a stale model;
 - the directory is built in a temporary directory and renamed into place under an fcntl lock:
   it exists only when complete, and two processes never build it twice;
+- the tokenizer is exactly what transformers' `Qwen2Tokenizer` (which `AutoTokenizer` returns for a
+  `qwen2` config) rebuilds from tokenizer.json: byte-level BPE, NFC, no merges, so `final/` loads as
+  itself in transformers and SGLang (nanoverl_async/models.py);
 - the chat template is prefix-consistent: rendering messages[:k] and then the delta of the rest
   gives exactly the rendering of all messages (the agent loop appends deltas, never re-renders).
 
@@ -31,7 +34,6 @@ import math
 import os
 import random
 import shutil
-import string
 import sys
 import tempfile
 import time
@@ -39,13 +41,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from nanoverl_async import multiply_task
 
-RECIPE_VERSION = 1  # bump whenever the build code changes what it produces
-BUILTIN_NAMES = ("builtin:tiny",)
+RECIPE_VERSION = 2  # bump whenever the build code changes what it produces
 SECONDS_PER_STEP = 0.23  # warm-start step time at batch 64, measured on one busy core (log line only)
 
 PAD, END, UNK = "<|pad|>", "<|end|>", "<|unk|>"
@@ -79,18 +80,15 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The character-level tokenizer with the chat template (deterministic; takes milliseconds)."""
-    tok = Tokenizer(models.WordLevel(unk_token=UNK))
-    # Special tokens are matched before pre-tokenization; everything else splits into characters.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()  # concatenate characters back, no spaces in between
-    trainer = trainers.WordLevelTrainer(
-        vocab_size=1024, min_frequency=0, special_tokens=list(SPECIAL_TOKENS), show_progress=False
-    )
-    # Every printable ASCII character once, plus task text so digits and operators get low ids.
-    rng = random.Random(0)
-    task_text = [f"{a}*{b}?{a * b}" for a, b in ((rng.randrange(100), rng.randrange(100)) for _ in range(64))]
-    tok.train_from_iterator([string.printable, *task_text], trainer=trainer)
+    """The byte-level tokenizer with the chat template (deterministic; takes milliseconds)."""
+    # The special tokens first, then the 256 byte symbols in a fixed order; no merges, so one byte is
+    # one token, and the tokenizer is the byte-level BPE that Qwen2Tokenizer rebuilds from the file.
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *alphabet])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,
@@ -321,15 +319,5 @@ def build_tiny(cache_dir: str = "", recipe: TinyRecipe = TinyRecipe()) -> str:
     return str(final)
 
 
-def resolve_model_path(path: str, cache_dir: str = "") -> str:
-    """`builtin:tiny` -> a Hugging Face directory (built once, cached); any other path unchanged."""
-    if not path.startswith("builtin:"):
-        return path
-    if path not in BUILTIN_NAMES:
-        known = ", ".join(BUILTIN_NAMES)
-        raise ValueError(f"unknown built-in model {path!r}: the built-in models are {known}")
-    return build_tiny(cache_dir)
-
-
 if __name__ == "__main__":
-    print(resolve_model_path("builtin:tiny", sys.argv[1] if len(sys.argv) > 1 else ""))
+    print(build_tiny(sys.argv[1] if len(sys.argv) > 1 else ""))

@@ -71,19 +71,14 @@ def validate(cfg: Config) -> None:
                           "generator.sglang.weight_transport=nccl (learner rank 0 loads each version into the "
                           "servers when it publishes, mid-episode); use weight_sync.mode=interrupt or "
                           "generator.sglang.weight_transport=disk")
+    if cfg.run.overwrite and cfg.run.resume:
+        raise ConfigError("config key 'run.overwrite': clears run.output_dir for a fresh run, so it cannot be "
+                          f"combined with run.resume={cfg.run.resume!r}")
     validate_algorithm(cfg)
     validate_agent_data(cfg)
-    validate_resume(cfg)
+    from nanoverl_async.checkpoint import find_checkpoint
 
-
-def validate_resume(cfg: Config) -> None:
-    """run.resume names a checkpoint (or is "" / auto), and the run goes beyond its step."""
-    from nanoverl_async.checkpoint import find_checkpoint, read_meta
-
-    checkpoint = find_checkpoint(cfg.run)  # ConfigError for a path that is not a checkpoint
-    if checkpoint is not None and read_meta(checkpoint)["step"] >= cfg.run.total_steps:
-        raise ConfigError(f"config key 'run.total_steps': {cfg.run.total_steps} steps are already done by the "
-                          f"checkpoint {checkpoint} (step {read_meta(checkpoint)['step']}); raise run.total_steps")
+    find_checkpoint(cfg.run)  # a run.resume path that is not a checkpoint fails here, before anything starts
 
 
 def validate_agent_data(cfg: Config) -> None:

@@ -229,13 +229,64 @@ def test_bad_checkpoint_keys_name_the_key(override, key):
         load_config("configs/agent_grpo.yaml", [override])
 
 
-def test_resume_needs_a_checkpoint_folder_and_steps_left(tmp_path):
+def test_resume_needs_a_checkpoint_folder(tmp_path):
     (tmp_path / "step_2").mkdir()  # no meta.json: not a checkpoint
     with pytest.raises(ConfigError, match=r"run\.resume.*not a checkpoint"):
         load_config("configs/agent_grpo.yaml", [f"run.resume={tmp_path / 'step_2'}"])
-    folder = fake_save(tmp_path, 4)
-    with pytest.raises(ConfigError, match=r"run\.total_steps"):
-        load_config("configs/agent_grpo.yaml", [f"run.resume={folder}", "run.total_steps=4"])
-    cfg = load_config("configs/agent_grpo.yaml", [f"run.output_dir={tmp_path}", "run.resume=auto",
-                                                  "run.total_steps=6"])
-    assert checkpoint.find_checkpoint(cfg.run) == folder
+
+
+def saved_run(output_dir, step: int, *overrides: str):
+    """A checkpoint of step `step` as a run with `overrides` writes it (meta.json with the real config)."""
+    cfg = load_config("configs/agent_grpo.yaml", [f"run.output_dir={output_dir}", *overrides])
+    folder = checkpoint.begin(str(output_dir), step)
+    (folder / "buffer.msgpack").write_bytes(b"x")
+    return checkpoint.commit(folder, checkpoint.make_meta(cfg, step, {}), 2)
+
+
+def launch_config(output_dir, *overrides: str):
+    return load_config("configs/agent_grpo.yaml", [f"run.output_dir={output_dir}", *overrides])
+
+
+def test_a_fresh_run_never_reuses_an_output_dir_silently(tmp_path):
+    """The lost-run bug: a second fresh run into the same directory overwrote metrics.jsonl and config.yaml
+    and kept the first run's checkpoints, which a later resume=auto then mixed in under another seed."""
+    saved_run(tmp_path, 4)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    for resume in ((), ("run.resume=''",)):
+        with pytest.raises(ConfigError, match=r"run\.output_dir.*already holds a run.*run\.resume=auto.*"
+                                              r"run\.overwrite=true"):
+            checkpoint.open_output_dir(launch_config(tmp_path, *resume))
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n'  # nothing touched
+    assert checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=6")) \
+        == tmp_path / "checkpoints" / "step_4"
+    assert checkpoint.open_output_dir(launch_config(tmp_path, "run.overwrite=true")) is None
+    assert list(tmp_path.iterdir()) == []  # cleared: the fresh run starts clean
+    assert checkpoint.open_output_dir(launch_config(tmp_path / "new")) is None  # created, empty
+    with pytest.raises(ConfigError, match=r"run\.overwrite.*run\.resume"):
+        launch_config(tmp_path, "run.overwrite=true", "run.resume=auto")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"run\.output_dir.*is a file"):
+        checkpoint.open_output_dir(launch_config(tmp_path / "file"))
+
+
+def test_resume_refuses_another_lineage_and_says_what_changed(tmp_path):
+    saved_run(tmp_path, 4, "run.seed=1")
+    with pytest.raises(ConfigError, match=r"another run \(run\.seed 1 -> 2\)"):
+        checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.seed=2"))
+    with pytest.raises(ConfigError, match=r"model\.path 'builtin:tiny' -> '/elsewhere'"):
+        checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.seed=1", "model.path=/elsewhere"))
+    assert checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.seed=1", "learner.lr=1e-3"))
+
+
+def test_resume_finishes_a_run_that_died_before_final(tmp_path):
+    """The last step's checkpoint is committed but final/ is missing: resuming with the same total_steps
+    writes final/ (zero steps to train); once final/ exists the run is done."""
+    saved_run(tmp_path, 4)
+    assert checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=4"))
+    (tmp_path / "final").mkdir()
+    with pytest.raises(ConfigError, match=r"run\.total_steps.*already done"):
+        checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=4"))
+    with pytest.raises(ConfigError, match=r"run\.total_steps.*already done"):
+        checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=3"))
+
+

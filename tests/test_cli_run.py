@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -61,6 +62,11 @@ def test_cli_saves_and_resumes_the_whole_async_state(tmp_path):
     common = ("run.save_every=2", "staleness.max=1", "data.prompts_per_step=4", "data.samples_per_prompt=4")
     first = run_cli(tmp_path, "run.total_steps=4", *common)
     assert first.returncode == 0, first.stderr[-3000:]
+    shutil.rmtree(tmp_path / "final")  # as if it had crashed after its last checkpoint, before final/
+    finish = run_cli(tmp_path, "run.total_steps=4", "run.resume=auto", *common)
+    assert finish.returncode == 0 and (tmp_path / "final" / "config.json").is_file(), finish.stderr[-3000:]
+    again = run_cli(tmp_path, "run.total_steps=6", *common)  # a fresh launch must not reuse the directory
+    assert again.returncode == 2 and "run.resume=auto" in again.stderr and "Traceback" not in again.stderr
     second = run_cli(tmp_path, "run.total_steps=6", "run.resume=auto", *common)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "changed config keys" not in second.stderr  # only run.* changed, which resuming allows

@@ -12,12 +12,17 @@ import random
 import subprocess
 import sys
 import time
+import unicodedata
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from nanoverl_async import multiply_task
+from nanoverl_async.models import load_tokenizer, resolve_model_path
 from nanoverl_async.tiny_model import (
     TinyRecipe,
     build_model,
@@ -26,7 +31,6 @@ from nanoverl_async.tiny_model import (
     default_cache_dir,
     demo_batch,
     demo_pieces,
-    resolve_model_path,
     warm_start,
 )
 
@@ -82,6 +86,50 @@ def test_tokenizer_round_trip_and_one_token_per_char(tok):
         assert len(tok(special, add_special_tokens=False)["input_ids"]) == 1, special
     assert tok.pad_token == "<|pad|>" and tok.eos_token == "<|end|>" and tok.pad_token_id != tok.eos_token_id
     assert build_tokenizer().get_vocab() == tok.get_vocab()  # deterministic
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40))
+def test_saved_tokenizer_round_trips_any_text(built, text):
+    """What every role loads (load_tokenizer, i.e. AutoTokenizer on the saved directory, as SGLang and
+    users do with final/) keeps every character: spaces, newlines, punctuation, any unicode (NFC)."""
+    tokenizer = _saved_tokenizer(built[1])
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == unicodedata.normalize("NFC", text)
+
+
+def test_newcomer_prompt_reaches_the_model_with_its_spaces(built):
+    tokenizer = _saved_tokenizer(built[1])
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "sum 12 34\n5?"}], tokenize=False,
+                                           add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == "<|user|>sum 12 34\n5?<|end|><|assistant|>"
+    assert tokenizer.decode(tokenizer("error: numbers must be below 50")["input_ids"]) == "error: numbers must be below 50"
+
+
+def test_load_tokenizer_refuses_one_that_drops_whitespace(tmp_path):
+    """The transformers 5.x trap that hid the bug: a char-level tokenizer.json under a qwen2 config is
+    rebuilt by AutoTokenizer as byte-level BPE and loses whitespace; load_tokenizer names it."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config
+
+    char = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    char.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    char.decoder = decoders.Fuse()
+    char.train_from_iterator(["a b\nc  d"], trainers.WordLevelTrainer(special_tokens=["<unk>"]))
+    PreTrainedTokenizerFast(tokenizer_object=char, unk_token="<unk>").save_pretrained(tmp_path)
+    Qwen2Config(vocab_size=16).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="drops whitespace"):
+        load_tokenizer(str(tmp_path))
+
+
+_SAVED = {}
+
+
+def _saved_tokenizer(path: str):
+    if path not in _SAVED:
+        _SAVED[path] = load_tokenizer(path)
+    return _SAVED[path]
 
 
 def test_chat_template_exact_strings(tok):
@@ -154,7 +202,8 @@ def test_build_save_reload_exact(built, tok, tmp_path):
     _, path = built
     assert os.path.isfile(os.path.join(path, "model.safetensors"))
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    tok2 = AutoTokenizer.from_pretrained(path)
+    tok2 = load_tokenizer(path)
+    assert type(AutoTokenizer.from_pretrained(path)).__name__ == type(tok2).__name__
     assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.tie_word_embeddings
     assert tok2.get_vocab() == tok.get_vocab() and tok2.chat_template == tok.chat_template
     assert (tok2.pad_token_id, tok2.eos_token_id) == (tok.pad_token_id, tok.eos_token_id)
@@ -202,7 +251,7 @@ def test_concurrent_builds_build_once(tmp_path):
 def test_resolve_model_path(tmp_path, monkeypatch):
     assert resolve_model_path("/some/hf/dir") == "/some/hf/dir"
     assert resolve_model_path("Qwen/Qwen2.5-0.5B", str(tmp_path)) == "Qwen/Qwen2.5-0.5B"
-    with pytest.raises(ValueError, match="builtin:tiny"):
+    with pytest.raises(ValueError, match="model.path='builtin:huge'.*builtin:tiny"):
         resolve_model_path("builtin:huge", str(tmp_path))
     monkeypatch.setenv("NANOVERL_CACHE", str(tmp_path))
     assert default_cache_dir() == tmp_path and default_cache_dir("/x") == default_cache_dir("/x")

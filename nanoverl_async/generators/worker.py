@@ -35,10 +35,10 @@ import msgpack
 import torch
 import zmq
 import zmq.asyncio
-from transformers import AutoTokenizer
 
 from nanoverl_async.config import AgentConfig, GeneratorConfig, RewardConfig, WeightSyncConfig
 from nanoverl_async.env import env_factory
+from nanoverl_async.models import load_tokenizer, resolve_model_path
 from nanoverl_async.generators.agent_loop import run_episode
 from nanoverl_async.rewards import load_reward
 from nanoverl_async.generators.engine import Engine, make_engine
@@ -58,10 +58,7 @@ class GeneratorWorker:
                  env_spec: str = "builtin:multiply", reward: Optional[RewardConfig] = None,
                  engine: Optional[Engine] = None, tokenizer=None, request_timeout_s: float = 30.0,
                  group_timeout_s: float = 600.0, lease_retry_s: float = 0.02):
-        if model_path.startswith("builtin:"):
-            from nanoverl_async.tiny_model import resolve_model_path
-
-            model_path = resolve_model_path(model_path)
+        model_path = resolve_model_path(model_path)
         torch.set_num_threads(generator.torch_threads)  # this process is the generator's own
         self.generator_id = generator_id
         self.generator, self.agent, self.weight_sync = generator, agent, weight_sync
@@ -70,7 +67,7 @@ class GeneratorWorker:
         # One environment per episode: `env` (a no-argument factory) or agent.env's spec (env.py).
         reward_fn = load_reward(reward.path, reward.name) if reward is not None else None
         self.make_env = env or env_factory(env_spec, reward_fn)
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = tokenizer or load_tokenizer(model_path)
         if engine is None:  # generator.engine picks it: transformers or sglang (engine.make_engine)
             engine = make_engine(generator, model_path, generator_id=generator_id, seed=seed, dtype=dtype)
         self.engine = engine

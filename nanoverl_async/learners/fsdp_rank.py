@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from nanoverl_async.algorithms import (aggregate, kl_estimates, kl_per_token, loss_normaliser, policy_loss,
                                       reduce_token_metrics, token_entropy, value_loss)
@@ -48,10 +48,10 @@ from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig, Learn
 from nanoverl_async.learners.batch import (TrainBatch, epoch_order, sequence_logprobs, shard, split_to, take_rows,
                                            to_device, token_budget_bounds, trimmed)
 from nanoverl_async.learners.checkpoint import load_training_state, save_training_state
+from nanoverl_async.models import DTYPES, load_tokenizer
 from nanoverl_async.weights import WeightPublisher
 
 PROCESS_GROUP_TIMEOUT_S = 600  # a collective that waits longer than this fails loudly instead of hanging
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class LearnerRank:
@@ -342,7 +342,7 @@ def _save_hf(module: torch.nn.Module, model_class, source: str, path: str, rank:
         model.load_state_dict(state_dict)
         model.save_pretrained(path)
         if _has_tokenizer(source):
-            AutoTokenizer.from_pretrained(source).save_pretrained(path)
+            load_tokenizer(source).save_pretrained(path)
     dist.barrier()
 
 

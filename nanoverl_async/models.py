@@ -1,0 +1,44 @@
+"""Where every role gets its model files, tokenizer and dtype: one function each.
+
+    path = resolve_model_path("builtin:tiny")   # a Hugging Face directory (built-ins are made once, cached)
+    tokenizer = load_tokenizer(path)             # the generator, the learner's save and tests all use this
+
+Why one loader: under transformers 5.x `AutoTokenizer` picks the tokenizer class from the model type
+(a `qwen2` config always gets the byte-level `Qwen2Tokenizer`), whatever `tokenizer.json` holds. A
+tokenizer that is not what that class rebuilds would silently lose spaces and newlines. The built-in
+model's tokenizer is byte-level for exactly this reason (it loads as itself), and `load_tokenizer`
+refuses any tokenizer that drops whitespace, naming the directory and the class it got.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoTokenizer
+
+from nanoverl_async import tiny_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+BUILTIN_MODELS = {"builtin:tiny": tiny_model.build_tiny}  # name -> builder(cache_dir) -> directory
+WHITESPACE_PROBE = "a b\nc  d"
+
+
+def resolve_model_path(path: str, cache_dir: str = "") -> str:
+    """`builtin:NAME` -> its Hugging Face directory (built once, cached); any other path unchanged."""
+    if not path.startswith("builtin:"):
+        return path
+    if path not in BUILTIN_MODELS:
+        raise ValueError(f"model.path={path!r}: unknown built-in model; the built-in models are "
+                         f"{', '.join(BUILTIN_MODELS)}")
+    return BUILTIN_MODELS[path](cache_dir)
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of the model directory `path`, checked to keep whitespace through encode/decode."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer(WHITESPACE_PROBE, add_special_tokens=False)["input_ids"]
+    decoded = tokenizer.decode(ids, skip_special_tokens=True)
+    if sum(ch.isspace() for ch in decoded) < sum(ch.isspace() for ch in WHITESPACE_PROBE):
+        raise ValueError(f"the tokenizer in {path} ({type(tokenizer).__name__}) drops whitespace: "
+                         f"{WHITESPACE_PROBE!r} comes back as {decoded!r}; set tokenizer_class in its "
+                         f"tokenizer_config.json to the class that matches tokenizer.json")
+    return tokenizer
