@@ -27,7 +27,7 @@ CONFIG = "configs/agent_grpo.yaml"
 
 
 def run_one(label: str, overrides: list[str]) -> dict:
-    cfg = load_config(CONFIG, overrides + [f"run.output_dir=outputs/bench/async_vs_sync/{label}"])
+    cfg = load_config(CONFIG, overrides + [f"run.output_dir=outputs/bench/async_vs_sync/{label}", "run.overwrite=true"])
     started = time.monotonic()
     output_dir = launch(cfg)
     total = time.monotonic() - started

@@ -35,7 +35,7 @@ def mean(rows: list[dict], key: str) -> float:
 
 def run_one(correction: str, overrides: list[str]) -> dict:
     cfg = load_config(CONFIG, overrides + [f"algorithm.correction={correction}",
-                                           f"run.output_dir={OUT / correction}"])
+                                           f"run.output_dir={OUT / correction}", "run.overwrite=true"])
     started = time.monotonic()
     output_dir = launch(cfg)
     wall = time.monotonic() - started

@@ -31,11 +31,11 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoConfig
 
-from nanoverl_async.config import AlgorithmConfig, KLConfig, LearnerConfig
+from nanoverl_async.config import AlgorithmConfig, KLConfig, LearnerConfig, ModelConfig
 from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
 from nanoverl_async.learners.batch import collate, group_size_of, with_advantages
-from nanoverl_async.learners.fsdp_rank import LearnerRank
+from nanoverl_async.learners.fsdp_rank import LearnerRank, LearnerSetup
 from nanoverl_async.models import resolve_model_path
 from nanoverl_async.trajectory import Trajectory
 
@@ -96,8 +96,8 @@ def training_batch(vocab: int, shape: Shape, seed: int = 0):
         behaviour_logprobs=np.where(mask == 1, -rng.uniform(3, 6, length), 0).astype(np.float32),
         versions=np.where(mask == 1, 0, -1).astype(np.int32), reward=float(rng.random() < 0.5))
         for i in range(TRAIN_SEQUENCES)]
-    batch = collate(trajectories)
-    return with_advantages(batch, group_size_of(trajectories), AlgorithmConfig(), KLConfig(), length + 1)
+    return with_advantages(collate(trajectories), group_size_of(trajectories), AlgorithmConfig(), KLConfig(),
+                           max_total_tokens=length + 1)
 
 
 def training_rates(model_path: str, device: str, dtype: str, vocab: int, shape: Shape) -> tuple[float, float]:
@@ -106,7 +106,7 @@ def training_rates(model_path: str, device: str, dtype: str, vocab: int, shape: 
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     cfg = LearnerConfig(device=device, micro_batch_tokens=8_192, torch_threads=4)
-    rank = LearnerRank(0, 1, "127.0.0.1", port, model_path, cfg, AlgorithmConfig(), 1.0, 0, dtype=dtype)
+    rank = LearnerRank(LearnerSetup(ModelConfig(path=model_path, dtype=dtype), cfg), 0, "127.0.0.1", port)
     batch = training_batch(vocab, shape)
     tokens = TRAIN_SEQUENCES * (shape.train_prompt + shape.train_sampled)
     rank.update(batch)  # warm-up
@@ -119,7 +119,6 @@ def training_rates(model_path: str, device: str, dtype: str, vocab: int, shape: 
     started = time.perf_counter()
     rank.publish_weights(rank.version)
     publish_s = time.perf_counter() - started
-    rank.publisher.wait_sent(rank.version, timeout_s=300)
     rank.shutdown()
     return train_rate, publish_s
 

@@ -19,7 +19,7 @@ import importlib
 _EXPORTS = {
     "Environment": "nanoverl_async.env",
     "Step": "nanoverl_async.env",
-    "load_object": "nanoverl_async.env",
+    "load_object": "nanoverl_async.user_code",
     "Tool": "nanoverl_async.tools",
     "ToolResult": "nanoverl_async.tools",
     "as_tool": "nanoverl_async.tools",

@@ -12,7 +12,7 @@ writes meta.json last, and one `rename` publishes it, so a crash mid-save leaves
 which the next save removes and `run.resume=auto` never picks. After each save only the newest
 `run.keep_checkpoints` folders are kept (0 = all).
 
-Not saved: the generators' partial episodes (DESIGN.md lists them; we deliberately do not): a resumed
+Not saved: the generators' partial episodes (docs/design.md "Checkpoints and resume"): a resumed
 buffer re-issues every prompt that was in flight, and the generators sample it again from the restored
 policy. That costs at most the work that was in flight, and keeps the generators stateless.
 The generators' sampling RNG is re-seeded from run.seed rather than saved: which episode draws which
@@ -89,21 +89,15 @@ def check_resumable(cfg: Config, resume_from: Path) -> None:
     meta = read_meta(resume_from)
     old = {**meta["config"], "run": {"seed": meta["seed"]}}
     new = {**trained_config(cfg), "run": {"seed": cfg.run.seed}}
-    other = [f"{key} {_get(old, key)!r} -> {_get(new, key)!r}" for key in LINEAGE_KEYS if _get(old, key) != _get(new, key)]
+    other = [key for key in changed_keys(old, new) if key in LINEAGE_KEYS]
     if other:
-        raise ConfigError(f"config key 'run.resume': checkpoint {resume_from} belongs to another run ("
-                          f"{'; '.join(other)}); resume with the same values or start a new run.output_dir")
+        raise ConfigError(f"config key 'run.resume': checkpoint {resume_from} belongs to another run (other "
+                          f"{', '.join(other)}); resume with the same values or start a new run.output_dir")
     done = meta["step"] > cfg.run.total_steps or (meta["step"] == cfg.run.total_steps
                                                     and (Path(cfg.run.output_dir) / "final").is_dir())
     if done:
         raise ConfigError(f"config key 'run.total_steps': {cfg.run.total_steps} steps are already done by the "
                           f"checkpoint {resume_from} (step {meta['step']}); raise run.total_steps")
-
-
-def _get(config: dict, dotted: str):
-    for part in dotted.split("."):
-        config = config.get(part, {}) if isinstance(config, dict) else None
-    return config
 
 
 def read_meta(path: Path) -> dict:

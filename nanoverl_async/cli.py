@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from nanoverl_async.config import ConfigError, load_config, to_yaml
+from nanoverl_async.preflight import prepare
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,20 +27,18 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.command == "validate":
+            print(to_yaml(prepare(cfg)), end="")
+            return 0
     except ConfigError as error:
-        print(f"nanoverl-async: config error: {error}", file=sys.stderr)
-        return 2
-    if args.command == "validate":
-        print(to_yaml(cfg), end="")
-        return 0
+        return config_error(error)
 
     from nanoverl_async.launcher import RunFailed, launch  # heavy imports (torch, ray) only when launching
 
     try:
-        launch(cfg)
-    except ConfigError as error:  # what only launching can check: the output directory, the checkpoint
-        print(f"nanoverl-async: config error: {error}", file=sys.stderr)
-        return 2
+        launch(cfg)  # checks files, user code and the output directory before anything starts
+    except ConfigError as error:
+        return config_error(error)
     except RunFailed as error:
         print(f"nanoverl-async: run failed: {error}", file=sys.stderr)
         return 1
@@ -47,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         print("nanoverl-async: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def config_error(error: ConfigError) -> int:
+    print(f"nanoverl-async: config error: {error}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -19,15 +19,13 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
-class ConfigError(ValueError):
-    """A config problem, with the offending key named in the message."""
+from nanoverl_async.validation import ConfigError, validate  # noqa: F401 (ConfigError: re-exported)
 
 
 @dataclass
 class RunConfig:
     output_dir: str = "outputs/agent_grpo"  # metrics.jsonl and final/ (Hugging Face format) go here
-    total_steps: int = 60  # optimizer steps; version v = steps completed
+    total_steps: int = 60  # training steps (one batch each); version v = steps completed
     seed: int = 0  # seeds prompts, sampling and init
     step_timeout_s: float = 300.0  # the longest the loop waits for one batch before failing loudly
     wandb: bool = False  # also log metrics to Weights & Biases (offline unless WANDB_MODE says otherwise)
@@ -51,7 +49,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     task: str = "builtin:multiply"  # prompts: builtin:multiply | pkg.mod:fn | path/file.py:fn; fn(seed, index) -> sample
-    prompts_per_step: int = 16  # B: prompt groups per optimizer step
+    prompts_per_step: int = 16  # B: prompt groups per training step
     samples_per_prompt: int = 8  # G: episodes per prompt (a GRPO group)
     train_files: list[str] = field(default_factory=list)  # verl-format parquet/jsonl; when set, data.task is unused
     val_files: list[str] = field(default_factory=list)  # verl-format parquet/jsonl for evaluation (run.eval_every)
@@ -137,14 +135,16 @@ class OverlongConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: str = "grpo"  # grpo (group mean/std) | drgrpo (group mean) | rloo | reinforce++ | gae (critic)
-    loss: str = "ppo"  # ppo (clip, clip-higher, dual clip) | gspo (sequence ratio) | cispo (clipped IS x logprob)
-    correction: str = "decoupled"  # none (r vs behaviour) | decoupled (AReaL) | tis (truncated IS) | mis (masked IS)
+    # The names below are keys of the algorithm modules' tables (algorithms/*.py: ADVANTAGES, POLICY_LOSSES,
+    # CORRECTIONS, AGGREGATIONS, KL_ESTIMATORS); each function's docstring has its formula and paper.
+    advantage: str = "grpo"  # the advantage estimator (gae trains a critic: critic.*)
+    loss: str = "ppo"  # the policy loss
+    correction: str = "decoupled"  # the off-policy correction (decoupled: AReaL's proximal policy)
     clip: ClipConfig = field(default_factory=ClipConfig)
     is_cap: float = 5.0  # C: truncation (tis, decoupled) or upper bound (mis) of the IS weight exp(p_old - mu)
     is_low: float = 0.0  # mis only: tokens/sequences whose IS weight is below this are masked out
     is_level: str = "token"  # token | sequence: where tis/mis compute the IS weight
-    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (Dr. GRPO)
+    loss_agg: str = "token-mean"  # how token losses are averaged into one number
     entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * entropy
     gamma: float = 1.0  # discount (gae, reinforce++)
     lam: float = 1.0  # GAE lambda
@@ -156,7 +156,7 @@ class AlgorithmConfig:
 class KLConfig:
     loss_coef: float = 0.0  # KL(pi || ref) as a loss term (needs a reference); 0 = off
     reward_coef: float = 0.0  # KL as a per-token reward penalty (reinforce++, gae); 0 = off
-    estimator: str = "k3"  # k1 | k2 | k3 (Schulman 2020, http://joschu.net/blog/kl-approx.html)
+    estimator: str = "k3"  # a KL estimator of algorithms/kl.py (Schulman 2020, http://joschu.net/blog/kl-approx.html)
 
 
 @dataclass
@@ -237,8 +237,6 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
     except OmegaConfBaseException as error:
         raise ConfigError(_describe(error)) from None
     cfg: Config = OmegaConf.to_object(merged)
-    from nanoverl_async.validation import validate  # it imports this module
-
     validate(cfg)
     return cfg
 
@@ -266,12 +264,6 @@ def _describe(error: OmegaConfBaseException) -> str:
     if "not in struct" in message or "Key '" in message and "not" in message:
         return f"unknown config key '{key}'"
     return f"config key '{key}': {message}"
-
-
-def get_key(cfg: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
 
 
 def to_yaml(cfg: Config) -> str:

@@ -1,6 +1,6 @@
 """verl-format datasets: parquet or jsonl rows -> samples for the buffer's prompt frontier.
 
-A row, as verl writes it (e.g. its examples/data_preprocess/gsm8k.py):
+A row, as verl writes it (e.g. volcengine/verl/examples/data_preprocess/gsm8k.py):
 
     {"data_source": "openai/gsm8k",
      "prompt": [{"role": "user", "content": "..."}],            # a list of chat messages
@@ -17,7 +17,7 @@ Rows are loaded lazily on the first call, in the process that uses them (the buf
 file names cross process boundaries. A row without a list-of-messages `prompt` fails loudly, naming
 the file and row.
 
-Run alone: `python -m pytest tests/test_data_rewards.py -q`.
+Run alone: `python -m pytest tests/test_env_data.py -q`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+from nanoverl_async.config import DataConfig
+from nanoverl_async.user_code import load_object
 
 
 def read_rows(path: str) -> list[dict]:
@@ -98,3 +101,12 @@ class DatasetPrompts:
             self._orders[epoch] = order
         row = self._orders[epoch][position]
         return {**samples[row], "index": index, "row": row}
+
+
+def prompt_source(data: DataConfig, seed: int) -> Callable[[int], dict]:
+    """The buffer's prompts, index -> sample: data.train_files (verl format) when set, else data.task, a
+    `make_prompt(seed, index)` function (`builtin:multiply`, `module:fn` or `file.py:fn`)."""
+    if data.train_files:
+        return DatasetPrompts(data.train_files, seed)
+    make_prompt = load_object(data.task, "data.task")
+    return lambda index: make_prompt(seed, index)

@@ -29,23 +29,17 @@ Invariants: `reset` and `step` may be sync or async; `step` returning `done=Fals
 `messages` (e.g. a user follow-up) with mask 0 and the episode goes on; an episode cut by a limit
 (turns, tokens, tool calls) before any `step` gets reward 0.
 
-Run alone: `python -m pytest tests/test_env.py -q`.
+Run alone: `python -m pytest tests/test_env_data.py -q`.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-BUILTIN_ENVS = {
-    "builtin:multiply": "nanoverl_async.multiply_task:MultiplyEnv",
-    "builtin:chat": "nanoverl_async.env:Environment",
-}
+from nanoverl_async.rewards import score_sample
+from nanoverl_async.user_code import load_object
 
 
 @dataclass
@@ -73,33 +67,8 @@ class Environment:
 
     async def step(self, sample: dict, message: dict) -> Step:
         """Score the final answer with the verl-style reward function (default: math-verify)."""
-        from nanoverl_async.rewards import score_sample
-
         reward, info = await score_sample(self.reward_fn, sample, message["content"])
         return Step(reward=reward, info=info)
-
-
-def load_object(spec: str) -> Any:
-    """`package.module:Name` or `path/to/file.py:Name` -> the object (a ValueError names what is wrong)."""
-    if ":" not in spec:
-        raise ValueError(f"'{spec}' is not of the form package.module:Name or path/to/file.py:Name")
-    where, name = spec.rsplit(":", 1)
-    if where.endswith(".py"):
-        path = Path(where).resolve()
-        if not path.is_file():
-            raise ValueError(f"'{spec}': file {where} does not exist")
-        module_name = f"nanoverl_user_{path.stem}_{abs(hash(str(path))) % 10**8}"
-        module = sys.modules.get(module_name)
-        if module is None:
-            loader_spec = importlib.util.spec_from_file_location(module_name, path)
-            module = importlib.util.module_from_spec(loader_spec)
-            sys.modules[module_name] = module  # dataclasses and pickling look modules up by name
-            loader_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    if not hasattr(module, name):
-        raise ValueError(f"'{spec}': {where} has no attribute '{name}'")
-    return getattr(module, name)
 
 
 class FunctionEnv(Environment):
@@ -112,17 +81,12 @@ class FunctionEnv(Environment):
         return await self._rollout(episode, sample)
 
 
-def resolved_env(spec: str, train_files: Sequence[str] = ()) -> str:
-    """agent.env with its default filled in: builtin:chat when data.train_files is set, else builtin:multiply."""
-    return spec or ("builtin:chat" if train_files else "builtin:multiply")
-
-
 def env_factory(spec: str, reward_fn: Optional[Callable] = None) -> Callable[[], Any]:
     """`agent.env` -> a no-argument callable making one environment per episode.
 
     A class is instantiated with no arguments; a function becomes a FunctionEnv. `reward_fn` (from
     `reward.path`) is set on every instance that has no reward function of its own."""
-    target = load_object(BUILTIN_ENVS.get(spec, spec))
+    target = load_object(spec, "agent.env")
     if inspect.isclass(target):
         make = target
     elif inspect.iscoroutinefunction(target):
@@ -138,8 +102,3 @@ def env_factory(spec: str, reward_fn: Optional[Callable] = None) -> Callable[[],
         return env
 
     return new_env
-
-
-async def maybe_await(value: Any) -> Any:
-    """Lets user hooks be sync or async."""
-    return await value if inspect.isawaitable(value) else value

@@ -3,7 +3,7 @@
     nanoverl-async launch configs/agent_grpo.yaml staleness.max=4
 
 Generators stream trajectories into the buffer on their own; this loop only pulls staleness-bounded
-batches, trains, and publishes weights (DESIGN.md "Processes and data flow"). Every role is a plain
+batches, trains, and publishes weights (docs/design.md "Processes and data flow"). Every role is a plain
 class (buffer/, generators/, learners/); Ray appears here only to place them in processes. A role
 that dies ends the run with `RunFailed` naming it, never a hang: the loop waits on the buffer and on
 every generator at once, and every wait has a timeout.
@@ -16,7 +16,6 @@ the restored weights first, and continues at the checkpoint's step.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
@@ -29,12 +28,12 @@ import ray
 from nanoverl_async import checkpoint
 from nanoverl_async.buffer.service import BufferService
 from nanoverl_async.config import Config, RayConfig, to_dict, to_yaml
-from nanoverl_async.data import DatasetPrompts, load_samples
-from nanoverl_async.env import resolved_env
+from nanoverl_async.data import load_samples, prompt_source
 from nanoverl_async.generators.worker import GeneratorWorker
 from nanoverl_async.learners.pool import LearnerPool
 from nanoverl_async.metrics import MetricsLogger, step_metrics
 from nanoverl_async.models import resolve_model_path
+from nanoverl_async.preflight import prepare
 
 
 class RunFailed(RuntimeError):
@@ -43,6 +42,7 @@ class RunFailed(RuntimeError):
 
 def launch(cfg: Config) -> Path:
     """Run one training job; returns the output directory (metrics.jsonl, final/)."""
+    cfg = prepare(cfg)  # files, user code and run.resume checked; user paths made absolute
     output_dir = Path(cfg.run.output_dir)
     resume_from = checkpoint.open_output_dir(cfg)  # None: a fresh run (into an empty or overwritten dir)
     (output_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -67,7 +67,7 @@ def launch(cfg: Config) -> Path:
 
 
 def train(cfg: Config, roles: "Roles", logger: MetricsLogger, start: int = 0) -> None:
-    """The RL dataflow (seed 002, Listing 1), with generation running ahead in the background."""
+    """The RL dataflow (docs/design.md "Processes and data flow"), with generation running ahead in the background."""
     samples_trained = start * cfg.data.prompts_per_step * cfg.data.samples_per_prompt  # every batch is B x G
     last_step_end = time.monotonic()
     for step in range(start, cfg.run.total_steps):
@@ -112,8 +112,8 @@ def warn_config_changes(cfg: Config, resume_from: Path) -> None:
 
 
 class Roles:
-    """The placed processes: one buffer, `generator.replicas` generators, `learner.world_size` ranks.
-    With `resume_from` (a checkpoint of step `start`), buffer and learners restore it before any
+    """The placed processes: one buffer, `generator.replicas` generators, `learner.world_size` ranks,
+    each built from `cfg` as preflight.prepare returned it (agent.env filled in, user paths absolute). With `resume_from` (a checkpoint of step `start`), buffer and learners restore it before any
     generator exists, and the restored weights are published before the constructor returns."""
 
     def __init__(self, cfg: Config, model_path: str, resume_from: Optional[Path] = None, start: int = 0):
@@ -122,26 +122,17 @@ class Roles:
         self.val_samples = [{**s, "index": i} for i, s in enumerate(load_samples(cfg.data.val_files))] \
             if cfg.run.eval_every else []
         self.buffer = ray.remote(num_cpus=0, max_concurrency=4)(BufferRole).remote(
-            cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max, cfg.buffer, cfg.wire,
-            cfg.run.seed, prompt_source(cfg), cfg.algorithm.group_filter,
-            restore_from=str(resume_from / "buffer.msgpack") if resume_from else "")
+            cfg, restore_from=str(resume_from / "buffer.msgpack") if resume_from else "")
         with role_failures("learner pool"):
-            self.learners = LearnerPool(cfg.learner, cfg.algorithm, model_path, cfg.generator.temperature,
-                                        cfg.run.seed, wire=cfg.wire, dtype=cfg.model.dtype, kl=cfg.kl,
-                                        reference_path=cfg.reference.path, max_length=cfg.agent.max_total_tokens,
-                                        critic=cfg.critic, initial_version=start)
+            self.learners = LearnerPool(cfg, model_path)
             if resume_from:
                 self.learners.load_checkpoint(str(resume_from / "learner"), start)
         with role_failures("buffer"):
             buffer_endpoints = ray.get(self.buffer.endpoints.remote(), timeout=60)
         generator_actor = ray.remote(num_cpus=0, num_gpus=generator_gpus(cfg))(GeneratorRole)
         self.generators = [
-            generator_actor.remote(
-                generator_id=i, model_path=model_path, generator=cfg.generator, agent=cfg.agent,
-                weight_sync=cfg.weight_sync, group_size=cfg.data.samples_per_prompt, seed=cfg.run.seed,
-                buffer_endpoints=buffer_endpoints, weights_endpoint=self.learners.weights_endpoint,
-                dtype=cfg.model.dtype, env_spec=absolute_spec(resolved_env(cfg.agent.env, cfg.data.train_files)),
-                reward=dataclasses.replace(cfg.reward, path=absolute_spec(cfg.reward.path)))
+            generator_actor.remote(generator_id=i, cfg=cfg, model_path=model_path, buffer_endpoints=buffer_endpoints,
+                                   weights_endpoint=self.learners.weights_endpoint)
             for i in range(cfg.generator.replicas)
         ]
         self.generator_runs = {gen.run.remote(): f"generator {i}" for i, gen in enumerate(self.generators)}
@@ -197,8 +188,10 @@ class Roles:
 class BufferRole:
     """The buffer service in its own process (methods, not properties, so Ray can call them)."""
 
-    def __init__(self, *args, restore_from: str = ""):
-        self.service = BufferService(*args)
+    def __init__(self, cfg: Config, restore_from: str = ""):
+        self.service = BufferService(cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max,
+                                     cfg.buffer, cfg.wire, prompt_source(cfg.data, cfg.run.seed),
+                                     cfg.algorithm.group_filter)
         if restore_from:  # before any generator connects (Roles creates them afterwards)
             self.service.restore(Path(restore_from).read_bytes())
 
@@ -214,9 +207,6 @@ class BufferRole:
 
     def next_batch(self, step: int, timeout_s: float):
         return self.service.next_batch(step, timeout_s)
-
-    def stats(self) -> dict:
-        return self.service.stats()
 
 
 class GeneratorRole:
@@ -252,17 +242,6 @@ def generator_gpus(cfg: Config) -> float:
         return 0
     sglang = cfg.generator.sglang
     return sglang.servers * sglang.tp_size if cfg.generator.engine == "sglang" else cfg.generator.gpus_per_replica
-
-
-def prompt_source(cfg: Config):
-    """The buffer's prompts: data.train_files (verl format) when set, else the data.task name."""
-    return DatasetPrompts(cfg.data.train_files, cfg.run.seed) if cfg.data.train_files else absolute_spec(cfg.data.task)
-
-
-def absolute_spec(spec: str) -> str:
-    """`path/to/file.py[:Name]` made absolute, so other processes find it whatever their cwd."""
-    where, sep, name = spec.partition(":") if ".py" in spec else (spec, "", "")
-    return f"{Path(where).resolve()}{sep}{name}" if where.endswith(".py") else spec
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """Per-step metrics: `<output_dir>/metrics.jsonl`, a live console line, and optionally wandb.
 
-One JSON object per optimizer step, flat keys `group/name` (e.g. `reward/mean`, `staleness/max`).
+One JSON object per training step (one batch), flat keys `group/name` (e.g. `reward/mean`, `staleness/max`).
 `step_metrics` turns what one step produced (the batch's stats, the learner's metrics, timings) into
 that flat dict; it is pure so the keys can be tested without running anything.
 """

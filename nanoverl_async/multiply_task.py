@@ -2,7 +2,7 @@
 
 Why this task: a tiny CPU model cannot multiply two-digit numbers itself, so it must learn to call
 the tool; the tool syntax is a few characters long, so a character-level model learns the format in
-seconds. See the project design notes (DESIGN.md) "The embedded default" for the measurements behind the choice.
+seconds. See docs/design.md "The embedded default model and task" for the reasons behind the choice.
 
 Token-level episode, with the built-in chat template (nanoverl_async/tiny_model.py):
 
@@ -80,7 +80,7 @@ class MultiplyEnv(Environment):
     tools = [calculator]
     tool_format = "builtin"  # <call>EXPR</call>, then <res>RESULT</res> (the tiny model's template)
     max_observation_chars = 40  # every character of an error costs a token of the tiny model's context
-    show_tools = False  # the prompt is just "A*B?" (as when the RL recipe was calibrated; DESIGN.md)
+    show_tools = False  # the prompt is just "A*B?" (docs/design.md "The embedded default model and task")
 
     async def step(self, sample: dict, message: dict) -> Step:
         return Step(reward=score(sample, message["content"]))

@@ -12,7 +12,7 @@ package; where math-verify is not installed it falls back to an exact match of t
 Invariants: the reward is a finite float (a function returning NaN, inf or a wrong type raises
 ValueError naming the function, so a broken scorer fails the run loudly instead of training on it).
 
-Run alone: `python -m pytest tests/test_data_rewards.py -q`.
+Run alone: `python -m pytest tests/test_env_data.py -q`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import math
 import re
 from typing import Any, Callable, Optional
 
-from nanoverl_async.env import load_object, maybe_await
+from nanoverl_async.user_code import load_object, maybe_await
 
 
 def load_reward(path: str, name: str = "compute_score") -> Optional[Callable]:

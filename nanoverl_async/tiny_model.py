@@ -7,8 +7,8 @@ What it is: a byte-level tokenizer without merges (every byte one token, so each
 is one token, and any text round-trips) with a compact chat template, and a ~1M-parameter
 Qwen2ForCausalLM warm-started by a short SFT on demos of the built-in "A*B?" task
 (nanoverl_async/multiply_task.py). The warm start is calibrated to leave RL something to learn: the
-policy sampled at temperature 1 uses the tool rarely and succeeds rarely at first (DESIGN.md,
-"The embedded default").
+policy sampled at temperature 1 uses the tool rarely and succeeds rarely at first (docs/design.md
+"The embedded default model and task").
 
 Invariants:
 - the cache directory name carries a hash of the whole recipe (every hyperparameter, the recipe

@@ -15,7 +15,7 @@ np.frombuffer). Never pickle. `decode` raises WireError naming the bad field.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -31,7 +31,6 @@ ARRAY_DTYPES = {
     "behaviour_logprobs": np.dtype("<f4"),
     "versions": np.dtype("<i4"),
 }
-OPTIONAL_ARRAY_DTYPES = {"token_rewards": np.dtype("<f4")}
 
 
 @dataclass
@@ -52,7 +51,6 @@ class Trajectory:
     generator_id: int = 0
     timings: dict = field(default_factory=dict)  # seconds, e.g. {"episode": 0.8}
     info: dict = field(default_factory=dict)  # JSON-able extras
-    token_rewards: Optional[np.ndarray] = None  # float32 [T], optional dense rewards
 
     @property
     def version(self) -> int:
@@ -90,8 +88,6 @@ def encode(trajectory: Trajectory) -> bytes:
         value = getattr(trajectory, f.name)
         if f.name in ARRAY_DTYPES:
             value = _pack_array(value, ARRAY_DTYPES[f.name])
-        elif f.name in OPTIONAL_ARRAY_DTYPES and value is not None:
-            value = _pack_array(value, OPTIONAL_ARRAY_DTYPES[f.name])
         record[f.name] = value
     return msgpack.packb(record, use_bin_type=True)
 
@@ -113,7 +109,7 @@ def decode(message: bytes) -> Trajectory:
     unknown = set(record) - expected
     if unknown:
         raise WireError(f"unknown field '{sorted(unknown)[0]}'")
-    missing = expected - set(record) - {"token_rewards"}
+    missing = expected - set(record)
     if missing:
         raise WireError(f"missing field '{sorted(missing)[0]}'")
     for name, kind in _SCALAR_TYPES.items():
@@ -122,8 +118,6 @@ def decode(message: bytes) -> Trajectory:
                             f"got {type(record[name]).__name__}")
     for name, dtype in ARRAY_DTYPES.items():
         record[name] = _unpack_array(name, record[name], dtype)
-    if record.get("token_rewards") is not None:
-        record["token_rewards"] = _unpack_array("token_rewards", record["token_rewards"], OPTIONAL_ARRAY_DTYPES["token_rewards"])
     record["reward"] = float(record["reward"])
     trajectory = Trajectory(**record)
     validate(trajectory)
@@ -135,7 +129,7 @@ def validate(t: Trajectory) -> None:
     length = len(t.token_ids)
     if length == 0:
         raise WireError("field 'token_ids': empty")
-    for name in ("loss_mask", "behaviour_logprobs", "versions") + (("token_rewards",) if t.token_rewards is not None else ()):
+    for name in ("loss_mask", "behaviour_logprobs", "versions"):
         if len(getattr(t, name)) != length:
             raise WireError(f"field '{name}': length {len(getattr(t, name))} != len(token_ids) {length}")
     if t.token_ids.min() < 0:

@@ -1,25 +1,43 @@
 """Value checks on a loaded `Config` that types cannot express: choices, ranges, divisibility, and the
 combinations that cannot work together. `load_config` runs `validate`; each failure is a ConfigError
 naming the offending key. Kept apart from config.py so the tree of keys reads on its own.
+
+Pure: it looks at values only. Files, checkpoints and user code are checked at launch (preflight.py).
+It imports no other module of the package but the algorithms' name tables, so config.py can import it.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from nanoverl_async.config import Config, ConfigError, CriticConfig, get_key
+from nanoverl_async.algorithms import (ADVANTAGES, AGGREGATIONS, CORRECTIONS, IS_LEVELS, KL_ESTIMATORS,
+                                       POLICY_LOSSES)
+
+if TYPE_CHECKING:
+    from nanoverl_async.config import Config
+
+
+class ConfigError(ValueError):
+    """A config problem, with the offending key named in the message."""
+
+
+def get_key(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
 
 CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "generator.engine": ("transformers", "sglang"),
     "generator.device": ("cpu", "cuda"),
     "learner.device": ("cpu", "cuda"),
-    "algorithm.advantage": ("grpo", "drgrpo", "rloo", "reinforce++", "gae"),
-    "algorithm.loss": ("ppo", "gspo", "cispo"),
-    "algorithm.correction": ("decoupled", "none", "tis", "mis"),
-    "algorithm.is_level": ("token", "sequence"),
-    "algorithm.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "kl.estimator": ("k1", "k2", "k3"),
+    "algorithm.advantage": ADVANTAGES,  # the algorithm modules' own tables: a new estimator is valid at once
+    "algorithm.loss": POLICY_LOSSES,
+    "algorithm.correction": CORRECTIONS,
+    "algorithm.is_level": IS_LEVELS,
+    "algorithm.loss_agg": AGGREGATIONS,
+    "kl.estimator": KL_ESTIMATORS,
     "weight_sync.mode": ("interrupt", "drain"),
     "generator.sglang.weight_transport": ("disk", "nccl"),
     "generator.sglang.pause_mode": ("abort", "retract"),
@@ -74,35 +92,9 @@ def validate(cfg: Config) -> None:
     if cfg.run.overwrite and cfg.run.resume:
         raise ConfigError("config key 'run.overwrite': clears run.output_dir for a fresh run, so it cannot be "
                           f"combined with run.resume={cfg.run.resume!r}")
-    validate_algorithm(cfg)
-    validate_agent_data(cfg)
-    from nanoverl_async.checkpoint import find_checkpoint
-
-    find_checkpoint(cfg.run)  # a run.resume path that is not a checkpoint fails here, before anything starts
-
-
-def validate_agent_data(cfg: Config) -> None:
-    """Dataset files exist with a known suffix; agent.env and reward.path name loadable objects."""
     if cfg.run.eval_every and not cfg.data.val_files:
         raise ConfigError("config key 'run.eval_every': needs data.val_files (the evaluation prompts)")
-    for key in ("data.train_files", "data.val_files"):
-        for path in get_key(cfg, key):
-            if not str(path).endswith((".parquet", ".jsonl", ".json")):
-                raise ConfigError(f"config key '{key}': '{path}' is not a .parquet or .jsonl file")
-            if not Path(path).is_file():
-                raise ConfigError(f"config key '{key}': file '{path}' does not exist")
-    from nanoverl_async.env import env_factory, resolved_env  # imported here: no user code until now
-    from nanoverl_async.rewards import load_reward
-
-    from nanoverl_async.buffer.service import resolve_prompt_fn
-
-    for key, load in (("agent.env", lambda: env_factory(resolved_env(cfg.agent.env, cfg.data.train_files))),
-                      ("data.task", lambda: cfg.data.train_files or resolve_prompt_fn(cfg.data.task, cfg.run.seed)),
-                      ("reward.path", lambda: load_reward(cfg.reward.path, cfg.reward.name))):
-        try:
-            load()
-        except (ValueError, ImportError, SyntaxError) as error:
-            raise ConfigError(f"config key '{key}': {error}") from None
+    validate_algorithm(cfg)
 
 
 INF = float("inf")
@@ -134,7 +126,7 @@ def validate_algorithm(cfg: Config) -> None:
     if algo.loss == "gspo" and algo.correction in ("tis", "mis") and algo.is_level == "token":
         raise ConfigError(f"config key 'algorithm.is_level': loss gspo takes one ratio per sequence, so its "
                           f"{algo.correction} correction must be sequence-level too (algorithm.is_level=sequence)")
-    if algo.advantage != "gae" and cfg.critic != CriticConfig():
+    if algo.advantage != "gae" and cfg.critic != type(cfg.critic)():
         raise ConfigError(f"config key 'critic': set, but only algorithm.advantage=gae trains a critic "
                           f"(advantage is '{algo.advantage}')")
     if kl.reward_coef > 0 and algo.advantage not in ("reinforce++", "gae"):

@@ -13,7 +13,7 @@ Invariants:
     is an XPUB socket), so it never waits a whole training step for its first weights.
   - `WeightSubscriber.poll_newest` never blocks: it drains what is queued, drops (counts and logs) any
     message whose framing, nbytes or checksum is wrong, and returns only the newest version greater than
-    the caller's. Every wait that can block (`wait_newest`, `close`) has a timeout.
+    the caller's. Every wait that can block (`close`) has a timeout.
 
 Run alone: `python -m pytest tests/test_weights.py -q`.
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-import time
 from typing import Optional
 
 import msgpack
@@ -85,17 +84,6 @@ class WeightPublisher:
             self.counts["published"] += 1
         self._wake.set()
 
-    def wait_sent(self, version: int, timeout_s: float) -> None:
-        """Block until `version` (or a newer one) is on the wire; TimeoutError otherwise."""
-        deadline = time.monotonic() + timeout_s
-        while self.sent_version < version:
-            if self.error is not None:
-                raise RuntimeError("weight publisher thread failed") from self.error
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"weights version {version} not sent within {timeout_s:.0f} s "
-                                   f"(newest sent: {self.sent_version})")
-            time.sleep(POLL_INTERVAL_S)
-
     def close(self, timeout_s: float = 30.0) -> None:
         """Send what is pending, then stop the thread (never waits longer than timeout_s)."""
         self._closing = True
@@ -137,7 +125,7 @@ class WeightPublisher:
                     break
                 self._wake.wait(timeout=POLL_INTERVAL_S)
                 self._wake.clear()
-        except BaseException as error:  # surfaced to the caller by publish/wait_sent
+        except BaseException as error:  # surfaced to the caller by publish
             self.error = error
             log.exception("weight publisher thread failed")
         finally:
@@ -182,19 +170,6 @@ class WeightSubscriber:
             self.counts["dropped"] += 1
             log.warning("dropped weights version %d from %s: not safetensors (%s)", best[0], self.endpoint, error)
             return None
-
-    def wait_newest(self, current_version: int, timeout_s: float) -> tuple[int, dict[str, torch.Tensor]]:
-        """Like poll_newest, but waits up to timeout_s for a newer version; TimeoutError otherwise."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            newest = self.poll_newest(current_version)
-            if newest is not None:
-                return newest
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no weights newer than version {current_version} from {self.endpoint} "
-                                   f"within {timeout_s:.0f} s")
-            self._socket.poll(timeout=int(min(remaining, 1.0) * 1000) + 1, flags=zmq.POLLIN)
 
     def _check(self, frames: list) -> Optional[tuple[int, memoryview]]:
         """(version, payload) of a well-formed message, or None (dropped, counted, logged)."""

@@ -1,5 +1,5 @@
 """`POST /generate` of the fake SGLang server (tests/fake_sglang_server.py): validation, batches, `n`,
-streaming, and the per-request token loop with abort / pause / retract (SGLANG_PROTOCOL.md section 2).
+streaming, and the per-request token loop with abort / pause / retract (docs/sglang.md "Generation").
 
 Each request runs as a coroutine on the server's event loop; it samples one token per engine call, so
 concurrent requests batch in the transformers engine and every logprob is real:

@@ -1,4 +1,4 @@
-"""A protocol-faithful fake of SGLang's native HTTP server (the project notes SGLANG_PROTOCOL.md, section 7).
+"""A protocol-faithful fake of SGLang's native HTTP server (docs/sglang.md "Contract checks").
 
 Backed by the transformers engine, so tokens and logprobs are real: each request samples one token per
 engine call (`max_new_tokens=1` on the whole sequence so far), and concurrent requests batch inside the
@@ -9,7 +9,7 @@ semantics at token granularity:
   - pause `retract` / `in_place`: requests park between tokens (HTTP kept open) and go on after continue,
     under whatever weights were loaded meanwhile: `meta_info.weight_versions` then has two spans;
   - weight updates take a writer lock when not paused (wait for in-flight requests, or abort them with
-    `abort_all_requests`); `--fake-version` picks 0.5.2 / 0.5.10 / 0.5.23 behaviour (section 8).
+    `abort_all_requests`); `--fake-version` picks 0.5.2/0.5.10/0.5.23 (docs/sglang.md "Version differences").
 `/update_weights_from_distributed` receives its tensors from rank 0 of the group `/init_weights_update_group`
 made. As a process (`real_groups`), the fake really joins that group with the body's backend (gloo on a
 CPU; learners/sglang_nccl.py's `init_custom_process_group`, as SGLang does) and receives the broadcasts; in

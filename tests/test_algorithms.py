@@ -1,18 +1,20 @@
 """algorithms/ (advantages, KL, the default policy loss) and learners/batch.py against naive per-token Python
-references (fast, CPU). Corrections, the policy-loss family and aggregation: tests/test_losses.py."""
+references (fast, CPU). Corrections, the policy-loss family, gradients, data-parallel sums and aggregation:
+tests/test_losses.py (whose random_inputs these tests share)."""
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
-from nanoverl_async.algorithms import (drgrpo_advantages, entropy_bonus, gae_advantages, grpo_advantages,
-                                      informative_groups, kl_estimates, kl_per_token, kl_reward_penalty,
+from nanoverl_async.algorithms import (ADVANTAGES, LossInputs, drgrpo_advantages, entropy_bonus, gae_advantages,
+                                      grpo_advantages, kl_estimates, kl_per_token, kl_reward_penalty,
                                       outcome_token_rewards, overlong_penalty, policy_loss,
                                       reinforce_pp_advantages, rloo_advantages, token_entropy, token_logprobs)
-from nanoverl_async.learners.batch import collate, micro_batches, sequence_logprobs, shard
-from nanoverl_async.trajectory import Trajectory
+from nanoverl_async.config import AlgorithmConfig, ClipConfig, KLConfig
+from nanoverl_async.learners.batch import collate, sequence_logprobs, shard, with_advantages
+from synthetic import episodes as synthetic_episodes
+from test_losses import random_inputs
 
 torch.set_num_threads(1)
 
@@ -29,12 +31,16 @@ def naive_grpo(rewards, group_size, eps=1e-6):
     return out
 
 
-@pytest.mark.parametrize("rewards, group_size", [
+REWARD_CASES = [
     ([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.2, 0.9], 4),
     ([1.0, 1.0, 1.0, 0.0, 0.0, 0.0], 3),  # all-equal groups -> 0
     ([0.3, 0.7, 1.0], 1),  # single-sample groups -> 0
     ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], 8),
-])
+    ([2.0, -1.0], 2),
+]
+
+
+@pytest.mark.parametrize("rewards, group_size", REWARD_CASES)
 def test_grpo_advantages_match_naive(rewards, group_size):
     got = grpo_advantages(torch.tensor(rewards), group_size)
     assert torch.allclose(got, torch.tensor(naive_grpo(rewards, group_size)), atol=1e-5)
@@ -60,15 +66,6 @@ def naive_group_baseline(rewards, group_size, kind):
     return out
 
 
-REWARD_CASES = [
-    ([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.2, 0.9], 4),
-    ([1.0, 1.0, 1.0, 0.0, 0.0, 0.0], 3),  # all-equal groups -> 0
-    ([0.3, 0.7, 1.0], 1),  # single-sample groups -> 0
-    ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], 8),
-    ([2.0, -1.0], 2),
-]
-
-
 @pytest.mark.parametrize("rewards, group_size", REWARD_CASES)
 @pytest.mark.parametrize("kind", ["drgrpo", "rloo"])
 def test_group_baselines_match_naive(rewards, group_size, kind):
@@ -78,12 +75,6 @@ def test_group_baselines_match_naive(rewards, group_size, kind):
     assert torch.allclose(got, torch.tensor(naive_group_baseline(rewards, group_size, kind)), atol=1e-6)
     if group_size == 1 or len(set(rewards)) == 1:
         assert torch.equal(got, torch.zeros(len(rewards)))
-
-
-@pytest.mark.parametrize("rewards, group_size", REWARD_CASES)
-def test_informative_groups(rewards, group_size):
-    want = [len(set(rewards[s:s + group_size])) > 1 for s in range(0, len(rewards), group_size)]
-    assert informative_groups(torch.tensor(rewards), group_size).tolist() == want
 
 
 def token_mask(n, t, kind, seed):
@@ -192,26 +183,39 @@ def test_reinforce_pp_all_equal_rewards_give_zero():
 @pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.9, 0.95), (1.0, 0.0), (0.0, 0.5)])
 def test_gae_matches_naive(n, t, mask_kind, gamma, lam):
     mask = token_mask(n, t, mask_kind, seed=5 * n + t)
-    token_rewards = torch.randn(n, t, dtype=torch.float64) * mask  # a per-token KL penalty makes them dense
+    rewards = torch.randn(n, dtype=torch.float64)
+    kl = torch.randn(n, t, dtype=torch.float64)  # a per-token KL penalty makes the token rewards dense
     values = torch.randn(n, t, dtype=torch.float64)  # garbage off the mask: must be ignored
-    raw, returns = gae_advantages(token_rewards, values, mask, gamma, lam, whiten=False)
-    want_adv, want_ret = naive_gae(token_rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam)
+    raw, returns = gae_advantages(rewards, mask, values, gamma, lam, kl_penalty=kl, whiten=False)
+    token_rewards = naive_token_rewards(rewards.tolist(), mask.tolist(), kl.tolist())
+    want_adv, want_ret = naive_gae(token_rewards, values.tolist(), mask.tolist(), gamma, lam)
     assert torch.allclose(raw.double(), torch.tensor(want_adv, dtype=torch.float64), atol=1e-5)
     assert torch.allclose(returns.double(), torch.tensor(want_ret, dtype=torch.float64), atol=1e-5)
-    whitened, returns2 = gae_advantages(token_rewards, values, mask, gamma, lam)
+    whitened, returns2 = gae_advantages(rewards, mask, values, gamma, lam, kl_penalty=kl)
     assert torch.allclose(whitened.double(), torch.tensor(naive_whiten(want_adv, mask.tolist()), dtype=torch.float64),
                           atol=1e-6)
     assert torch.equal(returns, returns2)  # returns are never whitened
 
 
 def test_gae_with_lambda_one_is_return_minus_value():
-    # gamma = lam = 1: A_t = (sum of the row's rewards from t on) - V_t, across a tool gap
+    # gamma = lam = 1: A_t = (sum of the row's rewards from t on) - V_t, across a tool gap; token rewards
+    # [0, 0.5, 0, 0, 0, 1.0, 0]: the outcome 1.0 on the last sampled token, a negative penalty on token 1
     mask = torch.tensor([[0, 1, 1, 0, 0, 1, 0]], dtype=torch.float64)
-    rewards = torch.tensor([[0, 0.5, 0, 9, 9, 1.0, 9]], dtype=torch.float64)  # 9s off the mask are ignored
+    penalty = torch.tensor([[0, -0.5, 0, 9, 9, 0, 9]], dtype=torch.float64)  # 9s off the mask are ignored
     values = torch.tensor([[7, 0.2, 0.4, 7, 7, 0.8, 7]], dtype=torch.float64)
-    advantages, returns = gae_advantages(rewards, values, mask, 1.0, 1.0, whiten=False)
+    advantages, returns = gae_advantages(torch.tensor([1.0]), mask, values, 1.0, 1.0, penalty, whiten=False)
     assert advantages[0].tolist() == pytest.approx([0, 1.5 - 0.2, 1.0 - 0.4, 0, 0, 1.0 - 0.8, 0])
     assert returns[0].tolist() == pytest.approx([0, 1.5, 1.0, 0, 0, 1.0, 0])
+
+
+@pytest.mark.parametrize("name", list(ADVANTAGES))
+def test_every_estimator_takes_the_common_inputs(name):
+    """with_advantages calls ADVANTAGES[name](**inputs): every estimator picks what it needs from them."""
+    mask = token_mask(4, 6, "agentic", seed=2)
+    out = ADVANTAGES[name](rewards=torch.tensor([1.0, 0.0, 0.5, 0.5]), group_size=2, loss_mask=mask,
+                           values=torch.zeros(4, 6), gamma=1.0, lam=1.0, kl_penalty=None)
+    advantages = out[0] if isinstance(out, tuple) else out
+    assert advantages.shape[0] == 4 and torch.isfinite(advantages).all() and advantages.abs().sum() > 0
 
 
 def naive_overlong(length, max_length, buffer, penalty):
@@ -279,7 +283,7 @@ def test_entropy_bonus():
 # ---------------------------------------------------------------- policy loss
 
 def naive_loss(p, p_old, mu, adv, mask, correction, lo, hi, cap, normaliser):
-    """Token by token, straight from the formulas of DESIGN.md "Losses"."""
+    """Token by token, straight from the formulas of docs/design.md "Losses and off-policy corrections"."""
     total, clipped = 0.0, 0
     n, t = len(p), len(p[0])
     for i in range(n):
@@ -298,20 +302,10 @@ def naive_loss(p, p_old, mu, adv, mask, correction, lo, hi, cap, normaliser):
     return total / normaliser, clipped / normaliser
 
 
-def random_inputs(n, t, mask_kind, seed):
-    g = torch.Generator().manual_seed(seed)
-    p = -torch.rand(n, t, generator=g, dtype=torch.float64) * 3
-    p_old = p + 0.3 * torch.randn(n, t, generator=g, dtype=torch.float64)  # some ratios leave the clip range
-    mu = p_old + 0.8 * torch.randn(n, t, generator=g, dtype=torch.float64)  # some IS weights exceed the cap
-    adv = torch.randn(n, generator=g, dtype=torch.float64)
-    mask = (torch.rand(n, t, generator=g) < 0.6).double()
-    if mask_kind == "full":
-        mask = torch.ones(n, t, dtype=torch.float64)
-    elif mask_kind == "row_masked":
-        mask[0] = 0.0  # a fully masked row (e.g. a prompt-only sequence or a shard's padding)
-    # off-mask values as a padded batch carries them: garbage current logprobs, zeros elsewhere
-    p_old, mu = p_old * mask, mu * mask
-    return p, p_old, mu, adv, mask
+def loss_of(p, p_old, mu, adv, mask, correction, normaliser, cap=2.0):
+    """policy_loss as these tests use it: ppo, clip 0.2 / 0.28, IS cap `cap`, token-mean, no KL."""
+    algo = AlgorithmConfig(correction=correction, clip=ClipConfig(0.2, 0.28), is_cap=cap)
+    return policy_loss(LossInputs(p, p_old, mu, adv, mask), algo, KLConfig(), normaliser)
 
 
 @pytest.mark.parametrize("n, t", [(1, 1), (2, 5), (4, 7)])
@@ -320,7 +314,7 @@ def random_inputs(n, t, mask_kind, seed):
 def test_policy_loss_matches_naive(n, t, mask_kind, correction):
     p, p_old, mu, adv, mask = random_inputs(n, t, mask_kind, seed=n * 100 + t)
     normaliser = max(float(mask.sum()), 1.0)
-    loss, metrics = policy_loss(p, p_old, mu, adv, mask, correction, 0.2, 0.28, 2.0, normaliser)
+    loss, metrics = loss_of(p, p_old, mu, adv, mask, correction, normaliser)
     want, want_clip = naive_loss(p.tolist(), p_old.tolist(), mu.tolist(), adv.tolist(), mask.tolist(),
                                  correction, 0.2, 0.28, 2.0, normaliser)
     assert loss.item() == pytest.approx(want, abs=1e-9)
@@ -333,46 +327,6 @@ def test_policy_loss_matches_naive(n, t, mask_kind, correction):
     x = (p_old - mu)[on]
     assert metrics["behaviour_kl"].item() == pytest.approx((torch.exp(x) - 1 - x).sum().item() / normaliser)
     assert metrics["behaviour_kl_k1"].item() == pytest.approx(-x.sum().item() / normaliser)
-
-
-@pytest.mark.parametrize("correction", ["decoupled", "none"])
-def test_gradient_flows_only_through_current_logprobs(correction):
-    p, p_old, mu, adv, mask = random_inputs(3, 6, "random", seed=7)
-    p, p_old, mu = (x.clone().requires_grad_(True) for x in (p, p_old, mu))
-    loss, _ = policy_loss(p, p_old, mu, adv, mask, correction, 0.2, 0.28, 2.0, float(mask.sum()))
-    loss.backward()
-    assert p_old.grad is None and mu.grad is None  # the IS weight and the ratio anchors are detached
-    assert (p.grad[mask == 0] == 0).all() and p.grad.abs().sum() > 0
-
-
-def test_decoupled_gradient_is_weighted_by_the_detached_is_weight():
-    # one token, r = 1 inside the clip range: d loss / d p = -w * A with w = min(exp(p_old - mu), C)
-    p = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
-    p_old, mu, adv = torch.tensor([[-1.0]]).double(), torch.tensor([[-1.5]]).double(), torch.tensor([2.0]).double()
-    for cap, w in [(10.0, math.exp(0.5)), (1.2, 1.2)]:
-        p.grad = None
-        loss, _ = policy_loss(p, p_old, mu, adv, torch.ones(1, 1), "decoupled", 0.2, 0.28, cap, 1.0)
-        loss.backward()
-        assert p.grad.item() == pytest.approx(-w * 2.0)
-
-
-def test_ranks_sum_to_the_whole_batch():
-    p, p_old, mu, adv, mask = random_inputs(4, 6, "random", seed=3)
-    total = float(mask.sum())
-    whole, whole_metrics = policy_loss(p, p_old, mu, adv, mask, "decoupled", 0.2, 0.28, 2.0, total)
-    halves = [policy_loss(p[s], p_old[s], mu[s], adv[s], mask[s], "decoupled", 0.2, 0.28, 2.0, total)
-              for s in (slice(0, 2), slice(2, 4))]
-    assert (halves[0][0] + halves[1][0]).item() == pytest.approx(whole.item())
-    for key in ("clip_fraction", "is_weight_mean", "behaviour_kl"):
-        assert (halves[0][1][key] + halves[1][1][key]).item() == pytest.approx(whole_metrics[key].item())
-
-
-def test_padding_garbage_never_leaks():
-    p, p_old, mu, adv, mask = random_inputs(2, 5, "row_masked", seed=11)
-    p = p.clone()
-    p[mask == 0] = 80.0  # exp(80 - 0) would overflow any product it entered
-    loss, metrics = policy_loss(p, p_old, mu, adv, mask, "none", 0.2, 0.28, 2.0, float(mask.sum()))
-    assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
 
 
 def test_token_logprobs_and_entropy():
@@ -393,46 +347,28 @@ def test_kl_estimates_are_zero_on_identical_policies():
 
 # ---------------------------------------------------------------- batch
 
-def make_trajectory(group_id, sample_index, pieces, reward):
-    """pieces: list of (kind, n_tokens), kind in prompt | sampled | tool."""
-    ids, mask, logp, versions = [], [], [], []
-    for kind, count in pieces:
-        for _ in range(count):
-            ids.append(len(ids) + 3 + 10 * sample_index)
-            sampled = kind == "sampled"
-            mask.append(int(sampled))
-            logp.append(-0.1 * (len(ids) % 7) - 0.05 if sampled else 0.0)
-            versions.append(group_id if sampled else -1)
-    return Trajectory(id=f"{group_id}-{sample_index}", group_id=group_id, prompt_index=group_id,
-                      sample_index=sample_index, token_ids=np.array(ids, np.int32),
-                      loss_mask=np.array(mask, np.uint8), behaviour_logprobs=np.array(logp, np.float32),
-                      versions=np.array(versions, np.int32), reward=reward)
-
-
 def episodes():
-    return [
-        make_trajectory(7, 0, [("prompt", 4), ("sampled", 3), ("tool", 2), ("sampled", 2)], 1.0),
-        make_trajectory(7, 1, [("prompt", 4), ("sampled", 2)], 0.0),
-        make_trajectory(9, 0, [("prompt", 3), ("sampled", 5), ("tool", 3), ("sampled", 1)], 0.0),
-        make_trajectory(9, 1, [("prompt", 3), ("sampled", 1)], 0.0),
-    ]
+    """2 groups of 2: prompt, sampled turns with a tool result (mask 0) between them; the second group ties."""
+    return synthetic_episodes([(4, [3, 2], 1.0), (4, [2], 0.0), (3, [5, 1], 0.0), (3, [1], 0.0)], seed=0)
 
 
 def test_batch_loss_mask_covers_only_sampled_tokens():
     trajectories = episodes()
     batch = collate(trajectories)
-    assert batch.input_ids.shape == (4, 12) and batch.input_ids.dtype == torch.int64
+    assert batch.input_ids.shape == (4, 11) and batch.input_ids.dtype == torch.int64
     for row, t in enumerate(trajectories):
         size = len(t.token_ids)
         assert batch.input_ids[row, :size].tolist() == t.token_ids.tolist()
-        assert batch.attention_mask[row].tolist() == [1] * size + [0] * (12 - size)
+        assert batch.attention_mask[row].tolist() == [1] * size + [0] * (11 - size)
         assert batch.loss_mask[row, :size].tolist() == t.loss_mask.tolist()  # prompt and tool tokens: 0
         assert batch.loss_mask[row, size:].sum() == 0  # padding: 0
         sampled = batch.loss_mask[row].bool()
         assert (batch.versions[row][sampled] >= 0).all() and (batch.versions[row][~sampled] == -1).all()
         assert (batch.behaviour_logprobs[row][~sampled] == 0).all()
-    assert batch.advantages.tolist() == pytest.approx(grpo_advantages(torch.tensor([1.0, 0, 0, 0]), 2).tolist())
-    assert batch.advantages[2:].abs().sum() == 0  # tied group
+    assert batch.advantages is None  # computed once, by with_advantages
+    advantages = with_advantages(batch, 2, AlgorithmConfig(), KLConfig(), max_total_tokens=16).advantages
+    assert advantages.tolist() == pytest.approx(grpo_advantages(torch.tensor([1.0, 0, 0, 0]), 2).tolist())
+    assert advantages[2:].abs().sum() == 0  # tied group
 
 
 def test_collate_rejects_interleaved_groups():
@@ -441,11 +377,10 @@ def test_collate_rejects_interleaved_groups():
         collate([trajectories[0], trajectories[2], trajectories[1], trajectories[3]])
 
 
-def test_shard_and_micro_batches_partition_the_rows():
+def test_shard_partitions_the_rows():
     batch = collate(episodes())
     parts = [shard(batch, rank, 2) for rank in range(2)]
     assert torch.equal(torch.cat([part.input_ids for part in parts]), batch.input_ids)
-    assert [mb.size for mb in micro_batches(batch, 3)] == [3, 1]
     with pytest.raises(AssertionError):
         shard(batch, 0, 3)
 

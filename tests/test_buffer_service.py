@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import zmq
 
-from nanoverl_async.buffer.service import BufferService, GatedClock, parse_request, resolve_prompt_fn
-from nanoverl_async.config import BufferConfig, WireConfig
+from nanoverl_async.buffer.service import BufferService, GatedClock, parse_request
+from nanoverl_async.data import prompt_source
+from nanoverl_async import multiply_task
+from nanoverl_async.config import BufferConfig, DataConfig, WireConfig
 from nanoverl_async.trajectory import Trajectory, encode
 
 _ids = itertools.count()
@@ -57,7 +59,7 @@ def make_service():
 
     def make(B, G, eta, lease_timeout_s=30.0):
         service = BufferService(B, G, eta, BufferConfig(lease_timeout_s=lease_timeout_s), WireConfig(),
-                                seed=0, task=lambda index: {"index": index, "question": f"{index}*3?"})
+                                lambda index: {"index": index, "question": f"{index}*3?"})
         client = Client(service.endpoints)
         made.append((service, client))
         return service, client
@@ -170,11 +172,13 @@ def test_parse_request_names_the_bad_field(request_, field):
         parse_request(msgpack.packb(request_))
 
 
-def test_resolve_prompt_fn():
-    assert resolve_prompt_fn(lambda i: {"i": i}, seed=3)(5) == {"i": 5}
-    assert resolve_prompt_fn("operator:add", seed=3)(5) == 8  # module:attr is called as fn(seed, index)
-    with pytest.raises(ValueError, match="builtin"):
-        resolve_prompt_fn("multiply", seed=0)
+def test_prompt_source_names_builtins_modules_and_files():
+    assert prompt_source(DataConfig(task="operator:add"), seed=3)(5) == 8  # module:attr is called as fn(seed, index)
+    assert prompt_source(DataConfig(), seed=3)(5) == multiply_task.make_prompt(3, 5)  # builtin:multiply
+    with pytest.raises(ValueError, match="form package.module:Name"):
+        prompt_source(DataConfig(task="multiply"), seed=0)
+    with pytest.raises(ValueError, match="not a built-in data.task; the built-ins are builtin:multiply"):
+        prompt_source(DataConfig(task="builtin:add"), seed=0)
 
 
 def test_gated_clock_counts_refused_generator_time_per_window():

@@ -23,8 +23,9 @@ from nanoverl_async.config import (AlgorithmConfig, BufferConfig, ConfigError, C
 from nanoverl_async.learners.batch import collate, with_advantages
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.metrics import MetricsLogger
+from nanoverl_async.preflight import prepare
 from synthetic import episodes
-from test_fsdp import LEARNER, TEMPERATURE, free_port, write_model_dir
+from test_fsdp import free_port, setup, write_model_dir
 from test_replay import TIMEOUT, GateAndReplay, fill
 
 
@@ -89,7 +90,7 @@ def test_restored_buffer_reissues_in_flight_prompt_once_and_keeps_complete_group
 
 def test_buffer_service_state_bytes_round_trip_and_min_version():
     def service():
-        return BufferService(1, 1, 0, BufferConfig(lease_timeout_s=30), WireConfig(), 0, lambda i: {"index": i})
+        return BufferService(1, 1, 0, BufferConfig(lease_timeout_s=30), WireConfig(), lambda i: {"index": i})
 
     old, new = service(), service()
     try:
@@ -120,8 +121,7 @@ def prepared(learner, world_size, algo, seed):
         parts = [None] * world_size
         dist.all_gather_object(parts, learner.compute_values(batch))
         batch.values = torch.from_numpy(np.concatenate(parts))
-        batch = with_advantages(batch, 2, algo, KLConfig(), max_length=16)
-    return batch
+    return with_advantages(batch, 2, algo, KLConfig(), max_total_tokens=16)
 
 
 def snapshot(learner) -> dict:
@@ -137,8 +137,8 @@ def snapshot(learner) -> dict:
 def save_then_resume(rank, world_size, ports, model_dir, out_dir, algo):
     """Update, save, update (the reference); then fresh ranks load the save and make the same update."""
     def make(port):
-        return LearnerRank(rank, world_size, "127.0.0.1", port, model_dir, LEARNER, algo, TEMPERATURE, seed=0,
-                           critic=CriticConfig(lr=1e-2) if algo.advantage == "gae" else None)
+        critic = CriticConfig(lr=1e-2) if algo.advantage == "gae" else CriticConfig()
+        return LearnerRank(setup(model_dir, algo, world_size=world_size, critic=critic), rank, "127.0.0.1", port)
 
     learner = make(ports[0])
     learner.update(prepared(learner, world_size, algo, seed=0))  # Adam moments are no longer zero
@@ -226,13 +226,13 @@ def test_resumed_metrics_keep_each_step_once(tmp_path):
 ])
 def test_bad_checkpoint_keys_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        load_config("configs/agent_grpo.yaml", [override])
+        prepare(load_config("configs/agent_grpo.yaml", [override]))  # values at load, the checkpoint at launch
 
 
 def test_resume_needs_a_checkpoint_folder(tmp_path):
     (tmp_path / "step_2").mkdir()  # no meta.json: not a checkpoint
     with pytest.raises(ConfigError, match=r"run\.resume.*not a checkpoint"):
-        load_config("configs/agent_grpo.yaml", [f"run.resume={tmp_path / 'step_2'}"])
+        prepare(load_config("configs/agent_grpo.yaml", [f"run.resume={tmp_path / 'step_2'}"]))
 
 
 def saved_run(output_dir, step: int, *overrides: str):
@@ -271,9 +271,9 @@ def test_a_fresh_run_never_reuses_an_output_dir_silently(tmp_path):
 
 def test_resume_refuses_another_lineage_and_says_what_changed(tmp_path):
     saved_run(tmp_path, 4, "run.seed=1")
-    with pytest.raises(ConfigError, match=r"another run \(run\.seed 1 -> 2\)"):
+    with pytest.raises(ConfigError, match=r"another run \(other run\.seed\)"):
         checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.seed=2"))
-    with pytest.raises(ConfigError, match=r"model\.path 'builtin:tiny' -> '/elsewhere'"):
+    with pytest.raises(ConfigError, match=r"another run \(other model\.path\)"):
         checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.seed=1", "model.path=/elsewhere"))
     assert checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.seed=1", "learner.lr=1e-3"))
 

@@ -15,7 +15,8 @@ from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from test_engine import tiny_qwen2
-from test_fsdp import ALGO, LEARNER, TEMPERATURE, free_port, make_batch, plain_reference, write_model_dir
+from test_fsdp import LEARNER, free_port, make_batch, plain_reference, setup, write_model_dir
+from weight_waits import wait_newest
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TOL = 1e-4  # fp32 on both devices; kernels differ in summation order
@@ -47,8 +48,8 @@ def test_engine_on_cuda_matches_a_full_forward(qwen_dir):
 
 def test_nccl_learner_rank_matches_plain_torch(tmp_path):
     model_dir = write_model_dir(tmp_path)
-    learner = LearnerRank(0, 1, "127.0.0.1", free_port(), model_dir, dataclasses.replace(LEARNER, device="cuda"),
-                          ALGO, TEMPERATURE, seed=0)
+    learner = LearnerRank(setup(model_dir, learner=dataclasses.replace(LEARNER, device="cuda")), 0, "127.0.0.1",
+                          free_port())
     try:
         batch = make_batch()
         first, second = learner.update(batch), learner.update(batch)
@@ -69,15 +70,15 @@ def test_nccl_weight_group_beside_the_learners_nccl_world(tmp_path):
     from nanoverl_async.weights import WeightSubscriber
 
     ports = [free_port(), free_port()]
-    learner = LearnerRank(0, 1, "127.0.0.1", ports[0], write_model_dir(tmp_path), dataclasses.replace(
-        LEARNER, device="cuda"), ALGO, TEMPERATURE, seed=0)
+    learner = LearnerRank(setup(write_model_dir(tmp_path), learner=dataclasses.replace(LEARNER, device="cuda")), 0,
+                          "127.0.0.1", ports[0])
     subscriber = WeightSubscriber(learner.weights_endpoint())
     try:
         learner.connect_sglang([], SGLangConfig(control_timeout_s=60), "127.0.0.1", ports[1])
         assert learner.sender.group is not None
         learner.update(make_batch())
         learner.publish_weights(version=1)  # gathered on the GPU, broadcast over the weight group
-        version, notice = subscriber.wait_newest(current_version=0, timeout_s=60)
+        version, notice = wait_newest(subscriber, current_version=0, timeout_s=60)
         assert version == 1 and notice == {}  # the version notice carries no tensors
     finally:
         subscriber.close()

@@ -8,12 +8,14 @@ import pytest
 
 from nanoverl_async.config import AgentConfig, ConfigError, load_config
 from nanoverl_async.data import DatasetPrompts
-from nanoverl_async.env import Environment, FunctionEnv, env_factory, load_object
+from nanoverl_async.env import Environment, FunctionEnv, env_factory
+from nanoverl_async.preflight import prepare
 from nanoverl_async.generators.agent_loop import run_episode
 from nanoverl_async.generators.engine import Completion
 from nanoverl_async.multiply_task import MultiplyEnv
 from nanoverl_async.rewards import load_reward, math_compute_score, score_sample
 from nanoverl_async.tiny_model import build_tokenizer
+from nanoverl_async.user_code import load_object
 
 ROWS = [{"data_source": "toy", "prompt": [{"role": "user", "content": f"{i}+{i}?"}],
          "reward_model": {"style": "rule", "ground_truth": str(2 * i)}, "extra_info": {"index": i}} for i in range(5)]
@@ -120,17 +122,30 @@ def test_dataset_episode_with_custom_reward(tmp_path):
     assert (t.reward, t.num_turns, t.tool_calls, t.info["reward_info"]) == (1.0, 1, 0, {"length": 1.0})
 
 
-def test_config_names_the_bad_key(tmp_path):
-    with pytest.raises(ConfigError, match="data.train_files.*does not exist"):
-        load_config(None, [f"data.train_files=[{tmp_path}/missing.parquet]"])
-    with pytest.raises(ConfigError, match="agent.env"):
-        load_config(None, ["agent.env=nanoverl_async.env:Nope"])
-    with pytest.raises(ConfigError, match="reward.path"):
-        load_config(None, [f"reward.path={tmp_path}/none.py"])
+def test_preflight_names_the_bad_key(tmp_path, monkeypatch):
+    for override, key in ((f"data.train_files=[{tmp_path}/missing.parquet]", "data.train_files.*does not exist"),
+                          ("agent.env=nanoverl_async.env:Nope", "agent.env"),
+                          ("agent.env=builtin:nope", "agent.env.*the built-ins are builtin:multiply, builtin:chat"),
+                          (f"reward.path={tmp_path}/none.py", "reward.path"),
+                          ("data.task=builtin:nope", "data.task")):
+        cfg = load_config(None, [override])  # values are fine: only launching looks at files and user code
+        with pytest.raises(ConfigError, match=key):
+            prepare(cfg)
     with pytest.raises(ConfigError, match="agent.max_tool_calls"):
         load_config(None, ["agent.max_tool_calls=0"])
-    path = write_jsonl(tmp_path / "t.jsonl", ROWS)
-    assert load_config(None, [f"data.train_files=[{path}]"]).data.train_files == [path]
+    (tmp_path / "sub").mkdir()
+    path = write_jsonl(tmp_path / "sub" / "t.jsonl", ROWS)
+    (tmp_path / "sub" / "r.py").write_text(REWARD_FILE)
+    monkeypatch.chdir(tmp_path)
+    cfg = prepare(load_config(None, ["data.train_files=[sub/t.jsonl]", "reward.path=sub/../sub/r.py"]))
+    assert cfg.data.train_files == [path] and cfg.agent.env == "builtin:chat"  # absolute; the default filled in
+    assert cfg.reward.path == str(tmp_path / "sub" / "r.py")
+
+
+def test_a_user_file_imports_the_module_beside_it(tmp_path):
+    (tmp_path / "helper_mod_beside.py").write_text("VALUE = 41\n")
+    (tmp_path / "env_with_helper.py").write_text("import helper_mod_beside\nANSWER = helper_mod_beside.VALUE + 1\n")
+    assert load_object(f"{tmp_path}/env_with_helper.py:ANSWER") == 42
 
 
 def test_full_control_rollout_function():

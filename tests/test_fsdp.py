@@ -14,15 +14,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from nanoverl_async.algorithms import policy_loss
-from nanoverl_async.config import AlgorithmConfig, LearnerConfig
-from nanoverl_async.learners.batch import collate, sequence_logprobs
-from nanoverl_async.learners.fsdp_rank import LearnerRank
+from nanoverl_async.algorithms import LossInputs, policy_loss
+from nanoverl_async.config import AlgorithmConfig, KLConfig, LearnerConfig, ModelConfig
+from nanoverl_async.learners.batch import collate, sequence_logprobs, with_advantages
+from nanoverl_async.learners.fsdp_rank import LearnerRank, LearnerSetup
+from nanoverl_async.tiny_model import build_tokenizer
 from synthetic import episodes
 from nanoverl_async.weights import WeightSubscriber
+from weight_waits import wait_newest
 
 torch.set_num_threads(1)
 TEMPERATURE = 0.8
@@ -36,28 +37,32 @@ def model_dir(tmp_path_factory):
 
 
 def write_model_dir(path) -> str:
-    """A tiny random Qwen2 with a word-level tokenizer, saved in `path`."""
+    """A tiny random Qwen2 with the builtin byte-level tokenizer (save_pretrained copies it), saved in `path`."""
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=True)
     Qwen2ForCausalLM(config).save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(100)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="t1", pad_token="t0").save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
     return str(path)
 
 
 def make_batch():
     """4 episodes in 2 groups: prompt, sampled tokens, a tool result (mask 0), more sampled tokens."""
-    return collate(episodes([(3, [4, 2], 1.0), (3, [5], 0.0), (4, [2, 3], 0.0), (4, [6], 1.0)], seed=0))
+    batch = collate(episodes([(3, [4, 2], 1.0), (3, [5], 0.0), (4, [2, 3], 0.0), (4, [6], 1.0)], seed=0))
+    return with_advantages(batch, 2, ALGO, KLConfig(), max_total_tokens=16)
+
+
+def setup(model_dir, algo=ALGO, learner=LEARNER, world_size=1, **fields):
+    """The LearnerSetup of these tests: the tiny model in `model_dir`, `learner` on `world_size` ranks,
+    TEMPERATURE, and any other LearnerSetup `fields`."""
+    return LearnerSetup(ModelConfig(path=model_dir), dataclasses.replace(learner, world_size=world_size), algo,
+                        temperature=TEMPERATURE, **fields)
 
 
 def train_and_report(rank, world_size, port, model_dir, out_dir, micro_batch_tokens):
-    learner = LearnerRank(rank, world_size, "127.0.0.1", port, model_dir,
-                          dataclasses.replace(LEARNER, micro_batch_tokens=micro_batch_tokens), ALGO, TEMPERATURE,
-                          seed=0)
+    cfg = dataclasses.replace(LEARNER, micro_batch_tokens=micro_batch_tokens)
+    learner = LearnerRank(setup(model_dir, learner=cfg, world_size=world_size), rank, "127.0.0.1", port)
     batch = make_batch()
     parts = [None] * world_size
     dist.all_gather_object(parts, learner.compute_logprobs(batch))  # what LearnerPool.prepare does
@@ -69,7 +74,7 @@ def train_and_report(rank, world_size, port, model_dir, out_dir, micro_batch_tok
     learner.publish_weights(version=2)
     learner.save_pretrained(f"{out_dir}/final")
     if rank == 0:
-        version, published = subscriber.wait_newest(current_version=0, timeout_s=30)
+        version, published = wait_newest(subscriber, current_version=0, timeout_s=30)
         subscriber.close()
         torch.save({"logprobs": torch.from_numpy(np.concatenate(parts)), "first": first, "second": second,
                     "version": version, "published": published}, f"{out_dir}/result.pt")
@@ -101,8 +106,8 @@ def plain_reference(model_dir, batch):
         logprobs = sequence_logprobs(logits, batch.input_ids, TEMPERATURE)
         initial_logprobs = logprobs.detach() if initial_logprobs is None else initial_logprobs
         proximal = logprobs.detach()  # one optimizer step per batch: p_old is the pre-step policy
-        loss, _ = policy_loss(logprobs, proximal, batch.behaviour_logprobs, batch.advantages, batch.loss_mask,
-                              ALGO.correction, ALGO.clip.low, ALGO.clip.high, ALGO.is_cap, batch.loss_mask.sum())
+        inputs = LossInputs(logprobs, proximal, batch.behaviour_logprobs, batch.advantages, batch.loss_mask)
+        loss, _ = policy_loss(inputs, ALGO, KLConfig(), batch.loss_mask.sum())
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), LEARNER.grad_clip)
@@ -146,4 +151,4 @@ def test_two_ranks_match_one_rank_and_plain_torch(model_dir, tmp_path):
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "final", dtype=torch.float32)
     for name, tensor in saved.state_dict().items():
         assert torch.allclose(tensor, weights[name], atol=1e-5), name
-    assert AutoTokenizer.from_pretrained(tmp_path / "two" / "final").convert_tokens_to_ids("t7") == 7
+    assert AutoTokenizer.from_pretrained(tmp_path / "two" / "final").get_vocab() == build_tokenizer().get_vocab()

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from test_fsdp import LEARNER, TEMPERATURE, free_port, model_dir  # noqa: F401 (model_dir is a fixture)
+from test_fsdp import LEARNER, TEMPERATURE, free_port, model_dir, setup  # noqa: F401 (model_dir is a fixture)
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from nanoverl_async.algorithms import loss_normaliser, policy_loss, token_entropy
+from nanoverl_async.algorithms import LossInputs, loss_normaliser, policy_loss, token_entropy
 from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig
 from nanoverl_async.learners.batch import (TrainBatch, collate, epoch_order, explained_variance, sequence_logprobs,
                                            with_advantages)
@@ -35,11 +35,11 @@ KL = KLConfig(loss_coef=0.1, estimator="k2")
 
 
 def make_batch(algo=ALGO):
-    """8 episodes in 4 groups of 2 (lengths 11, 11, 8, 10, twice), with `algo`'s advantages (None: GRPO's)."""
+    """8 episodes in 4 groups of 2 (lengths 11, 11, 8, 10, twice), with `algo`'s advantages (None: none yet)."""
     shapes = [(3, [4, 2], 1.0), (4, [2, 3], 0.0), (3, [5], 0.0), (4, [6], 1.0)] * 2  # lengths 11, 11, 8, 10
     trajectories = episodes(shapes, seed=1)
     batch = collate(trajectories)
-    return batch if algo is None else with_advantages(batch, 2, algo, KL, max_length=16)
+    return batch if algo is None else with_advantages(batch, 2, algo, KL, max_total_tokens=16)
 
 
 def gathered(learner, batch, which, world_size):
@@ -50,7 +50,7 @@ def gathered(learner, batch, which, world_size):
 
 def train(rank, world_size, port, model_dir, out_dir, micro_batch_tokens):
     cfg = dataclasses.replace(SCHEDULE, micro_batch_tokens=micro_batch_tokens)
-    learner = LearnerRank(rank, world_size, "127.0.0.1", port, model_dir, cfg, ALGO, TEMPERATURE, seed=0, kl=KL)
+    learner = LearnerRank(setup(model_dir, ALGO, cfg, world_size, kl=KL), rank, "127.0.0.1", port)
     batch = make_batch()
     batch.proximal_logprobs = gathered(learner, batch, "policy", world_size)
     batch.reference_logprobs = gathered(learner, batch, "reference", world_size)
@@ -94,11 +94,9 @@ def plain_reference(model_dir, batch):
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
             logprobs = sequence_logprobs(logits, mb.input_ids, TEMPERATURE)
             entropy = torch.cat([torch.zeros(mb.size, 1), token_entropy(logits[:, :-1], TEMPERATURE)], dim=1)
-            loss, _ = policy_loss(
-                logprobs, initial[rows], mb.behaviour_logprobs, mb.advantages, mb.loss_mask, ALGO.correction,
-                ALGO.clip.low, ALGO.clip.high, ALGO.is_cap, mb.loss_mask.sum(), aggregation=ALGO.loss_agg,
-                agg_normaliser=loss_normaliser(mb.loss_mask, ALGO.loss_agg), ref_logprobs=initial[rows],
-                kl_coef=KL.loss_coef, kl_estimator=KL.estimator, entropy=entropy, entropy_coef=ALGO.entropy_coef)
+            inputs = LossInputs(logprobs, initial[rows], mb.behaviour_logprobs, mb.advantages, mb.loss_mask,
+                                ref_logprobs=initial[rows], entropy=entropy)
+            loss, _ = policy_loss(inputs, ALGO, KL, mb.loss_mask.sum(), loss_normaliser(mb.loss_mask, ALGO.loss_agg))
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), SCHEDULE.grad_clip)
@@ -136,15 +134,14 @@ CRITIC = CriticConfig(lr=1e-2, value_clip=0.2)
 def train_critic(rank, world_size, port, model_dir, out_dir, micro_batch_tokens):
     """Two batches (values recomputed in between, as LearnerPool.prepare does): policy + critic steps."""
     cfg = dataclasses.replace(LEARNER, micro_batch_tokens=micro_batch_tokens)
-    learner = LearnerRank(rank, world_size, "127.0.0.1", port, model_dir, cfg, GAE, TEMPERATURE, seed=0,
-                          critic=CRITIC)
+    learner = LearnerRank(setup(model_dir, GAE, cfg, world_size, critic=CRITIC), rank, "127.0.0.1", port)
     runs = []
     for _ in range(2):
         batch = make_batch(algo=None)
         parts = [None] * world_size
         dist.all_gather_object(parts, learner.compute_values(batch))
         batch.values = torch.from_numpy(np.concatenate(parts))
-        batch = with_advantages(batch, 2, GAE, KLConfig(), max_length=16)
+        batch = with_advantages(batch, 2, GAE, KLConfig(), max_total_tokens=16)
         runs.append({**learner.update(batch), "explained_variance": explained_variance(batch)})
     critic = get_model_state_dict(learner.critic, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     policy = learner.full_state_dict()  # collectives: every rank calls them

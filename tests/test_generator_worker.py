@@ -19,7 +19,8 @@ from safetensors.torch import save as safetensors_save
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from nanoverl_async import multiply_task
-from nanoverl_async.config import AgentConfig, GeneratorConfig, WeightSyncConfig
+from nanoverl_async.config import AgentConfig, Config, DataConfig, GeneratorConfig, WeightSyncConfig
+from nanoverl_async.preflight import prepare
 from nanoverl_async.generators.worker import GeneratorWorker
 from nanoverl_async.tiny_model import build_tokenizer
 from nanoverl_async.trajectory import decode
@@ -92,11 +93,12 @@ def weights_message(version: int, state_dict: dict) -> list[bytes]:
 
 
 def make_worker(model_dir, buffer, weights_endpoint, mode, env=None, sync_timeout_s=20.0):
-    return GeneratorWorker(
-        generator_id=4, model_path=model_dir, generator=GeneratorConfig(max_groups_in_flight=2),
-        agent=AgentConfig(max_turns=2, max_new_tokens=8, max_total_tokens=40),
-        weight_sync=WeightSyncConfig(mode=mode, timeout_s=sync_timeout_s), group_size=GROUP_SIZE, seed=0,
-        buffer_endpoints=buffer.endpoints, weights_endpoint=weights_endpoint, env=env)
+    cfg = prepare(Config(generator=GeneratorConfig(max_groups_in_flight=2),  # roles get prepared configs
+                         agent=AgentConfig(max_turns=2, max_new_tokens=8, max_total_tokens=40),
+                         weight_sync=WeightSyncConfig(mode=mode, timeout_s=sync_timeout_s),
+                         data=DataConfig(samples_per_prompt=GROUP_SIZE)))
+    return GeneratorWorker(4, cfg, model_dir, buffer_endpoints=buffer.endpoints, weights_endpoint=weights_endpoint,
+                           env=env)
 
 
 async def until(condition, timeout_s=30.0):

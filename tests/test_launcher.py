@@ -6,6 +6,7 @@ import pytest
 import ray
 
 from nanoverl_async.config import load_config
+from nanoverl_async.preflight import prepare
 from nanoverl_async.launcher import Roles, RunFailed, role_failures
 from nanoverl_async.tiny_model import TinyRecipe, build_model, build_tokenizer
 
@@ -27,7 +28,7 @@ def make_roles(model_path, tmp_path):
     cfg = load_config("configs/agent_grpo.yaml", [f"model.path={model_path}", f"run.output_dir={tmp_path}",
                                                  "data.prompts_per_step=2", "data.samples_per_prompt=2",
                                                  "run.step_timeout_s=60"])
-    return Roles(cfg, model_path)
+    return Roles(prepare(cfg), model_path)  # as launch() does: roles get the prepared config
 
 
 def kill_and_wait(actor, timeout_s: float = 30.0) -> None:

@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from nanoverl_async.algorithms import (aggregate, cispo_loss, gspo_loss, loss_normaliser, off_policy_correction,
-                                      policy_loss, ppo_clip_loss, reduce_token_metrics, value_loss)
+from nanoverl_async.algorithms import (AGGREGATIONS, CORRECTIONS, LossInputs, aggregate, cispo_loss, gspo_loss,
+                                      loss_normaliser, policy_loss, ppo_clip_loss, reduce_token_metrics, value_loss)
+from nanoverl_async.config import AlgorithmConfig, ClipConfig, KLConfig
 
 torch.set_num_threads(1)
 
@@ -96,17 +97,23 @@ def naive_policy_loss(p, p_old, mu, adv, mask, correction, level, loss, agg, cli
     return torch.as_tensor(total_v / normaliser), torch.as_tensor(total_g / normaliser)
 
 
-def run_policy_loss(p, p_old, mu, adv, mask, correction, level, loss, agg, max_tokens=0, **kwargs):
+def algorithm(correction, level, loss, agg, clip_ratio_c=0.0, entropy_coef=0.0):
+    return AlgorithmConfig(loss=loss, correction=correction, clip=ClipConfig(CLIP_LOW, CLIP_HIGH, clip_ratio_c),
+                           is_cap=CAP, is_low=LOW if correction == "mis" else 0.0, is_level=level, loss_agg=agg,
+                           entropy_coef=entropy_coef)
+
+
+def run_policy_loss(p, p_old, mu, adv, mask, correction, level, loss, agg, max_tokens=0, clip_ratio_c=0.0,
+                    ref=None, kl_coef=0.0, entropy=None, entropy_coef=0.0):
     tokens = max(float(mask.sum()), 1.0)
     agg_normaliser = max(float(loss_normaliser(mask, agg, max_tokens)), 1.0)
-    return policy_loss(p, p_old, mu, adv, mask, correction, CLIP_LOW, CLIP_HIGH, CAP, tokens, loss=loss,
-                       is_low=LOW if correction == "mis" else 0.0, is_level=level, aggregation=agg,
-                       agg_normaliser=agg_normaliser, **kwargs)
+    return policy_loss(LossInputs(p, p_old, mu, adv, mask, ref, entropy),
+                       algorithm(correction, level, loss, agg, clip_ratio_c, entropy_coef),
+                       KLConfig(loss_coef=kl_coef, estimator="k3"), tokens, agg_normaliser)
 
 
 CORRECTION_LEVELS = [("none", "token"), ("decoupled", "token"), ("tis", "token"), ("tis", "sequence"),
                      ("mis", "token"), ("mis", "sequence")]
-AGGREGATIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 def sequence_constant_weights(correction, level):
@@ -146,9 +153,7 @@ def test_kl_and_entropy_terms_match_naive(loss, agg):
     ref = torch.where(mask.bool(), p.detach() + 0.5 * torch.randn(3, 6, dtype=torch.float64), 0.0)
     entropy = torch.rand(3, 6, dtype=torch.float64)
     extra = dict(ref=ref, kl_coef=0.1, entropy=entropy, entropy_coef=0.01)
-    got, metrics = run_policy_loss(p, p_old, mu, adv, mask, "decoupled", "token", loss, agg, max_tokens=6,
-                                   ref_logprobs=ref, kl_coef=0.1, kl_estimator="k3", entropy=entropy,
-                                   entropy_coef=0.01)
+    got, metrics = run_policy_loss(p, p_old, mu, adv, mask, "decoupled", "token", loss, agg, max_tokens=6, **extra)
     want, surrogate = naive_policy_loss(p, p_old, mu, adv, mask, "decoupled", "token", loss, agg, max_tokens=6,
                                         **extra)
     assert got.item() == pytest.approx(want.item(), abs=1e-9)
@@ -165,8 +170,7 @@ def test_kl_and_entropy_terms_match_naive(loss, agg):
 @pytest.mark.parametrize("mask_kind", ["full", "random", "row_masked", "empty"])
 def test_corrections_match_naive(correction, level, mask_kind):
     _, p_old, mu, _, mask = random_inputs(4, 7, mask_kind, seed=5)
-    c = off_policy_correction(correction, p_old, mu, mask, cap=CAP, low=LOW if correction == "mis" else 0.0,
-                              level=level)
+    c = CORRECTIONS[correction](p_old, mu, mask, cap=CAP, low=LOW if correction == "mis" else 0.0, level=level)
     m, po, be = mask.tolist(), p_old.tolist(), mu.tolist()
     weights, dropped, truncated, raw_max = [], 0, 0, 0.0
     for i in range(4):
@@ -270,9 +274,8 @@ def test_ranks_sum_to_the_whole_batch(loss, correction, level, agg):
     assert float(parts[0] + parts[1]) == agg_total  # what the learner all-reduces
 
     def run(rows):
-        return policy_loss(p[rows], p_old[rows], mu[rows], adv[rows], mask[rows], correction, CLIP_LOW, CLIP_HIGH,
-                           CAP, tokens, loss=loss, is_low=LOW if correction == "mis" else 0.0, is_level=level,
-                           aggregation=agg, agg_normaliser=agg_total)
+        return policy_loss(LossInputs(p[rows], p_old[rows], mu[rows], adv[rows], mask[rows]),
+                           algorithm(correction, level, loss, agg), KLConfig(), tokens, agg_total)
     whole, whole_metrics = run(slice(0, 4))
     halves = [run(rows) for rows in (slice(0, 2), slice(2, 4))]
     assert (halves[0][0] + halves[1][0]).item() == pytest.approx(whole.item())

@@ -3,7 +3,7 @@
 The property test drives gate + replay through random interleavings of generators leasing (each at
 its own version, never above the learner's), episodes finishing in random order with token versions
 in [lease version, learner version] (weight_sync.mode=interrupt), duplicates, filtered groups,
-training steps and lease expiry, and checks DESIGN.md's staleness contract and the prompt frontier:
+training steps and lease expiry, and checks the staleness contract (docs/design.md "Versions and staleness") and the prompt frontier:
   - at admission, groups_started never exceeds (u + eta + 1) * B;
   - every batch has exactly B complete groups and t - u <= eta for every trajectory;
   - every prompt index is consumed at most once, and every index ever leased is consumed, retired
@@ -52,7 +52,7 @@ def test_groups_complete_at_group_size_and_come_out_oldest_first():
     groups, dropped = replay.take(step=2, batch_groups=2, staleness=2)
     assert dropped == [] and [g.group_id for g in groups] == [2, 1]
     assert [t.sample_index for t in groups[0].trajectories] == [0, 1]
-    assert replay.num_ready == 1 and replay.num_partial == 0
+    assert replay.num_ready == 1 and not replay.open_groups
 
 
 def test_stragglers_duplicates_and_mismatches_are_dropped_and_counted():
@@ -66,7 +66,7 @@ def test_stragglers_duplicates_and_mismatches_are_dropped_and_counted():
     replay.close(5)  # the lease expired: the partial group is forgotten
     assert replay.add(make_trajectory(5, 50, 1, [0])) == STRAGGLER
     assert replay.counters == {"stragglers": 2, "duplicates": 1, "mismatched": 2, "dropped_stale": 0, "filtered": 0}
-    assert replay.num_partial == 0 and replay.num_ready == 0
+    assert not replay.open_groups and replay.num_ready == 0
 
 
 def test_group_without_sampled_tokens_takes_the_lease_version():
@@ -117,7 +117,7 @@ def test_consumption_check_drops_stale_group_and_gate_reissues_its_prompt():
 
 
 def test_gate_alone_does_not_bound_staleness_of_a_long_tail():
-    """DESIGN.md: the gate is exact only if groups finish in the order they started. A group leased at
+    """docs/design.md "The consumption check": the gate is exact only if groups finish in the order they started. A group leased at
     version 0 that finishes after two steps (B=1, eta=1) passes the gate; the consumption check drops it."""
     gate, replay = AdmissionGate(1, 1, TIMEOUT, prompt_fn=lambda i: {"index": i}), ReplayBuffer(1)
 

@@ -1,4 +1,4 @@
-"""The fake SGLang server follows SGLANG_PROTOCOL.md section 7, item by item (numbers in the test names).
+"""The fake SGLang server follows docs/sglang.md "Contract checks", item by item (numbers in the test names).
 
 The fake (tests/fake_sglang_server.py) is what the SGLang engine's own tests run against, so these tests
 pin it to the protocol: response shapes and invariants, error shapes, abort/pause/retract semantics, and
@@ -250,15 +250,14 @@ def test_15_distributed_update_handshake_by_version(model_dirs, fake_version):
     ("0.5.2", "/get_weight_version", 200), ("0.5.2", "/model_info", 404),
     ("0.5.10", "/get_weight_version", 404), ("0.5.10", "/model_info", 200), ("0.5.23", "/model_info", 200)])
 def test_16_weight_version_read_paths(model_dirs, fake_version, path, status):
-    from nanoverl_async.config import SGLangConfig
-    from nanoverl_async.generators.sglang_server import SGLangServer
+    from nanoverl_async.sglang_client import SGLangClient
 
     fake = FakeSGLangServer(model_dirs[0], weight_version="5", fake_version=fake_version).start()
     try:
         reply = httpx.get(fake.url + path)
         assert reply.status_code == status and (status != 200 or reply.json()["weight_version"] == "5")
-        client = SGLangServer(model_dirs[0], fake.port, SGLangConfig(), url=fake.url)
-        client.start()
+        client = SGLangClient(fake.url, timeout_s=30.0)
+        client.detect_protocol()
         assert client.weight_version() == "5" and client.legacy_protocol == (fake_version != "0.5.23")
         client.close()
     finally:

@@ -27,10 +27,12 @@ import torch
 
 from fake_sglang_server import FakeSGLangServer
 from nanoverl_async.config import GeneratorConfig, SGLangConfig
-from nanoverl_async.generators.engine import SamplingParams, make_engine
+from nanoverl_async.generators.engine import SamplingParams
+from nanoverl_async.generators.worker import make_engine
 from nanoverl_async.generators.sglang_engine import SGLangEngine, write_hf_dir
-from nanoverl_async.generators.sglang_server import SGLangError, SGLangServer
-from nanoverl_async.learners.sglang_nccl import SGLangWeightSender, buckets
+from nanoverl_async.generators.sglang_server import SGLangServer
+from nanoverl_async.sglang_client import SGLangError
+from nanoverl_async.learners.sglang_nccl import SGLangWeightSender, buckets, server_handles
 from sglang_helpers import (PROMPT, assert_close, model_dirs, reference_logprobs, server,  # noqa: F401
                             shared_server)
 
@@ -194,7 +196,9 @@ def test_nccl_sender_both_protocols(model_dirs, fake_version):
         servers = [SGLangServer(f.model_path, f.port, SGLangConfig(), url=f.url) for f in fakes]
         for s in servers:
             s.start()
-        sender = SGLangWeightSender(servers, "127.0.0.1", 29600, bucket_bytes=40_000,
+        engine = SGLangEngine(model_dirs[0], SGLangConfig(), servers=servers, start=False)
+        clients = server_handles(engine.endpoints(), SGLangConfig())  # what rank 0 holds: clients, not servers
+        sender = SGLangWeightSender(clients, "127.0.0.1", 29600, bucket_bytes=40_000,
                                     broadcast=lambda t: [f.nccl.put(t.clone()) for f in fakes])
         sender.init_group()
         from transformers import AutoModelForCausalLM
@@ -207,7 +211,6 @@ def test_nccl_sender_both_protocols(model_dirs, fake_version):
             assert begins == (1 if fake_version == "0.5.23" else 0)
             assert fake.calls.count("/update_weights_from_distributed") == len(buckets(list(state.items()), 40_000)) > 1
             assert fake.weight_version == "1" and fake.paused is None
-        engine = SGLangEngine(model_dirs[0], SGLangConfig(), servers=servers, start=False)
         completion = asyncio.run(engine.generate(PROMPT, SamplingParams(6, 1.0)))
         assert completion.versions == [1] * 6
         assert_close(completion.logprobs, reference_logprobs(model_dirs[1], PROMPT, completion.token_ids))

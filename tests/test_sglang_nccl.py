@@ -13,18 +13,22 @@ import asyncio
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from nanoverl_async.config import ConfigError, GeneratorConfig, SGLangConfig, load_config
-from nanoverl_async.generators.engine import SamplingParams, make_engine
+from nanoverl_async.generators.engine import SamplingParams
+from nanoverl_async.generators.worker import make_engine
 from nanoverl_async.generators.sglang_engine import SGLangEngine
-from nanoverl_async.generators.sglang_server import SGLangError, SGLangServer
+from nanoverl_async.generators.sglang_server import SGLangServer
+from nanoverl_async.sglang_client import SGLangClient, SGLangError
 from nanoverl_async.learners.sglang_nccl import SGLangWeightSender, check_reachable, server_handles
 from nanoverl_async.weights import WeightPublisher, WeightSubscriber
 from sglang_helpers import PROMPT, assert_close, model_dirs, reference_logprobs, server, shared_server  # noqa: F401
 from test_sglang_engine import FAKE, free_port, run_cli_on_fake_servers
+from weight_waits import wait_newest
 
 NCCL = SGLangConfig(weight_transport="nccl")
 
@@ -34,7 +38,7 @@ def test_version_notice_crosses_the_weights_wire():
     subscriber = WeightSubscriber(publisher.endpoint)
     try:
         publisher.publish(3, {})  # what rank 0 publishes after loading version 3 into the servers
-        assert subscriber.wait_newest(0, timeout_s=10) == (3, {})
+        assert wait_newest(subscriber, 0, timeout_s=10) == (3, {})
     finally:
         subscriber.close()
         publisher.close()
@@ -82,9 +86,9 @@ def test_endpoints_and_the_handles_rank_0_builds(server):
     wildcard = SGLangEngine("m", SGLangConfig(), servers=[wildcard], start=False)
     assert wildcard.endpoints(node_ip="10.1.2.3")[0]["url"] == "http://10.1.2.3:9"
     (handle,) = server_handles(endpoints, SGLangConfig())
-    assert (handle.url, handle.cfg.tp_size, handle.server_version) == (server.url, 2, "0.5.23")
+    assert (handle.url, handle.tp_size, handle.server_version) == (server.url, 2, "0.5.23")
     assert handle.legacy_protocol is False
-    assert handle.process is None and handle.command == []  # external: never launched or restarted by rank 0
+    assert type(handle) is SGLangClient  # a client only: rank 0 never launches or restarts a server
 
 
 def test_make_engine_accepts_nccl(monkeypatch):
@@ -155,3 +159,16 @@ def test_loopback_servers_on_another_node_are_refused_before_joining():
     check_reachable([here, {"url": "http://10.0.0.2:30000", "node_ip": "10.0.0.2"}], rank0_ip="10.0.0.1")
     with pytest.raises(SGLangError, match=r"generator\.sglang\.host=0\.0\.0\.0"):
         check_reachable([here, {"url": "http://127.0.0.1:30001", "node_ip": "10.0.0.2"}], rank0_ip="10.0.0.1")
+
+
+def test_roles_meet_only_through_the_wire():
+    """Neither role imports the other: both reach the servers through nanoverl_async/sglang_client.py."""
+    import ast
+
+    package = Path(__file__).resolve().parents[1] / "nanoverl_async"
+    for role, other in (("learners", "generators"), ("generators", "learners")):
+        for path in (package / role).glob("*.py"):
+            nodes = list(ast.walk(ast.parse(path.read_text())))
+            names = [n.module or "" for n in nodes if isinstance(n, ast.ImportFrom)]
+            names += [a.name for n in nodes if isinstance(n, ast.Import) for a in n.names]
+            assert not [n for n in names if n.startswith(f"nanoverl_async.{other}")], f"{path.name} imports {other}"

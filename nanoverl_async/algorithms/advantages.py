@@ -6,12 +6,24 @@ Token-level estimators (reinforce++, gae) run their recursion over SAMPLED token
 padding tokens are skipped, as if the sampled tokens of a row were one contiguous response (verl does the
 same for multi-turn: observation tokens carry no value, TD error or discount step). They are computed on
 the WHOLE batch before it is sharded over ranks, so batch statistics are global.
+
+ADVANTAGES holds every estimator by name (algorithm.advantage). They share one calling convention: keyword
+arguments each picks from (rewards, group_size, loss_mask, values, gamma, lam, kl_penalty; `**_` takes the
+rest), so the learner calls ADVANTAGES[name](**inputs) whatever the estimator needs. Each returns the
+advantages; gae returns (advantages, returns), the critic's targets too. The DAPO group filter lives in
+buffer/replay.py, where groups complete.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
+
+from nanoverl_async.algorithms.registry import register
+
+ADVANTAGES: dict[str, Callable] = {}  # name -> estimator
 
 
 def _groups(rewards: Tensor, group_size: int) -> Tensor:
@@ -20,7 +32,8 @@ def _groups(rewards: Tensor, group_size: int) -> Tensor:
     return rewards.float().view(-1, group_size)
 
 
-def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
+@register(ADVANTAGES, "grpo")
+def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, **_) -> Tensor:
     """GRPO outcome advantages (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, sec. 4.1.2):
 
         A_i = (r_i - mean(r_group)) / (std(r_group) + eps)
@@ -35,7 +48,8 @@ def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tens
     return ((groups - mean) / (std + eps)).view(-1)
 
 
-def drgrpo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+@register(ADVANTAGES, "drgrpo")
+def drgrpo_advantages(rewards: Tensor, group_size: int, **_) -> Tensor:
     """Dr. GRPO advantages (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783):
 
         A_i = r_i - mean(r_group)      (no division by the group std: it biases towards easy/hard prompts)
@@ -47,7 +61,8 @@ def drgrpo_advantages(rewards: Tensor, group_size: int) -> Tensor:
     return (groups - groups.mean(dim=1, keepdim=True)).view(-1)
 
 
-def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+@register(ADVANTAGES, "rloo")
+def rloo_advantages(rewards: Tensor, group_size: int, **_) -> Tensor:
     """RLOO advantages (Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free!"; Ahmadian et
     al. 2024, arXiv:2402.14740): the baseline of sample i is the mean of the OTHER samples of its group,
 
@@ -89,8 +104,9 @@ def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     return torch.where(mask, (values - mean) * torch.rsqrt(var + eps), 0.0)
 
 
+@register(ADVANTAGES, "reinforce++")
 def reinforce_pp_advantages(rewards: Tensor, loss_mask: Tensor, gamma: float = 1.0,
-                            kl_penalty: Tensor | None = None, eps: float = 1e-8) -> Tensor:
+                            kl_penalty: Tensor | None = None, eps: float = 1e-8, **_) -> Tensor:
     """REINFORCE++ advantages (Hu 2025, "REINFORCE++", arXiv:2501.03262): discounted per-token returns of
     R = outcome_token_rewards(rewards, loss_mask, kl_penalty), then normalised over the whole batch:
 
@@ -110,22 +126,23 @@ def reinforce_pp_advantages(rewards: Tensor, loss_mask: Tensor, gamma: float = 1
     return masked_whiten(returns, mask, eps)
 
 
-def gae_advantages(token_rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float, lam: float,
-                   whiten: bool = True) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation (Schulman et al. 2016, arXiv:1506.02438) over sampled tokens.
-    values[:, t] is the critic's V of the state in which token t is sampled (token-indexed, like logprobs).
-    For sampled token t, with t' the NEXT SAMPLED token of the row (prompt/tool tokens skipped; V = 0 and
-    A = 0 after the last sampled token):
+@register(ADVANTAGES, "gae")
+def gae_advantages(rewards: Tensor, loss_mask: Tensor, values: Tensor, gamma: float, lam: float,
+                   kl_penalty: Tensor | None = None, whiten: bool = True, **_) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, arXiv:1506.02438) over sampled tokens, on
+    R = outcome_token_rewards(rewards, loss_mask, kl_penalty). values[:, t] is the critic's V of the state
+    in which token t is sampled (token-indexed, like logprobs). For sampled token t, with t' the NEXT
+    SAMPLED token of the row (prompt/tool tokens skipped; V = 0 and A = 0 after the last sampled token):
 
         delta_t = R_t + gamma * V_{t'} - V_t,      A_t = delta_t + gamma * lam * A_{t'},      returns_t = A_t + V_t
 
-    token_rewards, values, loss_mask [N, T] -> (advantages, returns) [N, T], 0 off the mask. Advantages are
-    whitened over the batch's sampled tokens when `whiten` (as verl and the PPO reference code); returns
-    (the critic's targets) never are. Nothing is differentiable: inputs are detached.
+    rewards [N], loss_mask, values, kl_penalty [N, T] -> (advantages, returns) [N, T], 0 off the mask.
+    Advantages are whitened over the batch's sampled tokens when `whiten` (as verl and the PPO reference
+    code); returns (the critic's targets) never are. Nothing is differentiable: inputs are detached.
     """
+    assert values is not None, "gae needs the critic's values (LearnerPool.prepare computes them)"
     mask = loss_mask.bool()
-    dtype = torch.promote_types(token_rewards.dtype, torch.float32)  # float32, or float64 if given
-    rewards, values = token_rewards.detach().to(dtype), values.detach().to(dtype)
+    rewards, values = outcome_token_rewards(rewards, loss_mask, kl_penalty).detach(), values.detach().float()
     advantages = torch.zeros_like(rewards)
     next_value = rewards.new_zeros(rewards.shape[0])
     next_advantage = rewards.new_zeros(rewards.shape[0])
@@ -155,10 +172,3 @@ def overlong_penalty(lengths: Tensor, max_length: int, buffer_length: int, penal
     start = max_length - buffer_length
     return -penalty * ((lengths - start) / buffer_length).clamp(min=0.0, max=1.0)
 
-
-def informative_groups(rewards: Tensor, group_size: int) -> Tensor:
-    """DAPO dynamic sampling filter (Yu et al. 2025, "DAPO", sec. 3.2): True for each group whose rewards do
-    not all tie (a tied group has zero advantage under grpo/drgrpo/rloo, so no gradient).
-    rewards [N] -> bool [N // group_size]."""
-    groups = _groups(rewards, group_size)
-    return (groups != groups[:, :1]).any(dim=1)

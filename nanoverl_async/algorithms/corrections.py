@@ -12,19 +12,24 @@ IS weights w = p_old / mu are taken at a `level`:
 
 Metrics are per-token [N, T] detached tensors; losses.reduce_token_metrics sums them over the loss mask
 (divided by the normaliser) or, for keys ending in `_max`, takes the max.
+
+CORRECTIONS holds them by name (algorithm.correction). Each takes (proximal_logprobs, behaviour_logprobs,
+mask) and picks from the keyword arguments cap (algorithm.is_cap), low (is_low) and level (is_level);
+`**_` takes the rest, so the loss calls CORRECTIONS[name](p_old, mu, mask, cap=..., low=..., level=...).
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
 from nanoverl_async.algorithms.kl import LOG_RATIO_CLAMP, kl_per_token
+from nanoverl_async.algorithms.registry import register
 
-CORRECTIONS = ("none", "decoupled", "tis", "mis")
+CORRECTIONS: dict[str, Callable] = {}  # name -> correction (algorithm.correction)
 IS_LEVELS = ("token", "sequence")
 
 
@@ -56,8 +61,9 @@ def _data_metrics(proximal: Tensor, behaviour: Tensor, mask: Tensor, log_weight:
             "is_weight_max": torch.exp(log_weight.clamp(max=LOG_RATIO_CLAMP))}
 
 
-def no_correction(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor,
-                  cap: float = math.inf) -> Correction:
+@register(CORRECTIONS, "none")
+def no_correction(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cap: float = math.inf,
+                  **_) -> Correction:
     """`none`, the naive off-policy baseline for ablations: r = exp(p - mu), w = 1, every sampled token kept.
     Its metrics still report what `decoupled` with this `cap` would apply (is_weight_mean of
     min(exp(p_old - mu), cap), is_truncated_fraction), to show how off-policy the data is."""
@@ -69,8 +75,9 @@ def no_correction(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: T
     return Correction(behaviour_logprobs.detach(), torch.ones_like(log_w), mask, metrics)
 
 
+@register(CORRECTIONS, "tis")
 def tis_correction(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cap: float,
-                   level: str = "token") -> Correction:
+                   level: str = "token", **_) -> Correction:
     """`tis`, truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings
     you off-policy RL training"; Espeholt et al. 2018, "IMPALA", for the truncation):
 
@@ -87,8 +94,9 @@ def tis_correction(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: 
     return Correction(proximal_logprobs.detach(), weight, mask, metrics)
 
 
-def decoupled_correction(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor,
-                         cap: float) -> Correction:
+@register(CORRECTIONS, "decoupled")
+def decoupled_correction(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cap: float,
+                         **_) -> Correction:
     """`decoupled` PPO (Fu et al. 2025, "AReaL", arXiv:2505.24298; Hilton et al. 2021, "Batch size-invariance
     for policy optimization"): clip against the proximal policy p_old (recomputed by the learner), correct
     the behaviour -> proximal gap with a token-level truncated IS weight:
@@ -100,35 +108,23 @@ def decoupled_correction(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, 
     return tis_correction(proximal_logprobs, behaviour_logprobs, mask, cap, "token")
 
 
-def mis_correction(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, low: float, high: float,
-                   level: str = "token") -> Correction:
+@register(CORRECTIONS, "mis")
+def mis_correction(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cap: float, low: float,
+                   level: str = "token", **_) -> Correction:
     """`mis`, masked importance sampling (verl's rollout IS "mask" mode; IcePop, Ling team 2025): drop the
-    tokens (level token) or whole sequences (level sequence) whose IS weight leaves [low, high], weight the
+    tokens (level token) or whole sequences (level sequence) whose IS weight leaves [low, cap], weight the
     others by it:
 
-        r = exp(p - p_old),   keep = low <= w_level <= high,   w = w_level on kept tokens, 0 elsewhere
+        r = exp(p - p_old),   keep = low <= w_level <= cap,   w = w_level on kept tokens, 0 elsewhere
 
     Metrics: is_weight_mean (of w, 0 on dropped tokens), is_masked_fraction (sampled tokens dropped).
     """
     mask = mask.bool()
     log_w = is_log_weights(proximal_logprobs, behaviour_logprobs, mask, level)
-    raw = torch.exp(log_w.clamp(max=math.log(high) + 1.0))  # anything above high is dropped anyway: no inf
-    keep = mask & (raw >= low) & (raw <= high)
+    raw = torch.exp(log_w.clamp(max=math.log(cap) + 1.0))  # anything above cap is dropped anyway: no inf
+    keep = mask & (raw >= low) & (raw <= cap)
     weight = torch.where(keep, raw, 0.0)
     metrics = _data_metrics(proximal_logprobs, behaviour_logprobs, mask, log_w)
     metrics.update(is_weight_mean=weight, is_masked_fraction=(mask & ~keep).float())
     return Correction(proximal_logprobs.detach(), weight, keep, metrics)
 
-
-def off_policy_correction(name: str, proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, *,
-                          cap: float, low: float = 0.0, level: str = "token") -> Correction:
-    """The correction called `name` (one of CORRECTIONS). `cap` is C for tis/decoupled (and the metrics of
-    none), and the upper bound of mis; `low` is mis's lower bound; `level` applies to tis and mis."""
-    assert name in CORRECTIONS, f"unknown correction '{name}' (expected one of {CORRECTIONS})"
-    if name == "none":
-        return no_correction(proximal_logprobs, behaviour_logprobs, mask, cap)
-    if name == "decoupled":
-        return decoupled_correction(proximal_logprobs, behaviour_logprobs, mask, cap)
-    if name == "tis":
-        return tis_correction(proximal_logprobs, behaviour_logprobs, mask, cap, level)
-    return mis_correction(proximal_logprobs, behaviour_logprobs, mask, low, cap, level)

@@ -7,19 +7,31 @@ the mask before exp, so padding garbage can never make inf/NaN, and clamped to +
 
 Data-parallel invariant: `aggregate` divides by an explicit GLOBAL `normaliser` (see `loss_normaliser`:
 sum its value over ranks), never by a local count, so the losses, gradients and "sum" metrics of the
-ranks add up to what one rank computes on the whole batch. Metric keys ending in `_max` reduce with max.
+ranks add up to what one rank computes on the whole batch. Metric keys ending in `_max` reduce with max
+(`merge_metrics`, the one place that rule is written).
+
+POLICY_LOSSES (algorithm.loss) and AGGREGATIONS (algorithm.loss_agg) hold them by name. A policy loss takes
+(logprobs, base_logprobs, advantages, mask) and picks from the keyword arguments clip_low, clip_high and
+clip_ratio_c (`**_` takes the rest). `policy_loss` alone reads config sections (AlgorithmConfig, KLConfig).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
 import torch
 from torch import Tensor
 
-from nanoverl_async.algorithms.corrections import off_policy_correction
+from nanoverl_async.algorithms.corrections import CORRECTIONS
 from nanoverl_async.algorithms.kl import LOG_RATIO_CLAMP, entropy_bonus, kl_per_token
+from nanoverl_async.algorithms.registry import register
 
-POLICY_LOSSES = ("ppo", "gspo", "cispo")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+if TYPE_CHECKING:  # annotations only: config.py imports the registries (through validation), not the reverse
+    from nanoverl_async.config import AlgorithmConfig, KLConfig
+
+POLICY_LOSSES: dict[str, Callable] = {}  # name -> fn(...) -> (token_loss [N, T], per-token metrics)
+AGGREGATIONS: dict[str, Callable] = {}  # name -> fn(masked loss, mask, max_tokens) -> (local sum, normaliser share)
 
 
 def _per_token(advantages: Tensor) -> Tensor:
@@ -31,8 +43,9 @@ def _log_ratio(logprobs: Tensor, base_logprobs: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, (logprobs - base_logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
 
 
+@register(POLICY_LOSSES, "ppo")
 def ppo_clip_loss(logprobs: Tensor, base_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
-                  clip_high: float, clip_ratio_c: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
+                  clip_high: float, clip_ratio_c: float = 0.0, **_) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clip (Schulman et al. 2017, arXiv:1707.06347) with clip-higher (Yu et al. 2025, "DAPO") and dual
     clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games", arXiv:1912.09729), per token:
 
@@ -54,8 +67,9 @@ def ppo_clip_loss(logprobs: Tensor, base_logprobs: Tensor, advantages: Tensor, m
     return torch.where(mask, loss, 0.0), metrics
 
 
+@register(POLICY_LOSSES, "gspo")
 def gspo_loss(logprobs: Tensor, base_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
-              clip_high: float) -> tuple[Tensor, dict[str, Tensor]]:
+              clip_high: float, **_) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071): a sequence-level
     ratio, the geometric mean of the token ratios, clipped per sequence:
 
@@ -78,8 +92,9 @@ def gspo_loss(logprobs: Tensor, base_logprobs: Tensor, advantages: Tensor, mask:
     return torch.where(mask, loss, 0.0), {"clip_fraction": (clipped < unclipped).float()}
 
 
+@register(POLICY_LOSSES, "cispo")
 def cispo_loss(logprobs: Tensor, base_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
-               clip_high: float) -> tuple[Tensor, dict[str, Tensor]]:
+               clip_high: float, **_) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax 2025, "MiniMax-M1", arXiv:2506.13585, eq. 4): REINFORCE with a clipped, stop-gradient
     IS weight, so no token's gradient is ever dropped (only its weight bounded):
 
@@ -119,93 +134,103 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     return torch.where(mask, loss, 0.0), {"vf_clip_fraction": clip_active.float()}
 
 
+@register(AGGREGATIONS, "token-mean")
+def token_mean(loss: Tensor, mask: Tensor, max_tokens: int) -> tuple[Tensor, Tensor]:
+    """DAPO: sum_{i,t} m l / (sampled tokens); every token weighs the same, so long answers weigh more."""
+    return loss.sum(), mask.sum()
+
+
+@register(AGGREGATIONS, "seq-mean-token-mean")
+def seq_mean_token_mean(loss: Tensor, mask: Tensor, max_tokens: int) -> tuple[Tensor, Tensor]:
+    """GRPO paper, GSPO: sum_i (sum_t m l / sum_t m) / (sequences with a sampled token)."""
+    return (loss.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum(), mask.any(dim=1).sum()
+
+
+@register(AGGREGATIONS, "seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, max_tokens: int) -> tuple[Tensor, Tensor]:
+    """Dr. GRPO: sum_{i,t} m l / (sequences * max_tokens), a constant per sequence (e.g. the generation budget)."""
+    return loss.sum(), mask.any(dim=1).sum() * max_tokens
+
+
 def loss_normaliser(loss_mask: Tensor, mode: str, max_tokens: int = 0) -> Tensor:
-    """This rank's share of the normaliser of `aggregate`; SUM it over data-parallel ranks (all-reduce):
-        token-mean:               sampled tokens
-        seq-mean-token-mean:      sequences with at least one sampled token
-        seq-mean-token-sum-norm:  those sequences * max_tokens (Dr. GRPO's constant, e.g. the generation budget)
-    loss_mask [N, T] -> float64 scalar."""
-    assert mode in AGGREGATIONS, f"unknown aggregation '{mode}' (expected one of {AGGREGATIONS})"
+    """This rank's share of the normaliser of `aggregate` (the second half of AGGREGATIONS[mode]); SUM it
+    over data-parallel ranks (all-reduce). loss_mask [N, T] -> float64 scalar."""
     mask = loss_mask.bool()
-    if mode == "token-mean":
-        return mask.sum().double()
-    assert mode == "seq-mean-token-mean" or max_tokens > 0, "seq-mean-token-sum-norm needs max_tokens > 0"
-    sequences = mask.any(dim=1).sum().double()
-    return sequences if mode == "seq-mean-token-mean" else sequences * max_tokens
+    share = AGGREGATIONS[mode](mask, mask, max_tokens)[1].double()  # the share needs no loss: the mask stands in
+    assert share > 0 or not mask.any(), f"aggregation '{mode}' has a zero normaliser (max_tokens = {max_tokens})"
+    return share
 
 
 def aggregate(token_loss: Tensor, loss_mask: Tensor, mode: str, normaliser: float | Tensor) -> Tensor:
-    """Per-token loss [N, T] -> scalar, with `normaliser` the GLOBAL value of `loss_normaliser`:
-        token-mean:               sum_{i,t} m l / normaliser                          (DAPO; long answers weigh more)
-        seq-mean-token-mean:      sum_i (sum_t m l / sum_t m) / normaliser            (GRPO paper; GSPO)
-        seq-mean-token-sum-norm:  sum_{i,t} m l / normaliser   (normaliser = sequences * max_tokens: Dr. GRPO)
-    Rows without a masked token contribute 0."""
-    assert mode in AGGREGATIONS, f"unknown aggregation '{mode}' (expected one of {AGGREGATIONS})"
+    """Per-token loss [N, T] -> scalar: the masked sum of AGGREGATIONS[mode] divided by `normaliser`, the
+    GLOBAL value of `loss_normaliser`. Rows without a masked token contribute 0."""
     mask = loss_mask.bool()
-    masked = torch.where(mask, token_loss, 0.0)
-    if mode == "seq-mean-token-mean":
-        return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / normaliser
-    return masked.sum() / normaliser
+    return AGGREGATIONS[mode](torch.where(mask, token_loss, 0.0), mask, 0)[0] / normaliser
+
+
+def merge_metrics(stacked: dict[str, Tensor], divisor: float | Tensor = 1.0) -> dict[str, Tensor]:
+    """Each metric reduced over dim 0 (tokens, micro-batches, ranks or optimizer steps): the max for keys
+    ending in `_max` (0 when empty), else the sum / divisor. Every other metric is a sum divided by a
+    global count, so its sums over micro-batches and ranks add up to the whole batch's value."""
+    return {key: (values.amax(dim=0) if values.numel() else values.new_zeros(values.shape[1:]))
+            if key.endswith("_max") else values.sum(dim=0) / divisor for key, values in stacked.items()}
 
 
 def reduce_token_metrics(metrics: dict[str, Tensor], loss_mask: Tensor, normaliser: float | Tensor,
                          dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
-    """Per-token metrics [N, T] -> detached scalars over the loss mask: masked sum / normaliser (a token
-    mean that adds up over ranks), or masked max for keys ending in `_max` (0 when nothing is masked)."""
-    mask = loss_mask.bool()
-    out = {}
-    for key, values in metrics.items():
-        values = torch.where(mask, values.detach().to(dtype), 0.0)
-        if key.endswith("_max"):
-            out[key] = values.amax() if values.numel() else values.new_zeros(())
-        else:
-            out[key] = values.sum() / normaliser
-    return out
+    """Per-token metrics [N, T] -> detached scalars over the loss mask (merge_metrics: masked sum /
+    normaliser, a token mean that adds up over ranks, or the masked max for keys ending in `_max`)."""
+    mask = loss_mask.bool().flatten()
+    return merge_metrics({key: torch.where(mask, values.detach().to(dtype).flatten(), 0.0)
+                          for key, values in metrics.items()}, normaliser)
 
 
-def policy_loss(logprobs: Tensor, proximal_logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Tensor,
-                loss_mask: Tensor, correction: str, clip_low: float, clip_high: float, is_cap: float,
-                normaliser: float | Tensor, *, loss: str = "ppo", clip_ratio_c: float = 0.0, is_low: float = 0.0,
-                is_level: str = "token", aggregation: str = "token-mean",
-                agg_normaliser: float | Tensor | None = None, ref_logprobs: Tensor | None = None,
-                kl_coef: float = 0.0, kl_estimator: str = "k3", entropy: Tensor | None = None,
-                entropy_coef: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
+@dataclass
+class LossInputs:
+    """One micro-batch's per-token tensors for `policy_loss`: [N, T], token-indexed."""
+
+    logprobs: Tensor  # log p under the current weights (differentiable)
+    proximal_logprobs: Tensor  # log p_old: the learner before this step's update
+    behaviour_logprobs: Tensor  # log mu: the generator that sampled each token
+    advantages: Tensor  # [N] per sequence or [N, T] per token
+    loss_mask: Tensor  # 1 on tokens in the loss
+    ref_logprobs: Optional[Tensor] = None  # log pi_ref of a frozen reference (KL term)
+    entropy: Optional[Tensor] = None  # H of the distribution that sampled each token (bonus; differentiable)
+
+
+def policy_loss(x: LossInputs, algo: AlgorithmConfig, kl: KLConfig, tokens: float | Tensor,
+                agg_normaliser: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The learner's loss: an off-policy correction (corrections.py), a policy loss, optional KL and entropy
-    terms, aggregated once. Per sampled token, with c = off_policy_correction(correction, p_old, mu, ...):
+    terms, aggregated once. Per sampled token, with c = CORRECTIONS[algo.correction](p_old, mu, ...):
 
-        l_t = c.weight_t * [c.keep_t] * policy_loss_t(p, c.base, A)
-              + kl_coef * k(p, ref)_t - entropy_coef * H_t
-        loss = aggregate(l, loss_mask, aggregation, agg_normaliser)
+        l_t = c.weight_t * [c.keep_t] * POLICY_LOSSES[algo.loss]_t(p, c.base, A)
+              + kl.loss_coef * k(p, ref)_t - algo.entropy_coef * H_t
+        loss = aggregate(l, loss_mask, algo.loss_agg, agg_normaliser)
 
-    logprobs (current, differentiable), proximal_logprobs, behaviour_logprobs, loss_mask [N, T]; advantages
-    [N] or [N, T]; ref_logprobs, entropy [N, T] token-indexed (or None). `normaliser` is the GLOBAL sampled-
-    token count: the metrics' divisor, and the loss's for token-mean; `agg_normaliser` is the global
-    `loss_normaliser(..., aggregation)` (required for the seq-* modes). Metrics (detached scalars, adding up
-    over ranks, `*_max` by max): the correction's (behaviour_kl, behaviour_kl_k1, is_weight_mean/_max,
-    is_truncated_fraction or is_masked_fraction), the loss's (clip_fraction, ...), pg_loss, kl_loss.
+    `tokens` is the GLOBAL sampled-token count: the metrics' divisor, and the loss's for token-mean;
+    `agg_normaliser` is the global `loss_normaliser(..., algo.loss_agg)` (required for the seq-* modes).
+    Metrics (detached scalars, adding up over ranks, `*_max` by max): the correction's (behaviour_kl,
+    behaviour_kl_k1, is_weight_mean/_max, is_truncated_fraction or is_masked_fraction), the loss's
+    (clip_fraction, ...), pg_loss, kl_loss.
     """
-    assert loss in POLICY_LOSSES, f"unknown policy loss '{loss}' (expected one of {POLICY_LOSSES})"
-    assert agg_normaliser is not None or aggregation == "token-mean", \
-        f"aggregation '{aggregation}' needs agg_normaliser (the global loss_normaliser)"
-    agg_normaliser = normaliser if agg_normaliser is None else agg_normaliser
-    c = off_policy_correction(correction, proximal_logprobs, behaviour_logprobs, loss_mask, cap=is_cap,
-                              low=is_low, level=is_level)
-    if loss == "ppo":
-        pg, loss_metrics = ppo_clip_loss(logprobs, c.base_logprobs, advantages, c.keep, clip_low, clip_high,
-                                         clip_ratio_c)
-    else:
-        pg, loss_metrics = (gspo_loss if loss == "gspo" else cispo_loss)(
-            logprobs, c.base_logprobs, advantages, c.keep, clip_low, clip_high)
+    assert agg_normaliser is not None or algo.loss_agg == "token-mean", \
+        f"aggregation '{algo.loss_agg}' needs agg_normaliser (the global loss_normaliser)"
+    agg_normaliser = tokens if agg_normaliser is None else agg_normaliser
+    c = CORRECTIONS[algo.correction](x.proximal_logprobs, x.behaviour_logprobs, x.loss_mask, cap=algo.is_cap,
+                                     low=algo.is_low, level=algo.is_level)
+    pg, loss_metrics = POLICY_LOSSES[algo.loss](x.logprobs, c.base_logprobs, x.advantages, c.keep,
+                                                clip_low=algo.clip.low, clip_high=algo.clip.high,
+                                                clip_ratio_c=algo.clip.ratio_c)
     pg = torch.where(c.keep, c.weight.to(pg.dtype) * pg, 0.0)
     total = pg
     metrics = dict(c.metrics)
     metrics.update({key: torch.where(c.keep, value, 0.0) for key, value in loss_metrics.items()})
-    if ref_logprobs is not None and kl_coef > 0:
-        kl = kl_per_token(logprobs, ref_logprobs.detach(), loss_mask, kl_estimator)
-        total = total + kl_coef * kl
-        metrics["kl_loss"] = kl
-    if entropy is not None and entropy_coef > 0:
-        total = total + entropy_bonus(entropy, loss_mask, entropy_coef)
-    out = reduce_token_metrics(metrics, loss_mask, normaliser, logprobs.dtype)
-    out["pg_loss"] = aggregate(pg, loss_mask, aggregation, agg_normaliser).detach()
-    return aggregate(total, loss_mask, aggregation, agg_normaliser), out
+    if x.ref_logprobs is not None and kl.loss_coef > 0:
+        kl_term = kl_per_token(x.logprobs, x.ref_logprobs.detach(), x.loss_mask, kl.estimator)
+        total = total + kl.loss_coef * kl_term
+        metrics["kl_loss"] = kl_term
+    if x.entropy is not None and algo.entropy_coef > 0:
+        total = total + entropy_bonus(x.entropy, x.loss_mask, algo.entropy_coef)
+    out = reduce_token_metrics(metrics, x.loss_mask, tokens, x.logprobs.dtype)
+    out["pg_loss"] = aggregate(pg, x.loss_mask, algo.loss_agg, agg_normaliser).detach()
+    return aggregate(total, x.loss_mask, algo.loss_agg, agg_normaliser), out

@@ -3,7 +3,7 @@
 A lease is one prompt group (G episodes of one prompt) handed to one generator. The gate owns the
 prompt frontier: the next fresh prompt index, a queue of prompts to re-issue, and the live leases.
 
-Admission (DESIGN.md "Versions and staleness", AReaL's rule made stricter): a generator holding
+Admission (docs/design.md "The admission gate", AReaL's rule made stricter): a generator holding
 weights of version u may start a new group only while
 
     groups_started < (u + eta + 1) * B,  groups_started = in flight + complete (buffered) + consumed.

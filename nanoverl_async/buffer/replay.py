@@ -1,7 +1,7 @@
 """The replay buffer: trajectories grouped by lease, handed out as complete groups, oldest first.
 
 A group is opened when its lease is granted (`open`), fills up with its G trajectories (`add`), and
-is then ready. `take(t, B, eta)` is the consumption check of DESIGN.md "Versions and staleness":
+is then ready. `take(t, B, eta)` is the consumption check of docs/design.md "The consumption check":
 
   1. every ready group with t - u > eta (u = the group's version, the minimum over its trajectories)
      is removed and returned as dropped, so the caller can give its slot back and re-issue its prompt;
@@ -144,7 +144,3 @@ class ReplayBuffer:
     @property
     def num_ready(self) -> int:
         return len(self.ready)
-
-    @property
-    def num_partial(self) -> int:
-        return len(self.open_groups)

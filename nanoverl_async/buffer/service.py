@@ -2,7 +2,7 @@
 
 One background thread owns both sockets, bound on WireConfig.host at random ports (`endpoints`):
   - "trajectories": PULL; each frame is `trajectory.encode(t)` from a generator's PUSH socket;
-  - "leases": ROUTER; generators (DEALER or REQ) send single msgpack maps (contracts: buffer protocol)
+  - "leases": ROUTER; generators (DEALER or REQ) send single msgpack maps (docs/design.md "The lease protocol")
         {"op": "lease", "generator_id": int, "version": int, "max_groups": int}
             -> {"leases": [{"group_id": int, "prompt_index": int, "sample": {...}}, ...]}  ([] = gate closed)
         {"op": "report", "generator_id": int, "version": int} -> {"ok": true}
@@ -29,7 +29,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable
 
 import msgpack
 import numpy as np
@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 POLL_MS = 20  # the thread wakes at least this often to expire leases and notice close()
 DRAIN_MAX = 256  # messages taken from one socket before looking at the other (no starvation)
 STATE_FORMAT = 1  # buffer.msgpack's layout (state_bytes); bump when it changes
-BUILTIN_TASKS = {"builtin:multiply": "nanoverl_async.multiply_task:make_prompt"}
 
 
 @dataclass
@@ -54,20 +53,6 @@ class Batch:
     step: int
     trajectories: list[Trajectory]  # B groups of G, group-contiguous, each group ordered by sample_index
     stats: dict  # batch_stats(...) plus the service counters at hand-out time
-
-
-def resolve_prompt_fn(task: Union[str, Callable[[int], dict]], seed: int) -> Callable[[int], dict]:
-    """A callable is used as prompt_fn(index); "builtin:multiply", "module:attr" or "path/file.py:attr"
-    names a make_prompt(seed, index) function, imported lazily (env.load_object)."""
-    if callable(task):
-        return task
-    path = BUILTIN_TASKS.get(task, task)
-    if ":" not in path:
-        raise ValueError(f"task '{task}' is neither a builtin ({', '.join(BUILTIN_TASKS)}) nor module:attr")
-    from nanoverl_async.env import load_object
-
-    make_prompt = load_object(path)
-    return lambda index: make_prompt(seed, index)
 
 
 def parse_request(payload: bytes) -> dict:
@@ -145,11 +130,10 @@ class GatedClock:
 
 class BufferService:
     def __init__(self, prompts_per_step: int, group_size: int, staleness: int, config: BufferConfig,
-                 wire_config: WireConfig, seed: int, task: Union[str, Callable[[int], dict]],
-                 group_filter: bool = False):
+                 wire_config: WireConfig, prompt_fn: Callable[[int], dict], group_filter: bool = False):
         self.prompts_per_step, self.group_size, self.staleness = prompts_per_step, group_size, staleness
         self.gate = AdmissionGate(prompts_per_step, staleness, config.lease_timeout_s,
-                                  resolve_prompt_fn(task, seed))
+                                  prompt_fn)
         self.replay = ReplayBuffer(group_size, group_filter)  # group_filter: DAPO dynamic sampling
         self._cond = threading.Condition()  # guards gate, replay and the counters below
         self._counters = Counter(malformed=0, malformed_requests=0)

@@ -2,7 +2,7 @@
 
     trajectory = await run_episode(engine, tokenizer, sample, MultiplyEnv(), AgentConfig(), temperature=1.0)
 
-The episode (DESIGN.md "Agents and tools"; environments in nanoverl_async/env.py):
+The episode (docs/design.md "Agents and tools"; environments in nanoverl_async/env.py):
   1. messages = env.reset(sample); prompt ids = apply_chat_template(messages, tools, add_generation_prompt);
   2. sample a turn, stopping at eos (or the format's stop token, `</call>` for "builtin");
   3. parse tool calls (tool_parsers.py). If there are any, run each (tools.call_tool: argument checks,
@@ -44,7 +44,8 @@ from typing import Any, Optional
 import numpy as np
 
 from nanoverl_async.config import AgentConfig
-from nanoverl_async.env import Step, maybe_await
+from nanoverl_async.env import Step
+from nanoverl_async.user_code import maybe_await
 from nanoverl_async.generators.engine import Completion, Engine, SamplingParams
 from nanoverl_async.tool_parsers import ParsedCall, parse_turn, stop_strings
 from nanoverl_async.tools import Tool, ToolResult, as_tool, call_tool

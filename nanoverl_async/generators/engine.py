@@ -13,7 +13,7 @@ Invariants every engine keeps (tests/test_engine.py checks the transformers one)
     after `max_new_tokens` tokens (finish_reason "length"), whichever comes first.
 
 Implementations: `hf_engine.TransformersEngine` (CPU/GPU, the embedded default) and
-`sglang_engine.SGLangEngine` (SGLang servers on GPUs); `make_engine` picks one from `generator.engine`.
+`sglang_engine.SGLangEngine` (SGLang servers on GPUs); `worker.make_engine` picks one from `generator.engine`.
 Run alone: nothing to run; see hf_engine.py.
 """
 
@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 import torch
-
-from nanoverl_async.config import GeneratorConfig
 
 
 @dataclass(frozen=True)
@@ -51,7 +49,7 @@ class Completion:
 
 
 class Engine(Protocol):
-    version: int  # weights version currently loaded (optimizer steps the weights have seen)
+    version: int  # weights version currently loaded (training steps, i.e. batches, the weights have seen)
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *,
                        episode_id: Optional[str] = None) -> Completion:
@@ -63,20 +61,3 @@ class Engine(Protocol):
 
     def in_flight(self) -> int:
         """Requests accepted and not yet completed (queued or decoding)."""
-
-
-def make_engine(generator: GeneratorConfig, model_path: str, *, generator_id: int, seed: int,
-                dtype: str = "float32") -> Engine:
-    """The engine `generator.engine` names, for generator `generator_id` (imports are lazy: sglang is an
-    optional extra, and its engine launches its servers here)."""
-    if generator.engine == "transformers":
-        from nanoverl_async.generators.hf_engine import TransformersEngine
-
-        # Replicas sample differently from one config seed.
-        return TransformersEngine(model_path, generator.device, dtype, seed=seed * 10_007 + generator_id)
-    if generator.engine == "sglang":
-        from nanoverl_async.generators.sglang_engine import SGLangEngine
-
-        return SGLangEngine(model_path, generator.sglang, generator_id=generator_id, seed=seed * 10_007 + generator_id,
-                            dtype=dtype, command=list(generator.sglang.server_command) or None)
-    raise ValueError(f"generator.engine={generator.engine!r}: expected transformers or sglang")

@@ -14,7 +14,7 @@ loop (`await asyncio.sleep(0)`) so ZeroMQ I/O and the other episodes keep flowin
 Sampling (the behaviour policy mu of the loss): p = softmax(logits / temperature), one draw from p with
 a `torch.Generator` seeded from the config seed; logprob = log p[token], in float32.
 
-Weights (DESIGN.md "Weights back to generators", mode interrupt): `stage_weights` must be called on the
+Weights (docs/design.md "Weights back to generators", mode interrupt): `stage_weights` must be called on the
 event-loop thread. The decode loop only yields between steps, so the new weights land between two
 steps: every token sampled afterwards carries the new version, earlier tokens keep theirs. By default
 the running batch's KV cache is then recomputed under the new weights (one prefill per swap), so every
@@ -37,8 +37,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from nanoverl_async.generators.engine import Completion, SamplingParams
+from nanoverl_async.models import DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator):

@@ -4,7 +4,7 @@
     completion = await engine.generate(prompt_ids, SamplingParams(64, 1.0, (eos,)), episode_id="g3-s1")
     engine.stage_weights(state_dict, version=4)   # pause, update_weights_from_disk, continue
 
-Requests (the project notes SGLANG_PROTOCOL.md sections 2 and 6): `POST /generate` with `input_ids`,
+Requests (docs/sglang.md "Generation"): `POST /generate` with `input_ids`,
 `return_logprob: true`, `stream: false`. Tokens and logprobs come from `meta_info.output_token_logprobs`
 (`[logprob, token, null]`, the log softmax of logits / temperature before top-p/top-k, i.e. the
 behaviour logprob the loss wants). Versions per token come from `meta_info.weight_versions` spans where
@@ -55,7 +55,8 @@ from safetensors.torch import save_file
 
 from nanoverl_async.config import SGLangConfig
 from nanoverl_async.generators.engine import Completion, SamplingParams
-from nanoverl_async.generators.sglang_server import SGLangError, SGLangServer
+from nanoverl_async.generators.sglang_server import SGLangServer
+from nanoverl_async.sglang_client import SGLangError, checked, paused
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class SGLangEngine:
         """Where the servers listen and which protocol they speak, for learner rank 0's weight-update
         group (sglang_nccl.server_handles). A server bound to every interface is reached at `node_ip`."""
         return [{"url": s.url.replace("://0.0.0.0:", f"://{node_ip}:") if node_ip else s.url,
-                 "tp_size": s.cfg.tp_size, "server_version": s.server_version,
+                 "tp_size": s.tp_size, "server_version": s.server_version,
                  "legacy_protocol": s.legacy_protocol, "node_ip": node_ip} for s in self.servers]
 
     # --- generation --------------------------------------------------------------------------------
@@ -202,9 +203,7 @@ class SGLangEngine:
             if not await self._restart_if_dead(index, restarts):
                 raise SGLangError(f"{server.url}/generate: {type(error).__name__}: {error} (rid {body['rid']})") from error
             return None
-        if response.status_code != 200:
-            raise SGLangError(f"{server.url}/generate answered {response.status_code}: {response.text[:500]}")
-        return response.json()
+        return checked(response, server.url + "/generate")
 
     async def _restart_if_dead(self, index: int, restarts_seen: int) -> bool:
         """Restart server `index` if its process has exited (once, however many requests saw it die)."""
@@ -256,14 +255,9 @@ class SGLangEngine:
 
     def update_from_disk(self, path: str, version: int) -> None:
         """pause (cfg.pause_mode) -> /update_weights_from_disk -> continue, on every server."""
-        try:  # a failed pause or update still continues every server (continue on a running one is a no-op)
-            for server in self.servers:
-                server.pause(self.cfg.pause_mode)
+        with paused(self.servers, self.cfg.pause_mode):  # a failed update still continues every server
             for server in self.servers:
                 server.update_from_disk(path, version)
-        finally:
-            for server in self.servers:
-                server.resume()
         old, self.latest_path, self.version = self.latest_path, path, version
         self.counts["weight_updates"] += 1
         if old != self.base_model_path and Path(old).parent == self.weights_dir:
@@ -280,7 +274,7 @@ def prefix_hashes(ids) -> list[int]:
 
 
 def parse_reply(reply: dict, fallback_version: int) -> tuple[list[int], list[float], list[int], str]:
-    """A /generate reply -> (tokens, logprobs, versions, finish type); checks the §2.3 invariants."""
+    """A /generate reply, checked (docs/sglang.md "Generation") -> (tokens, logprobs, versions, finish type)."""
     meta = reply["meta_info"]
     triples = meta.get("output_token_logprobs") or []
     tokens = [int(t[1]) for t in triples]

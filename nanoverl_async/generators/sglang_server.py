@@ -1,15 +1,13 @@
-"""One SGLang server process and its control endpoints (the project notes SGLANG_PROTOCOL.md, sections 3 to 5).
+"""One SGLang server process: launch, health, restart, stop (docs/sglang.md "Launching and health").
 
     server = SGLangServer(model_path, port=30000, cfg=SGLangConfig())
     server.start()                    # python -m sglang.launch_server ..., waits for GET /health == 200
     server.pause("abort"); server.update_from_disk("/ckpt/v3", 3); server.resume()
 
 Invariants:
-  - every HTTP call has a timeout (`cfg.control_timeout_s`; `cfg.launch_timeout_s` for start-up) and
-    fails loudly: `SGLangError` names the server, the endpoint, the status and the body;
-  - the protocol variant is chosen from the server's own version (`GET /server_info` -> `version`):
-    0.5.23+ wraps distributed/tensor updates in `/begin_weight_update` .. `/end_weight_update`, and
-    0.5.2 takes no pause body (always abort); `legacy_protocol` overrides the choice;
+  - the control calls (pause/continue, weight version, begin/end update, the protocol variant from the
+    server's own version) are `SGLangClient`'s (nanoverl_async/sglang_client.py), which learner rank 0
+    uses too; start-up waits at most `cfg.launch_timeout_s`, every other call `cfg.control_timeout_s`;
   - the process inherits this process's environment, so it runs on the GPUs Ray assigned to the
     generator (CUDA_VISIBLE_DEVICES); `restart` relaunches it with the newest weights on disk and the
     current weight version, so a restarted server never tags tokens with a version it does not hold;
@@ -41,23 +39,11 @@ import httpx
 
 from nanoverl_async.config import SGLangConfig
 from nanoverl_async.generators.watchdog import signal_group, spawn_watched
+from nanoverl_async.sglang_client import SGLangClient, SGLangError
 
 log = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 0.2
-class SGLangError(RuntimeError):
-    """An SGLang server refused a call, timed out, or died; the message names which and why."""
-
-
-def version_tuple(text: str) -> tuple[int, ...]:
-    """'0.5.10.post1' -> (0, 5, 10); anything unparsable sorts as the newest protocol."""
-    parts = []
-    for piece in str(text).split(".")[:3]:
-        digits = "".join(c for c in piece if c.isdigit())
-        if not digits:
-            return (99,)
-        parts.append(int(digits))
-    return tuple(parts)
 
 
 def sglang_version() -> str:
@@ -69,22 +55,22 @@ def sglang_version() -> str:
     return getattr(sglang, "__version__", "0")
 
 
-class SGLangServer:
+class SGLangServer(SGLangClient):
+    """A client (nanoverl_async/sglang_client.py) of a server this process launches, watches and restarts."""
+
     def __init__(self, model_path: str, port: int, cfg: SGLangConfig, *, initial_version: int = 0,
                  command: Optional[list[str]] = None, url: str = "", legacy_protocol: Optional[bool] = None,
                  seed: int = 0, dtype: str = "auto"):
+        super().__init__(url or f"http://{cfg.host}:{port}", cfg.control_timeout_s, tp_size=cfg.tp_size,
+                         legacy_protocol=legacy_protocol)
         self.model_path, self.port, self.cfg = model_path, port, cfg
-        self.url = url or f"http://{cfg.host}:{port}"
+        self.version = initial_version  # the weights version this server holds
         default = [] if url else [sys.executable, "-m", "sglang.launch_server"]  # a given url: not ours to launch
         self.command = command if command is not None else default
-        self.version = initial_version  # the weights version this server holds
         self.seed, self.dtype = seed, dtype
-        self.legacy_protocol = legacy_protocol  # None = decide from the server's version
-        self.server_version = ""
         self.process: Optional[subprocess.Popen] = None
         self._lifeline: Optional[int] = None  # the write end of the watchdog's pipe; held while we live
         self.restarts = 0
-        self._client = httpx.Client(timeout=cfg.control_timeout_s)
 
     # --- process ---------------------------------------------------------------------------------
     def launch_args(self) -> list[str]:
@@ -112,10 +98,7 @@ class SGLangServer:
     def wait_ready(self) -> None:
         """Wait for GET /health == 200, then read the server's version to pick the protocol variant."""
         self.wait_healthy(self.cfg.launch_timeout_s)
-        info = self.get("/server_info")
-        self.server_version = str(info.get("version", ""))
-        if self.legacy_protocol is None:
-            self.legacy_protocol = version_tuple(self.server_version) < (0, 5, 23)
+        self.detect_protocol()
 
     def alive(self) -> bool:
         return self.process is None or self.process.poll() is None
@@ -127,7 +110,7 @@ class SGLangServer:
                 raise SGLangError(f"SGLang server {self.url} exited with code {self.process.returncode} "
                                   "while starting (see its log above)")
             try:
-                if self._client.get(self.url + "/health", timeout=min(30.0, timeout_s)).status_code == 200:
+                if self._http.get(self.url + "/health", timeout=min(30.0, timeout_s)).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -164,67 +147,11 @@ class SGLangServer:
 
     def close(self) -> None:
         self.stop()
-        self._client.close()
+        super().close()
 
-    # --- HTTP --------------------------------------------------------------------------------------
-    def post(self, path: str, body: Optional[dict] = None, check_success: bool = True):
-        """POST JSON; the parsed reply. A non-200 status or `success: false` raises SGLangError."""
-        try:
-            reply = self._client.post(self.url + path, json=body)
-        except httpx.TimeoutException as error:
-            raise SGLangError(f"{self.url}{path}: no reply within {self.cfg.control_timeout_s:.0f} s") from error
-        except httpx.TransportError as error:
-            raise SGLangError(f"{self.url}{path}: {type(error).__name__}: {error}") from error
-        parsed = _parse(reply)
-        if reply.status_code != 200 or (check_success and isinstance(parsed, dict) and parsed.get("success") is False):
-            raise SGLangError(f"{self.url}{path} answered {reply.status_code}: {reply.text[:500]}")
-        return parsed
-
-    def get(self, path: str):
-        try:
-            reply = self._client.get(self.url + path)
-        except httpx.HTTPError as error:
-            raise SGLangError(f"{self.url}{path}: {type(error).__name__}: {error}") from error
-        if reply.status_code != 200:
-            raise SGLangError(f"{self.url}{path} answered {reply.status_code}: {reply.text[:500]}")
-        return _parse(reply)
-
-    # --- control -----------------------------------------------------------------------------------
-    def pause(self, mode: str) -> None:
-        """Stop generation: `abort` returns in-flight requests with their partial tokens (once drained);
-        `retract` keeps their HTTP calls open and finishes them after `resume`."""
-        if version_tuple(self.server_version) < (0, 5, 10) and self.server_version:
-            if mode != "abort":
-                raise SGLangError(f"{self.url}: SGLang {self.server_version} pauses only in abort mode")
-            self.post("/pause_generation")
-        else:
-            self.post("/pause_generation", {"mode": mode})
-
-    def resume(self) -> None:
-        self.post("/continue_generation", {})
-
+    # --- weights (transport disk; the other control calls are SGLangClient's) -------------------
     def update_from_disk(self, model_path: str, version: int) -> None:
         """Load a Hugging Face directory as weights `version` (the old weights stay on failure)."""
         self.post("/update_weights_from_disk", {"model_path": model_path, "weight_version": str(version),
                                                 "abort_all_requests": False, "flush_cache": True})
         self.model_path, self.version = model_path, version
-
-    def weight_version(self) -> str:
-        """The server's weight version, read the way its version offers (0.5.2: /get_weight_version)."""
-        if version_tuple(self.server_version) < (0, 5, 10) and self.server_version:
-            return str(self.get("/get_weight_version")["weight_version"])
-        return str(self.get("/model_info")["weight_version"])
-
-    def begin_update(self) -> None:
-        if not self.legacy_protocol:
-            self.post("/begin_weight_update", {"selector": "all"})
-
-    def end_update(self) -> None:
-        if not self.legacy_protocol:
-            self.post("/end_weight_update", {})
-
-
-def _parse(reply: httpx.Response):
-    if "json" in reply.headers.get("content-type", ""):
-        return reply.json()
-    return reply.text

@@ -1,12 +1,11 @@
 """A generator: leases prompt groups from the buffer, runs G agent episodes per group, pushes trajectories.
 
-    worker = GeneratorWorker(0, model_dir, cfg.generator, cfg.agent, cfg.weight_sync, group_size=8,
-                             seed=0, buffer_endpoints=service.endpoints, weights_endpoint=endpoint)
+    worker = GeneratorWorker(0, cfg, model_dir, buffer_endpoints=service.endpoints, weights_endpoint=endpoint)
     await worker.run()          # until worker.stop() (thread-safe), or until something fails
 
 Tasks on one asyncio loop (a plain class: Ray only wraps it, elsewhere):
   - lease loop: keeps up to `generator.max_groups_in_flight` groups running. It asks the buffer over a
-    DEALER socket (contracts, "Buffer service wire protocol") with its current weights version; an
+    DEALER socket (docs/design.md "The lease protocol") with its current weights version; an
     empty reply means the admission gate is closed for that version, so it waits ~20 ms or until new
     weights arrive, then asks again with the version it then holds;
   - one task per leased group: G episodes concurrently (agent_loop.run_episode); each finished
@@ -36,12 +35,12 @@ import torch
 import zmq
 import zmq.asyncio
 
-from nanoverl_async.config import AgentConfig, GeneratorConfig, RewardConfig, WeightSyncConfig
+from nanoverl_async.config import Config, GeneratorConfig
 from nanoverl_async.env import env_factory
 from nanoverl_async.models import load_tokenizer, resolve_model_path
-from nanoverl_async.generators.agent_loop import run_episode
 from nanoverl_async.rewards import load_reward
-from nanoverl_async.generators.engine import Engine, make_engine
+from nanoverl_async.generators.agent_loop import run_episode
+from nanoverl_async.generators.engine import Engine
 from nanoverl_async.trajectory import encode
 from nanoverl_async.weights import WeightSubscriber
 
@@ -52,24 +51,22 @@ EVAL_TEMPERATURE = 1e-3  # evaluation is (near-)greedy: engines sample with temp
 
 
 class GeneratorWorker:
-    def __init__(self, generator_id: int, model_path: str, generator: GeneratorConfig, agent: AgentConfig,
-                 weight_sync: WeightSyncConfig, group_size: int, seed: int, buffer_endpoints: dict,
-                 weights_endpoint: str, *, dtype: str = "float32", env: Optional[Callable] = None,
-                 env_spec: str = "builtin:multiply", reward: Optional[RewardConfig] = None,
-                 engine: Optional[Engine] = None, tokenizer=None, request_timeout_s: float = 30.0,
-                 group_timeout_s: float = 600.0, lease_retry_s: float = 0.02):
+    def __init__(self, generator_id: int, cfg: Config, model_path: str, buffer_endpoints: dict,
+                 weights_endpoint: str, *, env: Optional[Callable] = None, engine: Optional[Engine] = None,
+                 tokenizer=None, request_timeout_s: float = 30.0, group_timeout_s: float = 600.0,
+                 lease_retry_s: float = 0.02):
         model_path = resolve_model_path(model_path)
-        torch.set_num_threads(generator.torch_threads)  # this process is the generator's own
+        torch.set_num_threads(cfg.generator.torch_threads)  # this process is the generator's own
         self.generator_id = generator_id
-        self.generator, self.agent, self.weight_sync = generator, agent, weight_sync
-        self.group_size = group_size
+        self.generator, self.agent, self.weight_sync = cfg.generator, cfg.agent, cfg.weight_sync
+        self.group_size = cfg.data.samples_per_prompt
         self.buffer_endpoints, self.weights_endpoint = buffer_endpoints, weights_endpoint
-        # One environment per episode: `env` (a no-argument factory) or agent.env's spec (env.py).
-        reward_fn = load_reward(reward.path, reward.name) if reward is not None else None
-        self.make_env = env or env_factory(env_spec, reward_fn)
+        # One environment per episode: `env` (a no-argument factory) or agent.env (filled in by preflight.py).
+        self.make_env = env or env_factory(cfg.agent.env, load_reward(cfg.reward.path, cfg.reward.name))
         self.tokenizer = tokenizer or load_tokenizer(model_path)
-        if engine is None:  # generator.engine picks it: transformers or sglang (engine.make_engine)
-            engine = make_engine(generator, model_path, generator_id=generator_id, seed=seed, dtype=dtype)
+        if engine is None:  # generator.engine picks it: transformers or sglang (make_engine below)
+            engine = make_engine(cfg.generator, model_path, generator_id=generator_id, seed=cfg.run.seed,
+                                 dtype=cfg.model.dtype)
         self.engine = engine
         self.request_timeout_s, self.group_timeout_s = request_timeout_s, group_timeout_s
         self.lease_retry_s = lease_retry_s
@@ -245,3 +242,20 @@ class GeneratorWorker:
         self.weight_apply_s += time.perf_counter() - started
         log.info("generator %d: applied weights version %d (%s)", self.generator_id, version, self.weight_sync.mode)
         await self._request({"op": "report", "generator_id": self.generator_id, "version": version})
+
+
+def make_engine(generator: GeneratorConfig, model_path: str, *, generator_id: int, seed: int,
+                dtype: str = "float32") -> Engine:
+    """The engine `generator.engine` names, for generator `generator_id` (imports are lazy: sglang is an
+    optional extra, and its engine launches its servers here)."""
+    if generator.engine == "transformers":
+        from nanoverl_async.generators.hf_engine import TransformersEngine
+
+        # Replicas sample differently from one config seed.
+        return TransformersEngine(model_path, generator.device, dtype, seed=seed * 10_007 + generator_id)
+    if generator.engine == "sglang":
+        from nanoverl_async.generators.sglang_engine import SGLangEngine
+
+        return SGLangEngine(model_path, generator.sglang, generator_id=generator_id, seed=seed * 10_007 + generator_id,
+                            dtype=dtype, command=list(generator.sglang.server_command) or None)
+    raise ValueError(f"generator.engine={generator.engine!r}: expected transformers or sglang")

@@ -7,8 +7,9 @@ Invariants of a `TrainBatch` (checked by `collate`):
     padding, never on token 0 (no logits predict it);
   - rows are group-contiguous (the G samples of a prompt are adjacent), which the group advantages need.
 "Logits at position i predict token i+1" is applied by `sequence_logprobs` (and, the same way, by the
-learner's entropy and critic values). `with_advantages` shapes rewards and computes the advantages on the
-whole batch; `token_budget_bounds`, `split_to` and `trimmed` cut a rank's rows into micro-batches.
+learner's entropy and critic values). `collate` leaves the advantages to `with_advantages`, which shapes
+rewards and computes them once, on the whole batch; `token_budget_bounds`, `split_to` and `trimmed` cut a
+rank's rows into micro-batches.
 
 Run alone: `python -m pytest tests/test_algorithms.py tests/test_fsdp_schedule.py -q`.
 """
@@ -23,9 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nanoverl_async.algorithms import (drgrpo_advantages, gae_advantages, grpo_advantages, kl_reward_penalty,
-                                      outcome_token_rewards, overlong_penalty, reinforce_pp_advantages,
-                                      rloo_advantages, token_logprobs)
+from nanoverl_async.algorithms import ADVANTAGES, kl_reward_penalty, overlong_penalty, token_logprobs
 from nanoverl_async.config import AlgorithmConfig, KLConfig
 from nanoverl_async.trajectory import Trajectory
 
@@ -40,7 +39,7 @@ class TrainBatch:
     behaviour_logprobs: Tensor  # float32 [N, L], log mu of sampled tokens (generator), 0 elsewhere
     versions: Tensor  # int64 [N, L], weight version that sampled each token, -1 elsewhere
     rewards: Tensor  # float32 [N]
-    advantages: Tensor  # float32 [N] (one per sequence, outcome reward) or [N, L] (token-level estimators)
+    advantages: Optional[Tensor] = None  # float32 [N] (per sequence) or [N, L] (token-level); with_advantages
     proximal_logprobs: Optional[Tensor] = None  # float32 [N, L], log p_old (learner before this step), 0 off-mask
     reference_logprobs: Optional[Tensor] = None  # float32 [N, L], log pi_ref (frozen reference), 0 off-mask; KL only
     values: Optional[Tensor] = None  # float32 [N, L], the critic's V before this step, token-indexed (gae only)
@@ -67,9 +66,9 @@ def group_size_of(trajectories: Sequence[Trajectory]) -> int:
 
 
 def collate(trajectories: Sequence[Trajectory]) -> TrainBatch:
-    """Group-contiguous trajectories -> a right-padded TrainBatch with GRPO advantages."""
+    """Group-contiguous trajectories -> a right-padded TrainBatch, without advantages (`with_advantages`)."""
     assert trajectories, "collate needs at least one trajectory"
-    group_size = group_size_of(trajectories)
+    group_size_of(trajectories)  # asserts contiguity and equal group sizes
     n, length = len(trajectories), max(len(t.token_ids) for t in trajectories)
     input_ids = np.full((n, length), PAD_TOKEN_ID, dtype=np.int64)
     attention_mask = np.zeros((n, length), dtype=np.int64)
@@ -87,42 +86,28 @@ def collate(trajectories: Sequence[Trajectory]) -> TrainBatch:
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
     return TrainBatch(input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(attention_mask),
                       loss_mask=torch.from_numpy(loss_mask), behaviour_logprobs=torch.from_numpy(behaviour),
-                      versions=torch.from_numpy(versions), rewards=rewards,
-                      advantages=grpo_advantages(rewards, group_size))
+                      versions=torch.from_numpy(versions), rewards=rewards)
 
 
 def with_advantages(batch: TrainBatch, group_size: int, algo: AlgorithmConfig, kl: KLConfig,
-                    max_length: int) -> TrainBatch:
+                    max_total_tokens: int) -> TrainBatch:
     """The batch with DAPO overlong-shaped rewards (a sequence of L tokens loses up to
-    algorithm.overlong.penalty as L enters the last algorithm.overlong.buffer tokens before `max_length`,
+    algorithm.overlong.penalty as L enters the last algorithm.overlong.buffer tokens before
     agent.max_total_tokens, where the episode is cut) and the advantages of `algo.advantage`, computed on
-    the WHOLE batch (group and batch statistics are global). The per-token KL reward penalty of
-    reinforce++ compares the proximal logprobs (or, when the update takes one step and none were
-    computed, the behaviour logprobs: the same policy up to mismatch) with the reference's."""
+    the WHOLE batch (group and batch statistics are global). The per-token KL reward penalty (kl.reward_coef,
+    reinforce++ and gae only) compares the proximal logprobs (or, when the update takes one step and none
+    were computed, the behaviour logprobs: the same policy up to mismatch) with the reference's."""
     lengths = batch.attention_mask.sum(dim=1)
-    rewards = batch.rewards + overlong_penalty(lengths, max_length, algo.overlong.buffer, algo.overlong.penalty)
-    if algo.advantage == "grpo":
-        advantages = grpo_advantages(rewards, group_size)
-    elif algo.advantage == "drgrpo":
-        advantages = drgrpo_advantages(rewards, group_size)
-    elif algo.advantage == "rloo":
-        advantages = rloo_advantages(rewards, group_size)
-    elif algo.advantage in ("reinforce++", "gae"):
-        penalty = None
-        if kl.reward_coef > 0:
-            policy = batch.proximal_logprobs if batch.proximal_logprobs is not None else batch.behaviour_logprobs
-            penalty = kl_reward_penalty(policy, batch.reference_logprobs, batch.loss_mask, kl.estimator,
-                                        kl.reward_coef)
-        if algo.advantage == "reinforce++":
-            advantages = reinforce_pp_advantages(rewards, batch.loss_mask, algo.gamma, kl_penalty=penalty)
-        else:
-            assert batch.values is not None, "gae needs the critic's values (LearnerPool.prepare)"
-            token_rewards = outcome_token_rewards(rewards, batch.loss_mask, penalty)
-            advantages, returns = gae_advantages(token_rewards, batch.values, batch.loss_mask, algo.gamma, algo.lam)
-            return dataclasses.replace(batch, rewards=rewards, advantages=advantages, returns=returns)
-    else:
-        raise ValueError(f"unknown advantage '{algo.advantage}'")
-    return dataclasses.replace(batch, rewards=rewards, advantages=advantages)
+    rewards = batch.rewards + overlong_penalty(lengths, max_total_tokens, algo.overlong.buffer,
+                                               algo.overlong.penalty)
+    penalty = None
+    if kl.reward_coef > 0:
+        policy = batch.proximal_logprobs if batch.proximal_logprobs is not None else batch.behaviour_logprobs
+        penalty = kl_reward_penalty(policy, batch.reference_logprobs, batch.loss_mask, kl.estimator, kl.reward_coef)
+    out = ADVANTAGES[algo.advantage](rewards=rewards, group_size=group_size, loss_mask=batch.loss_mask,
+                                     values=batch.values, gamma=algo.gamma, lam=algo.lam, kl_penalty=penalty)
+    advantages, returns = out if isinstance(out, tuple) else (out, None)  # gae: the critic's targets too
+    return dataclasses.replace(batch, rewards=rewards, advantages=advantages, returns=returns)
 
 
 def explained_variance(batch: TrainBatch) -> float:
@@ -162,12 +147,6 @@ def shard(batch: TrainBatch, rank: int, world_size: int) -> TrainBatch:
         f"{batch.size} sequences do not split evenly over {world_size} ranks (rank {rank})"
     per_rank = batch.size // world_size
     return slice_rows(batch, rank * per_rank, (rank + 1) * per_rank)
-
-
-def micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
-    """Consecutive row blocks of at most micro_batch_size rows (0 = the whole batch in one)."""
-    step = micro_batch_size if micro_batch_size > 0 else batch.size
-    return [slice_rows(batch, start, min(start + step, batch.size)) for start in range(0, batch.size, step)]
 
 
 def token_budget_bounds(lengths: Sequence[int], budget: int) -> list[tuple[int, int]]:

@@ -14,14 +14,14 @@ contiguous shard, in micro-batches of at most learner.micro_batch_tokens padded 
   - the models stay in eval mode (no dropout), so the logprobs of the update's forward equal the
     proximal logprobs of `compute_logprobs` on the same weights;
   - `version` counts BATCHES trained (one per training step t, however many optimizer steps it took):
-    the weights published after step t are version t + 1 (DESIGN.md "Versions");
+    the weights published after step t are version t + 1 (docs/design.md "The bound in batches");
   - every collective (`update`, `compute_logprobs`, `compute_values`, `publish_weights`,
     `save_pretrained`, `save_checkpoint`, `load_checkpoint`, `connect_sglang`) must be called on all
     ranks, in the same order.
 Weights out: by default rank 0 publishes each version's full state dict over ZeroMQ (weights.py). After
 `connect_sglang` (generator.sglang.weight_transport=nccl) rank 0 loads each version straight into the
 SGLang servers (learners/sglang_nccl.py) and publishes only a version notice (an empty state dict).
-Device: "cpu" uses gloo; "cuda" uses nccl, one GPU per rank (`local_rank`, default rank % GPUs visible).
+Device: "cpu" uses gloo; "cuda" uses nccl, one GPU per rank (rank % GPUs visible).
 
 Run alone (no Ray): `python -m pytest tests/test_fsdp.py tests/test_fsdp_schedule.py -q` spawns 1 and 2
 ranks with gloo.
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Optional
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,9 +42,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from nanoverl_async.algorithms import (aggregate, kl_estimates, kl_per_token, loss_normaliser, policy_loss,
-                                      reduce_token_metrics, token_entropy, value_loss)
-from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig, LearnerConfig, SGLangConfig
+from nanoverl_async.algorithms import (LossInputs, aggregate, kl_estimates, kl_per_token, loss_normaliser,
+                                      merge_metrics, policy_loss, reduce_token_metrics, token_entropy, value_loss)
+from nanoverl_async.config import (AlgorithmConfig, CriticConfig, KLConfig, LearnerConfig, ModelConfig,
+                                   ReferenceConfig, SGLangConfig, WireConfig)
 from nanoverl_async.learners.batch import (TrainBatch, epoch_order, sequence_logprobs, shard, split_to, take_rows,
                                            to_device, token_budget_bounds, trimmed)
 from nanoverl_async.learners.checkpoint import load_training_state, save_training_state
@@ -54,42 +55,51 @@ from nanoverl_async.weights import WeightPublisher
 PROCESS_GROUP_TIMEOUT_S = 600  # a collective that waits longer than this fails loudly instead of hanging
 
 
+@dataclass(frozen=True)
+class LearnerSetup:
+    """What every learner rank is built from: the config sections it reads, and three values from others."""
+
+    model: ModelConfig  # path: a Hugging Face directory (builtin: names resolved); dtype: compute and publish
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)  # KL's frozen policy; "" = model.path
+    critic: CriticConfig = field(default_factory=CriticConfig)  # algorithm.advantage=gae only
+    wire: WireConfig = field(default_factory=WireConfig)
+    temperature: float = 1.0  # generator.temperature: logprobs of the distribution the generators sample
+    seed: int = 0  # run.seed
+    max_total_tokens: int = 0  # agent.max_total_tokens: overlong limit, seq-mean-token-sum-norm's constant
+
+
 class LearnerRank:
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
-                 cfg: LearnerConfig, algo: AlgorithmConfig, temperature: float, seed: int, *,
-                 kl: Optional[KLConfig] = None, reference_path: str = "", critic: Optional[CriticConfig] = None,
-                 max_tokens: int = 0,
-                 dtype: str = "float32", wire_host: str = "127.0.0.1", initial_version: int = 0,
-                 local_rank: Optional[int] = None):
+    def __init__(self, setup: LearnerSetup, rank: int, master_addr: str, master_port: int):
+        cfg, world_size = setup.learner, setup.learner.world_size
         torch.set_num_threads(cfg.torch_threads)
-        torch.manual_seed(seed + rank)
-        self.rank, self.world_size, self.cfg, self.algo, self.seed = rank, world_size, cfg, algo, seed
-        self.kl = kl or KLConfig()
-        self.max_tokens = max_tokens  # seq-mean-token-sum-norm's constant (agent.max_total_tokens)
-        self.model_path, self.temperature = model_path, temperature
-        self.dtype = DTYPES[dtype]  # compute and published-weights dtype; master weights stay fp32
-        self.version = initial_version  # optimizer steps done: the weights this rank holds are this version
-        self.device = _device(cfg.device, rank, local_rank)
+        torch.manual_seed(setup.seed + rank)
+        self.setup, self.rank, self.world_size, self.cfg, self.algo = setup, rank, world_size, cfg, setup.algorithm
+        self.dtype = DTYPES[setup.model.dtype]  # compute and published-weights dtype; master weights stay fp32
+        self.version = 0  # batches trained (load_checkpoint sets it): the weights this rank holds are this version
+        self.device = _device(cfg.device, rank)
         cuda = self.device.type == "cuda"
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=rank, world_size=world_size, device_id=self.device if cuda else None,
                                 timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
         self.mesh = init_device_mesh(self.device.type, (world_size,))
-        self.model = self._sharded_model(model_path)
+        self.model = self._sharded_model(setup.model.path)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay)
         self.reference = None  # the frozen reference policy, only when KL is on
-        if self.kl.loss_coef > 0 or self.kl.reward_coef > 0:
-            self.reference = self._sharded_model(reference_path or model_path).requires_grad_(False)
+        if setup.kl.loss_coef > 0 or setup.kl.reward_coef > 0:
+            self.reference = self._sharded_model(setup.reference.path or setup.model.path).requires_grad_(False)
         self.critic = None  # the value model of advantage=gae: LM backbone + scalar head, its own optimizer
-        if algo.advantage == "gae":
-            self.critic_cfg = critic or CriticConfig()
-            torch.manual_seed(seed)  # the fresh head: the same initial values on every rank and world size
-            self.critic = self._sharded_model(self.critic_cfg.path or model_path, AutoModelForTokenClassification,
+        if self.algo.advantage == "gae":
+            critic = setup.critic
+            torch.manual_seed(setup.seed)  # the fresh head: the same initial values on every rank and world size
+            self.critic = self._sharded_model(critic.path or setup.model.path, AutoModelForTokenClassification,
                                               num_labels=1)
-            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.critic_cfg.lr,
-                                                      betas=tuple(cfg.betas), weight_decay=self.critic_cfg.weight_decay)
-        self.publisher = WeightPublisher(wire_host) if rank == 0 else None
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=critic.lr,
+                                                      betas=tuple(cfg.betas), weight_decay=critic.weight_decay)
+        self.publisher = WeightPublisher(setup.wire.host) if rank == 0 else None
         self.nccl_transport = False  # set by connect_sglang on every rank (publish_weights gathers differently)
         self.sender = None  # rank 0's SGLangWeightSender once connected
 
@@ -129,7 +139,7 @@ class LearnerRank:
         assert model is not None, "no reference model: KL is off (kl.loss_coef = kl.reward_coef = 0)"
         return self._per_token(batch, lambda mb: sequence_logprobs(
             model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits,
-            mb.input_ids, self.temperature))
+            mb.input_ids, self.setup.temperature))
 
     def compute_values(self, batch: TrainBatch) -> np.ndarray:
         """The critic's values V before this step, [rows of this rank's shard, L], token-indexed, 0 off the
@@ -157,24 +167,25 @@ class LearnerRank:
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """ppo_epochs x minibatches optimizer steps on the batch, then version += 1: ONE new version per
-        batch, however many optimizer steps (DESIGN.md "Versions"). Minibatch k is the k-th contiguous
+        batch, however many optimizer steps (docs/design.md "The bound in batches"). Minibatch k is the k-th contiguous
         block of rows of the batch in this epoch's order (`epoch_order`: shuffled when there are several
         minibatches), of which each rank trains its own shard. Without
         proximal_logprobs the update's own detached logprobs stand in for p_old, which is exact only
         with one optimizer step per batch (LearnerPool.prepare computes them otherwise). Metrics are
         reduced over ranks, then averaged over optimizer steps (`*_max` keys: max)."""
+        assert batch.advantages is not None, "the batch has no advantages (batch.with_advantages)"
         assert batch.proximal_logprobs is not None or self.steps_per_batch == 1, \
             "several optimizer steps per batch need the proximal logprobs (LearnerPool.prepare)"
         history = []
         for epoch in range(self.cfg.ppo_epochs):
             ordered = batch if self.cfg.minibatches == 1 else \
-                take_rows(batch, epoch_order(batch.size, self.seed, self.version, epoch))
+                take_rows(batch, epoch_order(batch.size, self.setup.seed, self.version, epoch))
             for k in range(self.cfg.minibatches):
                 minibatch = shard(ordered, k, self.cfg.minibatches)
                 history.append(self._optimizer_step(shard(minibatch, self.rank, self.world_size)))
         self.version += 1
-        out = {key: max(h[key] for h in history) if key.endswith("_max") else
-               sum(h[key] for h in history) / len(history) for key in history[0]}
+        steps = {key: torch.tensor([h[key] for h in history], dtype=torch.float64) for key in history[0]}
+        out = {key: float(value) for key, value in merge_metrics(steps, len(history)).items()}  # the mean or max
         out.update(tokens=int(sum(h["tokens"] for h in history) / self.cfg.ppo_epochs), version=self.version,
                    optimizer_steps=len(history))
         return out
@@ -185,7 +196,7 @@ class LearnerRank:
         token-mean), same-version tokens (mismatch_kl), and the aggregation's own normaliser."""
         sampled = local.loss_mask.bool()
         same_version = sampled & (local.versions == self.version)  # train/inference mismatch, not staleness
-        aggregation = loss_normaliser(local.loss_mask, self.algo.loss_agg, self.max_tokens)
+        aggregation = loss_normaliser(local.loss_mask, self.algo.loss_agg, self.setup.max_total_tokens)
         counts = torch.stack([sampled.sum().double(), same_version.sum().double(), aggregation]).to(self.device)
         dist.all_reduce(counts)
         tokens, same_version_tokens, aggregation = counts.clamp(min=1.0).tolist()
@@ -196,14 +207,14 @@ class LearnerRank:
         normalisers), clip, step."""
         normalisers, bounds = self._normalisers(local), self._micro_bounds(local)
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, torch.Tensor] = {}  # over micro-batches: sums, or maxima for `*_max` keys
+        parts = []  # each micro-batch's metrics
         for start, stop in bounds:
             loss, metrics = self._loss(to_device(trimmed(local, start, stop), self.device), normalisers)
             (loss * self.world_size).backward()  # FSDP2 averages gradients over ranks: undo the 1/world_size
-            _accumulate(totals, metrics)
+            parts.append(metrics)
         grad_norm = _clip_grad_norm(self.model, self.cfg.grad_clip)
         self.optimizer.step()
-        out = _reduce(totals)
+        out = _reduce(parts)
         out.update(grad_norm=grad_norm, tokens=int(normalisers["tokens"]))
         if self.critic is not None:
             out.update(self._critic_step(local, bounds, normalisers["tokens"]))
@@ -213,41 +224,37 @@ class LearnerRank:
         """One critic optimizer step on the same micro-batches: the clipped value loss (algorithms.value_loss)
         against the GAE returns, token-mean over the global sampled-token count."""
         self.critic_optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, torch.Tensor] = {}
+        parts = []
         for start, stop in bounds:
             mb = to_device(trimmed(local, start, stop), self.device)
             token_loss, metrics = value_loss(self._values(mb), mb.values, mb.returns, mb.loss_mask,
-                                             self.critic_cfg.value_clip)
+                                             self.setup.critic.value_clip)
             loss = aggregate(token_loss, mb.loss_mask, "token-mean", tokens)
             (loss * self.world_size).backward()
-            _accumulate(totals, {"value_loss": loss.detach(), **reduce_token_metrics(metrics, mb.loss_mask, tokens)})
-        grad_norm = _clip_grad_norm(self.critic, self.critic_cfg.grad_clip)
+            parts.append({"value_loss": loss.detach(), **reduce_token_metrics(metrics, mb.loss_mask, tokens)})
+        grad_norm = _clip_grad_norm(self.critic, self.setup.critic.grad_clip)
         self.critic_optimizer.step()
-        return {**_reduce(totals), "value_grad_norm": grad_norm}
+        return {**_reduce(parts), "value_grad_norm": grad_norm}
 
     def _loss(self, mb: TrainBatch, normalisers: dict[str, float]) -> tuple[torch.Tensor, dict]:
         """The loss of one micro-batch (algorithms.policy_loss: correction, policy loss, KL, entropy) and
         its metrics, every sum divided by the GLOBAL normalisers."""
+        temperature, kl, tokens = self.setup.temperature, self.setup.kl, normalisers["tokens"]
         logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-        logprobs = sequence_logprobs(logits, mb.input_ids, self.temperature)
+        logprobs = sequence_logprobs(logits, mb.input_ids, temperature)
         proximal = mb.proximal_logprobs if mb.proximal_logprobs is not None else logprobs.detach()
         mask = mb.loss_mask.bool()
         with torch.set_grad_enabled(self.algo.entropy_coef > 0):  # the [N, L, V] softmax only in the graph if used
             # logits[:, i] is the distribution that sampled token i + 1; token 0 is never in the mask
             entropy = torch.cat([logits.new_zeros(logits.shape[0], 1, dtype=torch.float32),
-                                 token_entropy(logits[:, :-1], self.temperature)], dim=1)
-        algo, tokens = self.algo, normalisers["tokens"]
-        loss, metrics = policy_loss(
-            logprobs, proximal, mb.behaviour_logprobs, mb.advantages, mb.loss_mask, algo.correction,
-            algo.clip.low, algo.clip.high, algo.is_cap, tokens, loss=algo.loss, clip_ratio_c=algo.clip.ratio_c,
-            is_low=algo.is_low, is_level=algo.is_level, aggregation=algo.loss_agg,
-            agg_normaliser=normalisers["aggregation"], ref_logprobs=mb.reference_logprobs,
-            kl_coef=self.kl.loss_coef, kl_estimator=self.kl.estimator, entropy=entropy,
-            entropy_coef=algo.entropy_coef)
+                                 token_entropy(logits[:, :-1], temperature)], dim=1)
+        inputs = LossInputs(logprobs, proximal, mb.behaviour_logprobs, mb.advantages, mb.loss_mask,
+                            mb.reference_logprobs, entropy)
+        loss, metrics = policy_loss(inputs, self.algo, kl, tokens, normalisers["aggregation"])
         with torch.no_grad():
             metrics["entropy"] = torch.where(mask, entropy, 0.0).sum() / tokens
             if mb.reference_logprobs is not None:  # KL(pi || ref), whether or not it is in the loss
-                metrics["kl"] = kl_per_token(logprobs, mb.reference_logprobs, mask, self.kl.estimator).sum() / tokens
+                metrics["kl"] = kl_per_token(logprobs, mb.reference_logprobs, mask, kl.estimator).sum() / tokens
             # train/inference mismatch alone: tokens sampled by the very weights the learner holds
             same_version = mask & (mb.versions == self.version)
             metrics["mismatch_kl"] = kl_estimates(proximal, mb.behaviour_logprobs, same_version,
@@ -305,9 +312,10 @@ class LearnerRank:
     def save_pretrained(self, path: str) -> None:
         """Collective: rank 0 writes a Hugging Face directory (config, weights, tokenizer) at `path`, and
         the critic's (advantage=gae; AutoModelForTokenClassification, one label) at `path/critic`."""
-        _save_hf(self.model, AutoModelForCausalLM, self.model_path, path, self.rank)
+        model_path = self.setup.model.path
+        _save_hf(self.model, AutoModelForCausalLM, model_path, path, self.rank)
         if self.critic is not None:
-            _save_hf(self.critic, AutoModelForTokenClassification, self.critic_cfg.path or self.model_path,
+            _save_hf(self.critic, AutoModelForTokenClassification, self.setup.critic.path or model_path,
                      f"{path}/critic", self.rank, num_labels=1)
 
     def save_checkpoint(self, path: str) -> None:
@@ -346,22 +354,13 @@ def _save_hf(module: torch.nn.Module, model_class, source: str, path: str, rank:
     dist.barrier()
 
 
-def _device(kind: str, rank: int, local_rank: Optional[int]) -> torch.device:
+def _device(kind: str, rank: int) -> torch.device:
     if kind == "cpu":
         return torch.device("cpu")
     assert kind == "cuda" and torch.cuda.is_available(), f"learner device '{kind}' is not available here"
-    index = local_rank if local_rank is not None else rank % torch.cuda.device_count()
+    index = rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
-
-
-def _accumulate(totals: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
-    """Add a micro-batch's metrics to the running totals (max for `*_max` keys)."""
-    for key, value in metrics.items():
-        if key not in totals:
-            totals[key] = value
-        else:
-            totals[key] = torch.maximum(totals[key], value) if key.endswith("_max") else totals[key] + value
 
 
 def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
@@ -370,17 +369,16 @@ def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
-def _reduce(totals: dict[str, torch.Tensor]) -> dict[str, float]:
-    """All-reduce scalar metrics over ranks: `*_max` keys with max, the others (already divided by the
-    global token count) with sum. Two collectives, whatever the number of metrics."""
-    out = {}
-    for is_max, op in ((False, dist.ReduceOp.SUM), (True, dist.ReduceOp.MAX)):
-        names = sorted(key for key in totals if key.endswith("_max") == is_max)
-        if names:
-            values = torch.stack([totals[key].detach().double() for key in names])
-            dist.all_reduce(values, op=op)
-            out.update(zip(names, values.tolist()))
-    return out
+def _reduce(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """This rank's micro-batch metrics -> those of all micro-batches of all ranks (merge_metrics: `*_max`
+    keys by max, the others, already divided by global counts, by sum), first over this rank's micro-batches
+    in the metrics' own dtype, then over ranks in float64: one collective, whatever the number of metrics."""
+    names = sorted(parts[0])
+    local = merge_metrics({key: torch.stack([part[key].detach() for part in parts]) for key in names})
+    values = torch.stack([local[key].double() for key in names])
+    gathered = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, values)
+    return {key: float(value) for key, value in merge_metrics(dict(zip(names, torch.stack(gathered, 1)))).items()}
 
 
 def _has_tokenizer(path: str) -> bool:

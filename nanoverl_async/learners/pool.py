@@ -1,9 +1,9 @@
 """LearnerPool: `learner.world_size` LearnerRank processes placed by Ray; the only Ray code of learners/.
 
 Every call goes to all ranks at once (they run collectives together) with the whole batch, put into
-Ray's object store once; each rank takes its own shard. Metrics come back already reduced over ranks,
-so rank 0's dict is the pool's. The rendezvous address is picked on rank 0's own node, so the ranks
-may live on several machines of a Ray cluster. Every wait has a timeout.
+Ray's object store once per step phase that needs it; each rank takes its own shard. Metrics come back
+already reduced over ranks, so rank 0's dict is the pool's. The rendezvous address is picked on rank 0's
+own node, so the ranks may live on several machines of a Ray cluster. Every wait has a timeout.
 
 Run alone: there is no standalone entry point; tests/test_fsdp.py and tests/test_fsdp_schedule.py cover
 LearnerRank without Ray, tests/test_cli_run.py and tests/test_configs_run.py cover this pool end to end.
@@ -14,15 +14,14 @@ from __future__ import annotations
 import dataclasses
 import socket
 import time
-from typing import Optional
 
 import numpy as np
 import ray
 import torch
 
-from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig, LearnerConfig, SGLangConfig, WireConfig
+from nanoverl_async.config import Config, SGLangConfig
 from nanoverl_async.learners.batch import TrainBatch, collate, explained_variance, group_size_of, with_advantages
-from nanoverl_async.learners.fsdp_rank import PROCESS_GROUP_TIMEOUT_S, LearnerRank
+from nanoverl_async.learners.fsdp_rank import PROCESS_GROUP_TIMEOUT_S, LearnerRank, LearnerSetup
 from nanoverl_async.learners.sglang_nccl import check_reachable
 
 TIMEOUT_S = PROCESS_GROUP_TIMEOUT_S + 60  # a rank stuck in a collective fails first, with its own error
@@ -39,28 +38,28 @@ class _DeferredRank(LearnerRank):
             probe.bind(("", 0))
             return ray.util.get_node_ip_address(), probe.getsockname()[1]
 
-    def start(self, *args, **kwargs) -> None:
-        LearnerRank.__init__(self, *args, **kwargs)
+    def start(self, setup: LearnerSetup, rank: int, master_addr: str, master_port: int) -> None:
+        LearnerRank.__init__(self, setup, rank, master_addr, master_port)
 
 
 class LearnerPool:
-    def __init__(self, cfg: LearnerConfig, algo: AlgorithmConfig, model_path: str, temperature: float, seed: int,
-                 wire: Optional[WireConfig] = None, dtype: str = "float32", initial_version: int = 0,
-                 kl: Optional[KLConfig] = None, reference_path: str = "", max_length: int = 0,
-                 critic: Optional[CriticConfig] = None):
-        self.algo, self.kl = algo, kl or KLConfig()
-        self.max_length = max_length  # agent.max_total_tokens: the overlong shaping's limit
+    def __init__(self, cfg: Config, model_path: str):
+        """The ranks of `cfg.learner`, each built from the sections of `cfg` it reads (LearnerSetup);
+        `model_path` is model.path resolved to a directory. Their weights are version 0 until
+        `load_checkpoint` restores another."""
+        self.setup = setup = LearnerSetup(
+            dataclasses.replace(cfg.model, path=model_path), cfg.learner, cfg.algorithm, cfg.kl, cfg.reference,
+            cfg.critic, cfg.wire, cfg.generator.temperature, cfg.run.seed, cfg.agent.max_total_tokens)
+        learner = cfg.learner
         # p_old must be recomputed unless the update's own forward (one optimizer step) sees the same weights
-        self.needs_proximal = cfg.ppo_epochs * cfg.minibatches > 1
-        self.needs_reference = self.kl.loss_coef > 0 or self.kl.reward_coef > 0
-        actor = ray.remote(num_cpus=0, num_gpus=cfg.gpus_per_rank if cfg.device == "cuda" else 0)(_DeferredRank)
-        self.ranks = [actor.remote() for _ in range(cfg.world_size)]
+        self.needs_proximal = learner.ppo_epochs * learner.minibatches > 1
+        self.needs_reference = cfg.kl.loss_coef > 0 or cfg.kl.reward_coef > 0
+        self.needs_values = cfg.algorithm.advantage == "gae"
+        gpus = learner.gpus_per_rank if learner.device == "cuda" else 0
+        actor = ray.remote(num_cpus=0, num_gpus=gpus)(_DeferredRank)
+        self.ranks = [actor.remote() for _ in range(learner.world_size)]
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=TIMEOUT_S)
-        wire_host = (wire or WireConfig()).host
-        ray.get([actor_rank.start.remote(rank, cfg.world_size, master_addr, master_port, model_path, cfg, algo,
-                                         temperature, seed, kl=self.kl, reference_path=reference_path, critic=critic,
-                                         max_tokens=max_length, dtype=dtype,
-                                         wire_host=wire_host, initial_version=initial_version)
+        ray.get([actor_rank.start.remote(setup, rank, master_addr, master_port)
                  for rank, actor_rank in enumerate(self.ranks)], timeout=TIMEOUT_S)
         self.weights_endpoint: str = ray.get(self.ranks[0].weights_endpoint.remote(), timeout=TIMEOUT_S)
 
@@ -77,29 +76,29 @@ class LearnerPool:
         return ray.get(refs)
 
     def prepare(self, batch) -> TrainBatch:
-        """The buffer's Batch (or a TrainBatch) -> a TrainBatch ready for `update`: overlong-shaped
-        rewards, the proximal logprobs of the current weights when the update takes several optimizer
-        steps, the reference logprobs when KL is on, the critic's values for gae (each gathered from every
-        rank's shard), and the advantages of `algorithm.advantage`. With one optimizer step per batch the update's own forward
+        """The buffer's Batch -> a TrainBatch ready for `update`: overlong-shaped rewards, the proximal
+        logprobs of the current weights when the update takes several optimizer steps, the reference
+        logprobs when KL is on, the critic's values for gae (each gathered from every rank's shard), and
+        the advantages of `algorithm.advantage`. With one optimizer step per batch the update's own forward
         runs on exactly the weights of version `step`: its detached logprobs ARE the proximal logprobs,
-        so that forward is not run twice."""
-        if isinstance(batch, TrainBatch):
-            train_batch, group_size = batch, None
-        else:
-            train_batch, group_size = collate(batch.trajectories), group_size_of(batch.trajectories)
-        shared = ray.put(train_batch)
-        if self.needs_proximal:
-            parts = self._all("compute_logprobs", shared, "policy")
-            train_batch = dataclasses.replace(train_batch, proximal_logprobs=torch.from_numpy(np.concatenate(parts)))
-        if self.needs_reference:
-            parts = self._all("compute_logprobs", shared, "reference")
-            train_batch = dataclasses.replace(train_batch, reference_logprobs=torch.from_numpy(np.concatenate(parts)))
-        if self.algo.advantage == "gae":
-            values = torch.from_numpy(np.concatenate(self._all("compute_values", shared)))
-            train_batch = dataclasses.replace(train_batch, values=values)
-        if group_size is None:
-            return train_batch  # a ready TrainBatch keeps its advantages
-        return with_advantages(train_batch, group_size, self.algo, self.kl, self.max_length)
+        so that forward is not run twice (and, with no KL and no critic, nothing runs here at all)."""
+        train_batch, group_size = collate(batch.trajectories), group_size_of(batch.trajectories)
+        gathered = {}  # TrainBatch field -> [N, L], from every rank's shard
+        if self.needs_proximal or self.needs_reference or self.needs_values:
+            shared = ray.put(train_batch)  # one copy in Ray's object store for every rank and forward
+            if self.needs_proximal:
+                gathered["proximal_logprobs"] = self._gather("compute_logprobs", shared, "policy")
+            if self.needs_reference:
+                gathered["reference_logprobs"] = self._gather("compute_logprobs", shared, "reference")
+            if self.needs_values:
+                gathered["values"] = self._gather("compute_values", shared)
+        setup = self.setup
+        return with_advantages(dataclasses.replace(train_batch, **gathered), group_size, setup.algorithm, setup.kl,
+                               setup.max_total_tokens)
+
+    def _gather(self, method: str, *args) -> torch.Tensor:
+        """Every rank's [shard rows, L] result of `method(*args)`, concatenated in rank order: [N, L]."""
+        return torch.from_numpy(np.concatenate(self._all(method, *args)))
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """learner.ppo_epochs x learner.minibatches optimizer steps on the batch, one new version;

@@ -4,12 +4,12 @@
     sender.init_group(torch.device("cuda", 0))   # servers join as ranks 1..; rank 0 is this process
     sender.send(state_dict.items(), version=7)    # pause, [begin], buckets, [end], continue
 
-Protocol (the project notes SGLANG_PROTOCOL.md section 3): `/init_weights_update_group` blocks on every server
+Protocol (docs/sglang.md "Weights over NCCL"): `/init_weights_update_group` blocks on every server
 until rank 0 joins, so those calls run on threads while this process joins the group. For each bucket
 (at most `bucket_bytes`), `/update_weights_from_distributed` with its names, dtypes (torch attribute
 names, "bfloat16") and shapes is posted on threads, then rank 0 broadcasts each tensor in the same
 order; the call returns when its broadcasts are done. Only the last bucket flushes the cache. Servers
-of 0.5.23 and later need `/begin_weight_update` .. `/end_weight_update` around it (SGLangServer decides
+of 0.5.23 and later need `/begin_weight_update` .. `/end_weight_update` around it (SGLangClient decides
 from the server's version). The servers are paused (`pause_mode`) for the whole update, so no token is
 sampled from half-updated weights; every token carries the version it was sampled with.
 
@@ -24,7 +24,6 @@ no sglang here).
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +32,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from nanoverl_async.config import SGLangConfig
-from nanoverl_async.generators.sglang_server import SGLangError, SGLangServer
+from nanoverl_async.sglang_client import SGLangClient, SGLangError, paused
 
 log = logging.getLogger(__name__)
 
@@ -79,17 +78,12 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     return group
 
 
-def server_handles(endpoints: list[dict], cfg: SGLangConfig) -> list[SGLangServer]:
-    """Handles on servers another process launched (GeneratorRole.sglang_endpoints: url, tp_size,
-    server_version, legacy_protocol): `url` makes them external (never launched or restarted from here),
-    and the version fields pick the protocol variant without asking the servers again."""
-    servers = []
-    for endpoint in endpoints:
-        server = SGLangServer("", 0, dataclasses.replace(cfg, tp_size=endpoint["tp_size"]), url=endpoint["url"],
-                              legacy_protocol=endpoint["legacy_protocol"])
-        server.server_version = endpoint["server_version"]
-        servers.append(server)
-    return servers
+def server_handles(endpoints: list[dict], cfg: SGLangConfig) -> list[SGLangClient]:
+    """Clients of servers a generator launched (GeneratorRole.sglang_endpoints: url, tp_size,
+    server_version, legacy_protocol): the version fields pick the protocol variant without asking the
+    servers again."""
+    return [SGLangClient(e["url"], cfg.control_timeout_s, tp_size=e["tp_size"], server_version=e["server_version"],
+                         legacy_protocol=e["legacy_protocol"]) for e in endpoints]
 
 
 def check_reachable(endpoints: list[dict], rank0_ip: str) -> None:
@@ -103,7 +97,7 @@ def check_reachable(endpoints: list[dict], rank0_ip: str) -> None:
 
 
 class SGLangWeightSender:
-    def __init__(self, servers: list[SGLangServer], master_address: str, master_port: int, *,
+    def __init__(self, servers: list[SGLangClient], master_address: str, master_port: int, *,
                  group_name: str = "weight_update_group", bucket_bytes: int = 512 << 20, pause_mode: str = "abort",
                  timeout_s: float = 300.0, broadcast: Optional[Callable[[torch.Tensor], None]] = None):
         self.servers, self.master_address, self.master_port = servers, master_address, master_port
@@ -122,8 +116,8 @@ class SGLangWeightSender:
         is cuda, gloo otherwise (default: cpu)."""
         self.device = device if device is not None else torch.device("cpu")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        world_size = 1 + sum(server.cfg.tp_size for server in self.servers)
-        offsets = [1 + sum(s.cfg.tp_size for s in self.servers[:i]) for i in range(len(self.servers))]
+        world_size = 1 + sum(server.tp_size for server in self.servers)
+        offsets = [1 + sum(s.tp_size for s in self.servers[:i]) for i in range(len(self.servers))]
         bodies = [{"master_address": self.master_address, "master_port": self.master_port, "rank_offset": offset,
                    "world_size": world_size, "group_name": self.group_name, "backend": backend} for offset in offsets]
         pending = self._on_all("/init_weights_update_group", bodies)
@@ -144,9 +138,7 @@ class SGLangWeightSender:
         if self.group is None and self.broadcast is None:
             raise SGLangError("SGLangWeightSender.send before init_group")
         parts = buckets(list(named_tensors), self.bucket_bytes)
-        try:
-            for server in self.servers:
-                server.pause(self.pause_mode)
+        with paused(self.servers, self.pause_mode):
             for server in self.servers:
                 server.begin_update()
             for index, bucket in enumerate(parts):
@@ -161,10 +153,6 @@ class SGLangWeightSender:
                     future.result(self.timeout_s)
             for server in self.servers:
                 server.end_update()
-                server.version = version
-        finally:
-            for server in self.servers:
-                server.resume()
 
     def close(self) -> None:
         """Leave the group. The servers may be gone already (generators stop first at shutdown): a failed

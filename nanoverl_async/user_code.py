@@ -1,0 +1,72 @@
+"""User code by name: the one place that turns a config string into a Python object.
+
+    load_object("builtin:multiply", "agent.env")        # a built-in, per config key
+    load_object("my_pkg.envs:Calculator")                # an importable module
+    load_object("path/to/my_env.py:Calculator")          # a file; its folder is importable, as for a script
+
+Why one resolver: config keys name environments, prompt functions and reward functions the same way,
+and each role loads them in its own process; `absolute_spec` makes a file path survive a change of
+working directory. Nothing here runs at import time: user code runs only when a spec is loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Any
+
+BUILTINS = {  # config key -> built-in name -> the object it stands for
+    "agent.env": {"builtin:multiply": "nanoverl_async.multiply_task:MultiplyEnv",
+                  "builtin:chat": "nanoverl_async.env:Environment"},
+    "data.task": {"builtin:multiply": "nanoverl_async.multiply_task:make_prompt"},
+}
+
+
+def load_object(spec: str, key: str = "") -> Any:
+    """`builtin:NAME` (a built-in of config key `key`), `package.module:Name` or `path/to/file.py:Name`
+    -> the object; a ValueError names what is wrong."""
+    builtins = BUILTINS.get(key, {})
+    if spec.startswith("builtin:") and spec not in builtins:
+        raise ValueError(f"'{spec}' is not a built-in {key or 'object'}; the built-ins are "
+                         f"{', '.join(builtins) or 'none'}")
+    spec = builtins.get(spec, spec)
+    if ":" not in spec:
+        raise ValueError(f"'{spec}' is not of the form package.module:Name or path/to/file.py:Name")
+    where, name = spec.rsplit(":", 1)
+    module = _load_file(where, spec) if where.endswith(".py") else importlib.import_module(where)
+    if not hasattr(module, name):
+        raise ValueError(f"'{spec}': {where} has no attribute '{name}'")
+    return getattr(module, name)
+
+
+def _load_file(where: str, spec: str):
+    path = Path(where).resolve()
+    if not path.is_file():
+        raise ValueError(f"'{spec}': file {where} does not exist")
+    module_name = f"nanoverl_user_{path.stem}_{abs(hash(str(path))) % 10**8}"
+    if module_name not in sys.modules:
+        if str(path.parent) not in sys.path:  # modules beside the file import, as they do for a script
+            sys.path.append(str(path.parent))
+        loader_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[module_name] = module  # dataclasses and pickling look modules up by name
+        try:
+            loader_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
+    return sys.modules[module_name]
+
+
+def absolute_spec(spec: str) -> str:
+    """`path/to/file.py[:Name]` made absolute, so other processes find it whatever their cwd."""
+    where, sep, name = spec.partition(":") if ".py" in spec else (spec, "", "")
+    return f"{Path(where).resolve()}{sep}{name}" if where.endswith(".py") else spec
+
+
+async def maybe_await(value: Any) -> Any:
+    """Lets user hooks be sync or async."""
+    return await value if inspect.isawaitable(value) else value

@@ -1,0 +1,58 @@
+"""The package's import graph: no cycles (lazy imports inside functions count too), and the value checker
+stays pure (it reaches nothing that opens a socket or runs user code). Static: reads the source only."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "nanoverl_async"
+SOCKETS_OR_USER_CODE = {"zmq", "ray", "httpx", "nanoverl_async.user_code", "nanoverl_async.env",
+                        "nanoverl_async.rewards", "nanoverl_async.buffer.service", "nanoverl_async.checkpoint"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> every module or top-level library it imports, anywhere in its source."""
+    graph = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        names, tree = set(), ast.parse(path.read_text())
+        type_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                     and getattr(block.test, "id", "") == "TYPE_CHECKING" for n in ast.walk(block)}
+        for node in ast.walk(tree):
+            if id(node) in type_only:  # `if TYPE_CHECKING:` imports never run
+                continue
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        graph[module_name(path)] = names
+    modules = set(graph)
+    return {me: {n if n in modules else n.split(".")[0] for n in names if n != me and not me.startswith(n + ".")}
+            for me, names in graph.items()}
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for name in graph.get(todo.pop(), ()):
+            if name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return seen
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    cycles = sorted(m for m in graph if m in reachable(graph, m) and m != "nanoverl_async")
+    assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+def test_the_value_checker_opens_no_socket_and_runs_no_user_code():
+    graph = import_graph()
+    reached = reachable(graph, "nanoverl_async.validation")
+    assert not reached & SOCKETS_OR_USER_CODE, sorted(reached & SOCKETS_OR_USER_CODE)
+    assert "nanoverl_async.validation" in reachable(graph, "nanoverl_async.config")  # the graph is real
