@@ -1,16 +1,21 @@
-"""TransformersEngine: batched decoding with our own KV cache, checked against a full forward pass.
+"""TransformersEngine: continuous batching with our own forward and slot KV cache, checked against a
+full forward pass.
 
-Fast CPU tests on a tiny random Qwen2 (hidden 64, 2 layers): logprobs of concurrent requests of
-different lengths equal those of a recomputed forward pass, stop tokens and max_new_tokens hold, and
-an interrupt-mode weight swap re-tags later tokens with the new version and samples them from the new
-weights.
+Fast CPU tests on tiny random models (hidden 64, 2 layers): logprobs of concurrent requests of
+different lengths, and of requests that join a running batch at different steps (rows leaving and
+moving slots, the cache growing), equal those of a recomputed unpadded forward pass; a late request
+finishes while a long one still decodes; stop tokens and max_new_tokens hold; an interrupt-mode weight
+swap re-tags later tokens with the new version and samples them from the new weights; the Llama family
+(Llama untied without bias, Qwen2 with qkv bias, Qwen3 q/k norms, Mistral sliding window) matches HF;
+lengths are not capped at max_position_embeddings; other model types and rope types are refused.
 """
 
 import asyncio
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
@@ -69,7 +74,7 @@ def test_stop_tokens_and_late_requests(model_dir):
     stops = tuple(range(0, VOCAB, 3))  # a third of the vocabulary: rows stop after a few tokens
 
     async def late():
-        while engine.decode_steps < 2:  # arrives while the first batch is decoding: joins the next one
+        while engine.decode_steps < 2:  # arrives while the others decode: joins them
             await asyncio.sleep(0)
         assert engine.in_flight() > 0
         return await engine.generate([30, 31], SamplingParams(5, 1.3))
@@ -149,3 +154,139 @@ def test_a_failing_batch_fails_its_callers(model_dir):
     with pytest.raises(IndexError):
         asyncio.run(main())
     assert asyncio.run(asyncio.wait_for(engine.generate([1], SamplingParams(2)), 10)).finish_reason == "length"
+
+
+def staggered(engine: TransformersEngine, requests: list[tuple[int, list[int], int]], temperature: float = 0.9,
+              swap=None):
+    """Run `requests` (arrival step, prompt, max_new_tokens), each sent once engine.decode_steps reaches
+    its arrival step; `swap` = (step, state_dict, version) stages weights at that step."""
+
+    async def one(at, prompt, limit):
+        while engine.decode_steps < at:
+            await asyncio.sleep(0)
+        return await engine.generate(prompt, SamplingParams(limit, temperature))
+
+    async def stage(at, state_dict, version):
+        while engine.decode_steps < at:
+            await asyncio.sleep(0)
+        engine.stage_weights(state_dict, version)
+
+    async def main():
+        swapping = [stage(*swap)] if swap else []
+        return (await asyncio.gather(*(one(*r) for r in requests), *swapping))[: len(requests)]
+
+    return asyncio.run(main())
+
+
+def test_a_late_request_finishes_while_a_long_one_decodes(model_dir):
+    engine = TransformersEngine(model_dir, seed=4)
+    reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+
+    async def main():
+        long = asyncio.ensure_future(engine.generate([7, 8, 9], SamplingParams(60, 1.0)))
+        while engine.decode_steps < 3:
+            await asyncio.sleep(0)
+        short = await engine.generate([30, 31], SamplingParams(5, 1.0))
+        finished_at = engine.decode_steps
+        assert not long.done() and engine.in_flight() == 1  # joined the running row, did not wait for it
+        return short, await long, finished_at
+
+    short, long, finished_at = asyncio.run(main())
+    assert finished_at <= 3 + 5 + 1  # its prefill and four decode steps, shared with the long row
+    assert len(short.token_ids) == 5 and len(long.token_ids) == 60
+    assert engine.decode_steps == 60 + 1  # the long row's 60 forwards plus the short row's own prefill
+    for prompt, completion in (([30, 31], short), ([7, 8, 9], long)):
+        assert completion.logprobs == pytest.approx(reference_logprobs(reference, prompt, completion.token_ids, 1.0),
+                                                    abs=TOL)
+
+
+# (arrival step, prompt, max_new_tokens): 12 rows outgrow the first 8 slots, the longest row its first 64
+# positions; rows finish out of order, so running rows move slots while others keep decoding.
+STAGGERED = [(0, [5, 6, 7, 8, 9, 10, 11], 30), (0, [3], 4), (2, list(range(20, 60)), 35), (2, [40, 41], 3),
+             (5, [1, 2], 12), (5, [9] * 9, 7), (6, [12, 13, 14], 20), (6, [50], 2), (9, list(range(60, 90)), 9),
+             (9, [4, 4], 25), (9, [70, 71, 72], 6), (11, [33] * 5, 15)]
+
+
+def test_rows_joining_at_different_steps_match_a_full_forward(model_dir):
+    engine = TransformersEngine(model_dir, seed=5)
+    reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+    completions = staggered(engine, STAGGERED)
+    assert engine._kv.shape[2] >= 12 and engine._kv.shape[4] > 64  # the cache grew while rows were running
+    for (_, prompt, limit), completion in zip(STAGGERED, completions):
+        assert len(completion.token_ids) == limit and completion.finish_reason == "length"
+        expected = reference_logprobs(reference, prompt, completion.token_ids, 0.9)
+        assert completion.logprobs == pytest.approx(expected, abs=TOL)
+    assert engine.in_flight() == 0 and engine.tokens_generated == sum(limit for *_, limit in STAGGERED)
+
+
+def test_swap_mid_decode_recomputes_every_running_row(model_dir):
+    engine = TransformersEngine(model_dir, seed=6)
+    old = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+    new = tiny_qwen2(seed=2)
+    state_dict = {k: v for k, v in new.state_dict().items() if k != "lm_head.weight"}
+    completions = staggered(engine, STAGGERED, swap=(8, state_dict, 1))
+    assert engine.version == 1 and engine.weight_swaps == 1
+    swapped_mid_row = 0
+    for (_, prompt, _), completion in zip(STAGGERED, completions):
+        cut = completion.versions.count(0)
+        assert completion.versions == [0] * cut + [1] * (len(completion.versions) - cut)
+        swapped_mid_row += 0 < cut < len(completion.versions)
+        before = reference_logprobs(old, prompt, completion.token_ids, 0.9)[:cut]
+        after = reference_logprobs(new, prompt, completion.token_ids, 0.9)[cut:]
+        assert completion.logprobs == pytest.approx(before + after, abs=TOL)
+    assert swapped_mid_row >= 4
+
+
+def test_lengths_are_not_capped_at_max_position_embeddings(model_dir):
+    """As before the slot cache (HF's positions extrapolate): prompt + max_new_tokens past the model's 256."""
+    engine = TransformersEngine(model_dir, seed=8)
+    reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+    prompt = [1 + i % (VOCAB - 1) for i in range(250)]
+    completion = asyncio.run(engine.generate(prompt, SamplingParams(12, 1.0)))
+    assert len(completion.token_ids) == 12 and engine._kv.shape[4] > 256
+    assert completion.logprobs == pytest.approx(reference_logprobs(reference, prompt, completion.token_ids, 1.0),
+                                                abs=TOL)
+
+
+def randomized(model):
+    """HF initializes norms to 1 and biases to 0, which would hide a forward that skips them."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                parameter.add_(torch.randn_like(parameter) * 0.3)
+    return model.eval()
+
+
+SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+FAMILY = {
+    "llama-untied-no-bias": (LlamaForCausalLM, LlamaConfig(**SIZES, tie_word_embeddings=False)),
+    "qwen2-qkv-bias": (Qwen2ForCausalLM, Qwen2Config(**SIZES, tie_word_embeddings=True)),
+    "qwen3-qk-norm": (Qwen3ForCausalLM, Qwen3Config(**SIZES, head_dim=24)),
+    "mistral-sliding-window": (MistralForCausalLM, MistralConfig(**SIZES, sliding_window=6)),
+}
+
+
+@pytest.mark.parametrize("name", FAMILY)
+def test_llama_family_matches_hf(name, tmp_path):
+    cls, config = FAMILY[name]
+    torch.manual_seed(0)
+    randomized(cls(config)).save_pretrained(tmp_path)
+    engine = TransformersEngine(str(tmp_path), seed=7)
+    reference = cls.from_pretrained(tmp_path).eval()
+    if name.startswith("llama"):
+        assert engine.model.lm_head.weight.data_ptr() != engine.model.model.embed_tokens.weight.data_ptr()
+    requests = STAGGERED[:6]
+    for (_, prompt, _), completion in zip(requests, staggered(engine, requests)):
+        expected = reference_logprobs(reference, prompt, completion.token_ids, 0.9)
+        assert completion.logprobs == pytest.approx(expected, abs=TOL)
+
+
+def test_unsupported_models_are_refused_in_one_line(tmp_path):
+    GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match=r"model.path=.*gpt2.*model_type 'gpt2'"):
+        TransformersEngine(str(tmp_path / "gpt2"))
+    dynamic = LlamaConfig(**SIZES, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    LlamaForCausalLM(dynamic).save_pretrained(tmp_path / "dynamic")
+    with pytest.raises(ValueError, match=r"config.rope_parameters=.*dynamic"):
+        TransformersEngine(str(tmp_path / "dynamic"))
