@@ -27,12 +27,12 @@ import ray
 
 from nanoverl_async import checkpoint
 from nanoverl_async.buffer.service import BufferService
-from nanoverl_async.config import Config, RayConfig, to_dict, to_yaml
+from nanoverl_async.config import Config, ConfigError, RayConfig, to_dict, to_yaml
 from nanoverl_async.data import load_samples, prompt_source
 from nanoverl_async.generators.worker import GeneratorWorker
 from nanoverl_async.learners.pool import LearnerPool
 from nanoverl_async.metrics import MetricsLogger, step_metrics
-from nanoverl_async.models import resolve_model_path
+from nanoverl_async.models import load_tokenizer, resolve_model_path
 from nanoverl_async.preflight import prepare
 
 
@@ -43,10 +43,14 @@ class RunFailed(RuntimeError):
 def launch(cfg: Config) -> Path:
     """Run one training job; returns the output directory (metrics.jsonl, final/)."""
     cfg = prepare(cfg)  # files, user code and run.resume checked; user paths made absolute
+    model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    try:
+        load_tokenizer(model_path)  # a tokenizer that drops whitespace fails here in one line, not in each role
+    except ValueError as error:
+        raise ConfigError(f"config key 'model.path': {error}") from None
     output_dir = Path(cfg.run.output_dir)
     resume_from = checkpoint.open_output_dir(cfg)  # None: a fresh run (into an empty or overwritten dir)
     (output_dir / "config.yaml").write_text(to_yaml(cfg))
-    model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     start = checkpoint.read_meta(resume_from)["step"] if resume_from else 0
     if resume_from:
         warn_config_changes(cfg, resume_from)
