@@ -8,13 +8,12 @@ It imports no other module of the package but the algorithms' name tables, so co
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nanoverl_async.algorithms import (ADVANTAGES, AGGREGATIONS, CORRECTIONS, IS_LEVELS, KL_ESTIMATORS,
                                        POLICY_LOSSES)
 
-if TYPE_CHECKING:
-    from nanoverl_async.config import Config
+# `Config` in the annotations below is config.py's, not imported: config.py imports this module.
 
 
 class ConfigError(ValueError):

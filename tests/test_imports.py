@@ -18,12 +18,8 @@ def import_graph() -> dict[str, set[str]]:
     """module -> every module or top-level library it imports, anywhere in its source."""
     graph = {}
     for path in sorted(PACKAGE.rglob("*.py")):
-        names, tree = set(), ast.parse(path.read_text())
-        type_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                     and getattr(block.test, "id", "") == "TYPE_CHECKING" for n in ast.walk(block)}
-        for node in ast.walk(tree):
-            if id(node) in type_only:  # `if TYPE_CHECKING:` imports never run
-                continue
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):  # `if TYPE_CHECKING:` imports count too
             if isinstance(node, ast.Import):
                 names.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

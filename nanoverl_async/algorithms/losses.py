@@ -18,7 +18,7 @@ clip_ratio_c (`**_` takes the rest). `policy_loss` alone reads config sections (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -27,8 +27,8 @@ from nanoverl_async.algorithms.corrections import CORRECTIONS
 from nanoverl_async.algorithms.kl import LOG_RATIO_CLAMP, entropy_bonus, kl_per_token
 from nanoverl_async.algorithms.registry import register
 
-if TYPE_CHECKING:  # annotations only: config.py imports the registries (through validation), not the reverse
-    from nanoverl_async.config import AlgorithmConfig, KLConfig
+# AlgorithmConfig and KLConfig below are config.py's, named in (postponed) annotations only, never imported:
+# config.py reaches these tables through validation.py, so importing it here would close a cycle.
 
 POLICY_LOSSES: dict[str, Callable] = {}  # name -> fn(...) -> (token_loss [N, T], per-token metrics)
 AGGREGATIONS: dict[str, Callable] = {}  # name -> fn(masked loss, mask, max_tokens) -> (local sum, normaliser share)
