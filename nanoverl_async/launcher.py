@@ -71,7 +71,7 @@ def launch(cfg: Config) -> Path:
 
 
 def train(cfg: Config, roles: "Roles", logger: MetricsLogger, start: int = 0) -> None:
-    """The RL dataflow (docs/design.md "Processes and data flow"), with generation running ahead in the background."""
+    """The RL dataflow (docs/design.md "Processes and data flow"), generation running ahead in the background."""
     samples_trained = start * cfg.data.prompts_per_step * cfg.data.samples_per_prompt  # every batch is B x G
     last_step_end = time.monotonic()
     for step in range(start, cfg.run.total_steps):
@@ -117,7 +117,8 @@ def warn_config_changes(cfg: Config, resume_from: Path) -> None:
 
 class Roles:
     """The placed processes: one buffer, `generator.replicas` generators, `learner.world_size` ranks,
-    each built from `cfg` as preflight.prepare returned it (agent.env filled in, user paths absolute). With `resume_from` (a checkpoint of step `start`), buffer and learners restore it before any
+    each built from `cfg` as preflight.prepare returned it (agent.env filled in, user paths absolute).
+    With `resume_from` (a checkpoint of step `start`), buffer and learners restore it before any
     generator exists, and the restored weights are published before the constructor returns."""
 
     def __init__(self, cfg: Config, model_path: str, resume_from: Optional[Path] = None, start: int = 0):
