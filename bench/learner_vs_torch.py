@@ -3,8 +3,9 @@
     python bench/learner_vs_torch.py [--threads 2] [--repeats 2] [--updates 5] [--device cpu]
 
 The batch is shaped like the default job's (configs/agent_grpo.yaml): 16 groups x 8 episodes of the
-built-in `A*B?` task, a prompt of 10 tokens, a sampled call, a 5-token tool result and a sampled answer,
-lengths varying per row. The bare loop is what a user would write by hand: the Hugging Face model in
+built-in `A*B?` task, lengths as measured in its runs: a prompt of 10 tokens, then a sampled answer (40%
+of rows), a sampled call, a 5-token tool result and an answer (52%), or three turns of calls (8%, up to
+~70 tokens), so that, as in the job, a few long rows set the padded width. The bare loop is what a user would write by hand: the Hugging Face model in
 fp32, AdamW, one forward over the padded batch, token logprobs, the PPO clipped loss against the
 behaviour logprobs (token mean), backward, gradient clipping, step. `LearnerRank` runs the project's
 default algorithm on the same rows (world size 1). Interleaved A, B, B, A; trained tokens/s as ranges.
@@ -37,9 +38,10 @@ def default_job_batch(vocab: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     trajectories = []
     for i in range(GROUPS * GROUP_SIZE):
-        call, answer = int(rng.integers(5, 10)), int(rng.integers(3, 7))
-        mask = [0] * 10 + [1] * call + [0] * 5 + [1] * answer
-        mask = np.array(mask if rng.random() < 0.6 else [0] * 10 + [1] * answer, np.uint8)  # 40%: no tool call
+        call, answer, shape = int(rng.integers(5, 10)), int(rng.integers(3, 7)), rng.random()
+        turns = 0 if shape < 0.4 else 1 if shape < 0.92 else 3  # tool calls; 8% use every turn (16-token turns)
+        mask = [0] * 10 + ([1] * call + [0] * 5) * min(turns, 1) + ([1] * 16 + [0] * 5) * max(turns - 1, 0)
+        mask = np.array(mask + [1] * answer, np.uint8)
         trajectories.append(Trajectory(
             id=str(i), group_id=i // GROUP_SIZE, prompt_index=i // GROUP_SIZE, sample_index=i % GROUP_SIZE,
             token_ids=rng.integers(10, vocab, len(mask)).astype(np.int32), loss_mask=mask,

@@ -201,3 +201,60 @@ def sequence_logprobs(logits: Tensor, input_ids: Tensor, temperature: float) -> 
     (token 0 is never predicted and is never in the loss mask). Differentiable w.r.t. logits."""
     predicted = token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
     return torch.cat([predicted.new_zeros(predicted.shape[0], 1), predicted], dim=1)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """A micro-batch's right-padded sequences [n, l] laid out for the model as packed rows [r, c]: several
+    sequences per row, each with position ids 0, 1, ... (where they restart, transformers' causal mask
+    starts a new block, so no sequence attends to another), and no attention mask (right padding needs
+    none under a causal mask). Padding then costs only each row's unfilled tail, not every row's gap to
+    the longest sequence (verl's remove-padding, TRL's padding-free training)."""
+
+    input_ids: Tensor  # int64 [r, c]
+    position_ids: Tensor  # int64 [r, c]
+    index: Tensor  # int64 [tokens]: flat position in [r * c] of each real token of [n, l], row-major
+    attention_mask: Tensor  # [n, l], the micro-batch's
+
+    def unpack(self, token_indexed: Tensor) -> Tensor:
+        """A token-indexed quantity on the packed layout [r, c] -> [n, l], 0 on padding and on token 0
+        (at the start of a packed sequence it was computed from the previous sequence's last logits)."""
+        mask = self.attention_mask.bool()
+        out = token_indexed.new_zeros(mask.shape)
+        out[mask] = token_indexed.reshape(-1)[self.index]
+        out[:, 0] = 0
+        return out
+
+
+def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True) -> Packing:
+    """Pack sequences first-fit decreasing into rows as long as the longest one (so a row's attention
+    never costs more than in the padded layout); several_per_row=False keeps one sequence per row (the
+    padded layout itself, for a model whose attention ignores restarting position ids)."""
+    lengths = attention_mask.sum(dim=1).tolist()
+    capacity = max(1, max(lengths, default=1))
+    rows: list[list[int]] = []  # sequence numbers per packed row
+    room: list[int] = []
+    for sequence in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, free in enumerate(room) if several_per_row and free >= lengths[sequence]), None)
+        if row is None:
+            rows.append([])
+            room.append(capacity)
+            row = len(rows) - 1
+        rows[row].append(sequence)
+        room[row] -= lengths[sequence]
+    packed_ids = torch.full((len(rows), capacity), PAD_TOKEN_ID, dtype=input_ids.dtype)
+    positions = torch.zeros((len(rows), capacity), dtype=torch.long)
+    starts = [0] * len(lengths)  # flat start of each sequence in [r * c]
+    for r, members in enumerate(rows):
+        offset = 0
+        for sequence in members:
+            size = lengths[sequence]
+            packed_ids[r, offset:offset + size] = input_ids[sequence, :size]
+            positions[r, offset:offset + size] = torch.arange(size)
+            starts[sequence] = r * capacity + offset
+            offset += size
+        positions[r, offset:] = torch.arange(capacity - offset)  # the tail: a block of its own, discarded
+    index = torch.cat([torch.arange(starts[s], starts[s] + lengths[s]) for s in range(len(lengths))]) \
+        if lengths else torch.zeros(0, dtype=torch.long)
+    return Packing(packed_ids.to(input_ids.device), positions.to(input_ids.device), index.to(input_ids.device),
+                   attention_mask)

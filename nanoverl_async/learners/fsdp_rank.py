@@ -3,7 +3,9 @@ optionally a frozen reference (KL) and a critic (advantage=gae) sharded the same
 
 Every rank receives the WHOLE TrainBatch. `update` runs learner.ppo_epochs x learner.minibatches optimizer
 steps: minibatch k is the k-th contiguous block of the batch's rows, of which each rank trains its own
-contiguous shard, in micro-batches of at most learner.micro_batch_tokens padded tokens. Invariants:
+contiguous shard, in micro-batches of at most learner.micro_batch_tokens padded tokens, each run with its
+sequences packed several to a row (batch.pack; one per row for a model whose attention would mix them).
+Invariants:
   - every loss and metric is a sum over this rank's micro-batch divided by a GLOBAL normaliser (counts
     of the whole minibatch, all-reduced over ranks), and FSDP2 averages gradients over ranks, so each
     rank backpropagates world_size * loss: the accumulated gradient is then exactly that of one pass
@@ -30,6 +32,7 @@ ranks with gloo.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -46,11 +49,13 @@ from nanoverl_async.algorithms import (LossInputs, aggregate, kl_estimates, kl_p
                                       merge_metrics, policy_loss, reduce_token_metrics, token_entropy, value_loss)
 from nanoverl_async.config import (AlgorithmConfig, CriticConfig, KLConfig, LearnerConfig, ModelConfig,
                                    ReferenceConfig, SGLangConfig, WireConfig)
-from nanoverl_async.learners.batch import (TrainBatch, epoch_order, sequence_logprobs, shard, split_to, take_rows,
-                                           to_device, token_budget_bounds, trimmed)
+from nanoverl_async.learners.batch import (Packing, TrainBatch, epoch_order, pack, sequence_logprobs, shard, split_to,
+                                           take_rows, to_device, token_budget_bounds, trimmed)
 from nanoverl_async.learners.checkpoint import load_training_state, save_training_state
 from nanoverl_async.models import DTYPES, load_tokenizer
 from nanoverl_async.weights import WeightPublisher
+
+log = logging.getLogger(__name__)
 
 PROCESS_GROUP_TIMEOUT_S = 600  # a collective that waits longer than this fails loudly instead of hanging
 
@@ -99,6 +104,12 @@ class LearnerRank:
                                               num_labels=1)
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=critic.lr,
                                                       betas=tuple(cfg.betas), weight_decay=critic.weight_decay)
+        # after the optimizers, which must get the sharded parameters: FSDP2 leaves the root unsharded after a
+        # forward (the probe reshards it)
+        self.packs = _keeps_packed_sequences_apart(self.model, self.device)  # else one sequence per row
+        if not self.packs:
+            log.warning("%s mixes packed sequences in attention: the learner pads one sequence per row (slower)",
+                        setup.model.path)
         self.publisher = WeightPublisher(setup.wire.host) if rank == 0 else None
         self.nccl_transport = False  # set by connect_sglang on every rank (publish_weights gathers differently)
         self.sender = None  # rank 0's SGLangWeightSender once connected
@@ -137,9 +148,17 @@ class LearnerRank:
         (version `self.version`); under "reference", those of the frozen reference model."""
         model = {"policy": self.model, "reference": self.reference}[which]
         assert model is not None, "no reference model: KL is off (kl.loss_coef = kl.reward_coef = 0)"
-        return self._per_token(batch, lambda mb: sequence_logprobs(
-            model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits,
-            mb.input_ids, self.setup.temperature))
+
+        def logprobs(mb: TrainBatch) -> torch.Tensor:
+            logits, packing = self._forward(model, mb)
+            return packing.unpack(sequence_logprobs(logits, packing.input_ids, self.setup.temperature))
+        return self._per_token(batch, logprobs)
+
+    def _forward(self, model: torch.nn.Module, mb: TrainBatch) -> tuple[torch.Tensor, Packing]:
+        """The model's output (logits, or the critic's scores) on the micro-batch's sequences packed into
+        rows (batch.pack), and the packing that maps token-indexed results back to the micro-batch's [n, l]."""
+        packing = pack(mb.input_ids, mb.attention_mask, self.packs)
+        return model(input_ids=packing.input_ids, position_ids=packing.position_ids, use_cache=False).logits, packing
 
     def compute_values(self, batch: TrainBatch) -> np.ndarray:
         """The critic's values V before this step, [rows of this rank's shard, L], token-indexed, 0 off the
@@ -161,9 +180,9 @@ class LearnerRank:
     def _values(self, mb: TrainBatch) -> torch.Tensor:
         """Token-indexed V [n, l]: the head's output at position j - 1, the state in which token j is
         sampled (the same shift as sequence_logprobs); 0 at j = 0."""
-        scores = self.critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        scores, packing = self._forward(self.critic, mb)
         scores = scores[..., 0].float()
-        return torch.cat([scores.new_zeros(scores.shape[0], 1), scores[:, :-1]], dim=1)
+        return packing.unpack(torch.cat([scores.new_zeros(scores.shape[0], 1), scores[:, :-1]], dim=1))
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """ppo_epochs x minibatches optimizer steps on the batch, then version += 1: ONE new version per
@@ -240,14 +259,14 @@ class LearnerRank:
         """The loss of one micro-batch (algorithms.policy_loss: correction, policy loss, KL, entropy) and
         its metrics, every sum divided by the GLOBAL normalisers."""
         temperature, kl, tokens = self.setup.temperature, self.setup.kl, normalisers["tokens"]
-        logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-        logprobs = sequence_logprobs(logits, mb.input_ids, temperature)
+        logits, packing = self._forward(self.model, mb)
+        logprobs = packing.unpack(sequence_logprobs(logits, packing.input_ids, temperature))
         proximal = mb.proximal_logprobs if mb.proximal_logprobs is not None else logprobs.detach()
         mask = mb.loss_mask.bool()
         with torch.set_grad_enabled(self.algo.entropy_coef > 0):  # the [N, L, V] softmax only in the graph if used
             # logits[:, i] is the distribution that sampled token i + 1; token 0 is never in the mask
-            entropy = torch.cat([logits.new_zeros(logits.shape[0], 1, dtype=torch.float32),
-                                 token_entropy(logits[:, :-1], temperature)], dim=1)
+            entropy = packing.unpack(torch.cat([logits.new_zeros(logits.shape[0], 1, dtype=torch.float32),
+                                                token_entropy(logits[:, :-1], temperature)], dim=1))
         inputs = LossInputs(logprobs, proximal, mb.behaviour_logprobs, mb.advantages, mb.loss_mask,
                             mb.reference_logprobs, entropy)
         loss, metrics = policy_loss(inputs, self.algo, kl, tokens, normalisers["aggregation"])
@@ -352,6 +371,20 @@ def _save_hf(module: torch.nn.Module, model_class, source: str, path: str, rank:
         if _has_tokenizer(source):
             load_tokenizer(source).save_pretrained(path)
     dist.barrier()
+
+
+@torch.no_grad()
+def _keeps_packed_sequences_apart(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether `model` keeps sequences packed in one row apart (batch.pack): the logits of a sequence
+    packed after another must not change when the other's tokens do. Collective (a forward on every rank)."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    first, second = (torch.randint(vocab, (1, size), generator=generator) for size in (5, 7))
+    positions = torch.cat([torch.arange(5), torch.arange(7)])[None].to(device)
+    outputs = [model(input_ids=torch.cat([head, second], dim=1).to(device), position_ids=positions,
+                     use_cache=False).logits[:, 5:].float() for head in (first, (first + 1) % vocab)]
+    model.reshard()
+    return torch.allclose(outputs[0], outputs[1], rtol=1e-4, atol=1e-6)
 
 
 def _device(kind: str, rank: int) -> torch.device:
