@@ -119,7 +119,7 @@ class Roles:
     """The placed processes: one buffer, `generator.replicas` generators, `learner.world_size` ranks,
     each built from `cfg` as preflight.prepare returned it (agent.env filled in, user paths absolute).
     With `resume_from` (a checkpoint of step `start`), buffer and learners restore it before any
-    generator exists, and the restored weights are published before the constructor returns."""
+    generator connects, and the restored weights are published before the constructor returns."""
 
     def __init__(self, cfg: Config, model_path: str, resume_from: Optional[Path] = None, start: int = 0):
         self.cfg = cfg
@@ -128,19 +128,19 @@ class Roles:
             if cfg.run.eval_every else []
         self.buffer = ray.remote(num_cpus=0, max_concurrency=4)(BufferRole).remote(
             cfg, restore_from=str(resume_from / "buffer.msgpack") if resume_from else "")
+        # Every role's process starts at once (each spends seconds importing torch and loading a model);
+        # generators connect to the buffer and the weights only once both exist.
+        generator_actor = ray.remote(num_cpus=0, num_gpus=generator_gpus(cfg))(GeneratorRole)
+        self.generators = [generator_actor.remote(generator_id=i, cfg=cfg, model_path=model_path)
+                           for i in range(cfg.generator.replicas)]
         with role_failures("learner pool"):
             self.learners = LearnerPool(cfg, model_path)
             if resume_from:
                 self.learners.load_checkpoint(str(resume_from / "learner"), start)
         with role_failures("buffer"):
             buffer_endpoints = ray.get(self.buffer.endpoints.remote(), timeout=60)
-        generator_actor = ray.remote(num_cpus=0, num_gpus=generator_gpus(cfg))(GeneratorRole)
-        self.generators = [
-            generator_actor.remote(generator_id=i, cfg=cfg, model_path=model_path, buffer_endpoints=buffer_endpoints,
-                                   weights_endpoint=self.learners.weights_endpoint)
-            for i in range(cfg.generator.replicas)
-        ]
-        self.generator_runs = {gen.run.remote(): f"generator {i}" for i, gen in enumerate(self.generators)}
+        self.generator_runs = {gen.run.remote(buffer_endpoints, self.learners.weights_endpoint): f"generator {i}"
+                               for i, gen in enumerate(self.generators)}
         sglang = cfg.generator.sglang
         if cfg.generator.engine == "sglang" and sglang.weight_transport == "nccl":
             # Learner rank 0 loads every version into every server itself, so it joins one group with all
@@ -197,7 +197,7 @@ class BufferRole:
         self.service = BufferService(cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max,
                                      cfg.buffer, cfg.wire, prompt_source(cfg.data, cfg.run.seed),
                                      cfg.algorithm.group_filter)
-        if restore_from:  # before any generator connects (Roles creates them afterwards)
+        if restore_from:  # before any generator connects (Roles starts their runs afterwards)
             self.service.restore(Path(restore_from).read_bytes())
 
     def save_state(self, path: str, version: int) -> dict:
@@ -220,9 +220,9 @@ class GeneratorRole:
     def __init__(self, **kwargs):
         self.worker = GeneratorWorker(**kwargs)
 
-    async def run(self) -> None:
+    async def run(self, buffer_endpoints: dict, weights_endpoint: str) -> None:
         try:
-            await self.worker.run()
+            await self.worker.run(buffer_endpoints, weights_endpoint)
         finally:
             close = getattr(self.worker.engine, "close", None)  # an SGLang engine stops its server processes
             if close is not None:

@@ -92,13 +92,12 @@ def weights_message(version: int, state_dict: dict) -> list[bytes]:
     return [msgpack.packb(header), payload]
 
 
-def make_worker(model_dir, buffer, weights_endpoint, mode, env=None, sync_timeout_s=20.0):
+def make_worker(model_dir, mode, env=None, sync_timeout_s=20.0):
     cfg = prepare(Config(generator=GeneratorConfig(max_groups_in_flight=2),  # roles get prepared configs
                          agent=AgentConfig(max_turns=2, max_new_tokens=8, max_total_tokens=40),
                          weight_sync=WeightSyncConfig(mode=mode, timeout_s=sync_timeout_s),
                          data=DataConfig(samples_per_prompt=GROUP_SIZE)))
-    return GeneratorWorker(4, cfg, model_dir, buffer_endpoints=buffer.endpoints, weights_endpoint=weights_endpoint,
-                           env=env)
+    return GeneratorWorker(4, cfg, model_dir, env=env)
 
 
 async def until(condition, timeout_s=30.0):
@@ -116,8 +115,8 @@ def test_leases_pushes_applies_weights_and_stops(model_dir, mode):
         pub = context.socket(zmq.PUB)
         weights_endpoint = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
         serving = asyncio.ensure_future(buffer.serve())
-        worker = make_worker(model_dir, buffer, weights_endpoint, mode)
-        running = asyncio.ensure_future(worker.run())
+        worker = make_worker(model_dir, mode)
+        running = asyncio.ensure_future(worker.run(buffer.endpoints, weights_endpoint))
         try:
             await until(lambda: len(buffer.trajectories) >= 1)  # groups are in flight now
             message = weights_message(1, tiny_model(len(worker.tokenizer), seed=1).state_dict())
@@ -166,8 +165,8 @@ def test_failures_end_run_with_the_exception(model_dir):
         endpoint = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
         serving = asyncio.ensure_future(buffer.serve(reply_error))
         try:
-            worker = make_worker(model_dir, buffer, endpoint, "interrupt", env, sync_timeout_s)
-            await asyncio.wait_for(worker.run(), 30)
+            worker = make_worker(model_dir, "interrupt", env, sync_timeout_s)
+            await asyncio.wait_for(worker.run(buffer.endpoints, endpoint), 30)
         finally:
             serving.cancel()
             context.destroy(linger=0)
@@ -188,11 +187,11 @@ def test_stop_before_and_while_gated(model_dir):
         endpoint = "tcp://127.0.0.1:9"  # nobody publishes weights
         serving = asyncio.ensure_future(buffer.serve())
         try:
-            worker = make_worker(model_dir, buffer, endpoint, "interrupt")
+            worker = make_worker(model_dir, "interrupt")
             worker.stop()
-            await asyncio.wait_for(worker.run(), 2.0)  # stopped before it started: returns at once
-            worker = make_worker(model_dir, buffer, endpoint, "interrupt")
-            running = asyncio.ensure_future(worker.run())
+            await asyncio.wait_for(worker.run(buffer.endpoints, endpoint), 2.0)  # stopped before it started
+            worker = make_worker(model_dir, "interrupt")
+            running = asyncio.ensure_future(worker.run(buffer.endpoints, endpoint))
             await until(lambda: len(buffer.requests) >= 3)  # retrying against a closed gate
             worker.stop()
             await asyncio.wait_for(running, 2.0)

@@ -1,7 +1,7 @@
 """A generator: leases prompt groups from the buffer, runs G agent episodes per group, pushes trajectories.
 
-    worker = GeneratorWorker(0, cfg, model_dir, buffer_endpoints=service.endpoints, weights_endpoint=endpoint)
-    await worker.run()          # until worker.stop() (thread-safe), or until something fails
+    worker = GeneratorWorker(0, cfg, model_dir)    # loads the model: may run while the other roles start
+    await worker.run(service.endpoints, endpoint)   # until worker.stop() (thread-safe), or until something fails
 
 Tasks on one asyncio loop (a plain class: Ray only wraps it, elsewhere):
   - lease loop: keeps up to `generator.max_groups_in_flight` groups running. It asks the buffer over a
@@ -51,8 +51,7 @@ EVAL_TEMPERATURE = 1e-3  # evaluation is (near-)greedy: engines sample with temp
 
 
 class GeneratorWorker:
-    def __init__(self, generator_id: int, cfg: Config, model_path: str, buffer_endpoints: dict,
-                 weights_endpoint: str, *, env: Optional[Callable] = None, engine: Optional[Engine] = None,
+    def __init__(self, generator_id: int, cfg: Config, model_path: str, *, env: Optional[Callable] = None, engine: Optional[Engine] = None,
                  tokenizer=None, request_timeout_s: float = 30.0, group_timeout_s: float = 600.0,
                  lease_retry_s: float = 0.02):
         model_path = resolve_model_path(model_path)
@@ -60,7 +59,6 @@ class GeneratorWorker:
         self.generator_id = generator_id
         self.generator, self.agent, self.weight_sync = cfg.generator, cfg.agent, cfg.weight_sync
         self.group_size = cfg.data.samples_per_prompt
-        self.buffer_endpoints, self.weights_endpoint = buffer_endpoints, weights_endpoint
         # One environment per episode: `env` (a no-argument factory) or agent.env (filled in by preflight.py).
         self.make_env = env or env_factory(cfg.agent.env, load_reward(cfg.reward.path, cfg.reward.name))
         self.tokenizer = tokenizer or load_tokenizer(model_path)
@@ -89,7 +87,10 @@ class GeneratorWorker:
         return {**self.counts, "version": self.engine.version, "groups_in_flight": len(self._groups),
                 "engine_in_flight": self.engine.in_flight(), "weight_apply_s": self.weight_apply_s}
 
-    async def run(self) -> None:
+    async def run(self, buffer_endpoints: dict, weights_endpoint: str) -> None:
+        """Lease, generate and apply weights until `stop()`: the buffer's sockets (BufferService.endpoints)
+        and the learner's weights publisher."""
+        self.buffer_endpoints = buffer_endpoints
         self._wake, self._new_weights = asyncio.Event(), asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self._lock = asyncio.Lock()  # one request on the DEALER at a time: replies come back in order
@@ -100,7 +101,7 @@ class GeneratorWorker:
             self._dealer.connect(self.buffer_endpoints["leases"])
             self._push = context.socket(zmq.PUSH)
             self._push.connect(self.buffer_endpoints["trajectories"])
-            subscriber = WeightSubscriber(self.weights_endpoint)
+            subscriber = WeightSubscriber(weights_endpoint)
             if not self._stop_requested:
                 tasks = [self._spawn(self._lease_loop(), "lease-loop"),
                          self._spawn(self._weight_loop(subscriber), "weights")]
