@@ -91,8 +91,9 @@ class LearnerRank:
                                 timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
         self.mesh = init_device_mesh(self.device.type, (world_size,))
         self.model = self._sharded_model(setup.model.path)
+        # fused: one kernel per step instead of a DTensor dispatch per parameter and op (~10% of a small step)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
-                                           weight_decay=cfg.weight_decay)
+                                           weight_decay=cfg.weight_decay, fused=True)
         self.reference = None  # the frozen reference policy, only when KL is on
         if setup.kl.loss_coef > 0 or setup.kl.reward_coef > 0:
             self.reference = self._sharded_model(setup.reference.path or setup.model.path).requires_grad_(False)
@@ -103,7 +104,8 @@ class LearnerRank:
             self.critic = self._sharded_model(critic.path or setup.model.path, AutoModelForTokenClassification,
                                               num_labels=1)
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=critic.lr,
-                                                      betas=tuple(cfg.betas), weight_decay=critic.weight_decay)
+                                                      betas=tuple(cfg.betas), weight_decay=critic.weight_decay,
+                                                      fused=True)
         # after the optimizers, which must get the sharded parameters: FSDP2 leaves the root unsharded after a
         # forward (the probe reshards it)
         self.packs = _keeps_packed_sequences_apart(self.model, self.device)  # else one sequence per row
