@@ -3,6 +3,7 @@
     from nanoverl_async import Environment, Step, as_tool
 
     Environment, Step        an environment class and what its step returns   (env.py)
+    rollout_tools            the tools a plain `rollout` function runs          (env.py)
     as_tool, Tool, call_tool typed functions as tools: schema, checks, timeout (tools.py)
     python, run_python, SandboxLimits   a sandboxed Python tool              (sandbox.py)
     Episode                  what a full-control `rollout(episode, sample)` drives (generators/agent_loop.py)
@@ -19,6 +20,7 @@ import importlib
 _EXPORTS = {
     "Environment": "nanoverl_async.env",
     "Step": "nanoverl_async.env",
+    "rollout_tools": "nanoverl_async.env",
     "load_object": "nanoverl_async.user_code",
     "Tool": "nanoverl_async.tools",
     "ToolResult": "nanoverl_async.tools",

@@ -33,6 +33,7 @@ from typing import Optional
 from nanoverl_async.config import Config, ConfigError, RunConfig, to_dict
 
 META = "meta.json"
+REQUIRED_FILES = ("learner/.metadata", "buffer.msgpack")  # DCP's index of the shards; the buffer's state
 STEP_DIR = re.compile(r"step_(\d+)")
 # run.* keys a resumed run may change freely; every other key of the config is compared on resume
 RESUME_FREE_KEYS = ("run",)
@@ -85,8 +86,12 @@ def open_output_dir(cfg: Config) -> Optional[Path]:
 
 
 def check_resumable(cfg: Config, resume_from: Path) -> None:
-    """The checkpoint is this run's (same lineage) and leaves work to do: steps, or at least final/."""
+    """The checkpoint is whole, is this run's (same lineage) and leaves work to do: steps, or at least final/."""
     meta = read_meta(resume_from)
+    for part in REQUIRED_FILES:
+        if not (resume_from / part).is_file():
+            raise ConfigError(f"config key 'run.resume': checkpoint file {resume_from / part} is missing; "
+                              f"resume from another checkpoint (run.resume=<its step_N folder>)")
     old = {**meta["config"], "run": {"seed": meta["seed"]}}
     new = {**trained_config(cfg), "run": {"seed": cfg.run.seed}}
     other = [key for key in changed_keys(old, new) if key in LINEAGE_KEYS]
@@ -101,7 +106,15 @@ def check_resumable(cfg: Config, resume_from: Path) -> None:
 
 
 def read_meta(path: Path) -> dict:
-    return json.loads((path / META).read_text())
+    """A checkpoint's meta.json; a ConfigError naming the file if it is not what `commit` wrote."""
+    try:
+        meta = json.loads((path / META).read_text())
+        if not isinstance(meta, dict) or not {"step", "seed", "config"} <= set(meta):
+            raise ValueError("step, seed or config missing")
+    except (ValueError, OSError) as error:
+        raise ConfigError(f"config key 'run.resume': checkpoint file {path / META} is unreadable ({error}); "
+                          f"resume from another checkpoint (run.resume=<its step_N folder>)") from None
+    return meta
 
 
 def begin(output_dir: str, step: int) -> Path:

@@ -229,16 +229,27 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
     merged = OmegaConf.structured(Config)
     try:
         if path is not None:
-            merged = OmegaConf.merge(merged, _read_yaml(path))
+            merged = OmegaConf.merge(merged, _paths_as_lists(_read_yaml(path)))
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override '{item}' is not of the form key=value")
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+            merged = OmegaConf.merge(merged, _paths_as_lists(OmegaConf.from_dotlist([item])))
     except OmegaConfBaseException as error:
         raise ConfigError(_describe(error)) from None
     cfg: Config = OmegaConf.to_object(merged)
     validate(cfg)
     return cfg
+
+
+def _paths_as_lists(update: Any) -> Any:
+    """A single string for a list-of-paths key (`data.train_files=train.parquet`, as every verl command
+    line writes it) becomes a one-item list."""
+    for section in dataclasses.fields(Config):
+        for key in dataclasses.fields(globals()[section.type]):  # annotations are strings (__future__)
+            dotted = f"{section.name}.{key.name}"
+            if key.type == "list[str]" and isinstance(OmegaConf.select(update, dotted), str):
+                OmegaConf.update(update, dotted, [OmegaConf.select(update, dotted)])
+    return update
 
 
 def _read_yaml(path: str) -> Any:

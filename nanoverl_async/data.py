@@ -15,7 +15,7 @@ visits every row once in an order shuffled by (seed, e), so a resumed run re-iss
 a sample is JSON-able (it travels to generators as msgpack; numpy values from parquet are converted).
 Rows are loaded lazily on the first call, in the process that uses them (the buffer), so only the
 file names cross process boundaries. A row without a list-of-messages `prompt` fails loudly, naming
-the file and row.
+the file, the row and the column (preflight.py reads every file once when the run starts).
 
 Run alone: `python -m pytest tests/test_env_data.py -q`.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from nanoverl_async.config import DataConfig
-from nanoverl_async.user_code import load_object
+from nanoverl_async.user_code import load_object, user_error
 
 
 def read_rows(path: str) -> list[dict]:
@@ -36,18 +36,35 @@ def read_rows(path: str) -> list[dict]:
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    lines = Path(path).read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as error:  # noqa: BLE001 - pyarrow raises several types for a bad file
+            raise ValueError(f"{path}: not a readable parquet file ({type(error).__name__}: {error})") from None
+    rows = []
+    for number, line in enumerate(Path(path).read_text().splitlines()):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path} line {number + 1}: not JSON ({error.msg})") from None
+    return rows
 
 
 def to_sample(row: dict, where: str) -> dict:
     """A verl row -> a sample: `messages` is the prompt; every other field kept as is (JSON-able)."""
-    prompt = row.get("prompt")
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    if "prompt" not in row:
+        raise ValueError(f"{where}: no 'prompt' column (the row has {', '.join(map(repr, row)) or 'none'})")
+    prompt = row["prompt"]
     if isinstance(prompt, str) and prompt.lstrip().startswith("["):  # a JSON-encoded message list (some exports)
-        prompt = json.loads(prompt)
+        try:
+            prompt = json.loads(prompt)
+        except json.JSONDecodeError:
+            pass  # reported below as what it is: not a message list
     if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m for m in prompt):
-        raise ValueError(f"{where}: 'prompt' must be a list of {{'role', 'content'}} messages, got {prompt!r:.80}")
+        raise ValueError(f"{where}: column 'prompt' must be a list of {{'role', 'content'}} messages, "
+                         f"got {prompt!r:.80}")
     sample = {k: _plain(v) for k, v in row.items() if k != "prompt"}
     sample["messages"] = [{k: _plain(v) for k, v in m.items() if v is not None} for m in prompt]
     return sample
@@ -109,4 +126,10 @@ def prompt_source(data: DataConfig, seed: int) -> Callable[[int], dict]:
     if data.train_files:
         return DatasetPrompts(data.train_files, seed)
     make_prompt = load_object(data.task, "data.task")
-    return lambda index: make_prompt(seed, index)
+
+    def prompt(index: int) -> dict:
+        try:
+            return make_prompt(seed, index)
+        except Exception as error:  # noqa: BLE001 - user code: reported with its own frames
+            raise user_error(f"data.task {data.task}", error) from error
+    return prompt

@@ -12,6 +12,7 @@
 
 or, for full control, one function (or an Environment method) driving the episode itself:
 
+    @rollout_tools(calculator, tool_format="builtin")  # the tools it runs and how calls are written
     async def rollout(episode, sample) -> float:   # episode: nanoverl_async.generators.agent_loop.Episode
         episode.start(sample["messages"])            # the prompt (mask 0)
         message = await episode.generate()           # one sampled assistant turn (mask 1); None: out of room
@@ -71,11 +72,22 @@ class Environment:
         return Step(reward=reward, info=info)
 
 
+def rollout_tools(*tools: Any, tool_format: str = "hermes") -> Callable:
+    """Declare the tools a plain `rollout` function runs (`episode.run_tools`) and the format the model
+    writes calls in; without it the function has none, and run_tools refuses to run."""
+    def declare(rollout: Callable) -> Callable:
+        rollout.tools, rollout.tool_format = list(tools), tool_format
+        return rollout
+    return declare
+
+
 class FunctionEnv(Environment):
-    """Wraps a plain `async def rollout(episode, sample) -> float` as an environment."""
+    """Wraps a plain `async def rollout(episode, sample) -> float` as an environment, with the tools
+    `rollout_tools` declared on it."""
 
     def __init__(self, rollout: Callable):
         self._rollout = rollout
+        self.tools, self.tool_format = getattr(rollout, "tools", ()), getattr(rollout, "tool_format", "hermes")
 
     async def rollout(self, episode, sample: dict) -> float:
         return await self._rollout(episode, sample)

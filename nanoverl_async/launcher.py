@@ -32,7 +32,7 @@ from nanoverl_async.data import load_samples, prompt_source
 from nanoverl_async.generators.worker import GeneratorWorker
 from nanoverl_async.learners.pool import LearnerPool
 from nanoverl_async.metrics import MetricsLogger, step_metrics
-from nanoverl_async.models import load_tokenizer, resolve_model_path
+from nanoverl_async.models import load_tokenizer, resolve_model_path, vocab_size
 from nanoverl_async.preflight import prepare
 
 
@@ -43,11 +43,11 @@ class RunFailed(RuntimeError):
 def launch(cfg: Config) -> Path:
     """Run one training job; returns the output directory (metrics.jsonl, final/)."""
     cfg = prepare(cfg)  # files, user code and run.resume checked; user paths made absolute
-    model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-    try:
-        load_tokenizer(model_path)  # a tokenizer that drops whitespace fails here in one line, not in each role
-    except ValueError as error:
-        raise ConfigError(f"config key 'model.path': {error}") from None
+    try:  # a missing model, or a tokenizer that drops whitespace, fails here in one line, not in each role
+        model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        load_tokenizer(model_path)
+    except (ValueError, OSError) as error:  # transformers raises OSError for a model it cannot find
+        raise ConfigError(f"config key 'model.path': {str(error).strip().splitlines()[0]}") from None
     output_dir = Path(cfg.run.output_dir)
     resume_from = checkpoint.open_output_dir(cfg)  # None: a fresh run (into an empty or overwritten dir)
     (output_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -81,7 +81,7 @@ def train(cfg: Config, roles: "Roles", logger: MetricsLogger, start: int = 0) ->
             train_batch = roles.learners.prepare(batch)  # proximal logprobs (version `step`), advantages
             learner_metrics = roles.learners.update(train_batch)  # ppo_epochs x minibatches FSDP2 steps
             trained = time.monotonic()
-            roles.learners.publish_weights(version=step + 1)  # async; generators apply it when ready
+            roles.publish_weights(version=step + 1)  # async; generators apply it when ready
         samples_trained += len(batch.trajectories)
         now = time.monotonic()
         learner_metrics.update({"time/wait_batch_s": waited, "time/train_s": trained - last_step_end - waited,
@@ -127,7 +127,7 @@ class Roles:
         self.val_samples = [{**s, "index": i} for i, s in enumerate(load_samples(cfg.data.val_files))] \
             if cfg.run.eval_every else []
         self.buffer = ray.remote(num_cpus=0, max_concurrency=4)(BufferRole).remote(
-            cfg, restore_from=str(resume_from / "buffer.msgpack") if resume_from else "")
+            cfg, vocab_size(model_path), restore_from=str(resume_from / "buffer.msgpack") if resume_from else "")
         # Every role's process starts at once (each spends seconds importing torch and loading a model);
         # generators connect to the buffer and the weights only once both exist.
         generator_actor = ray.remote(num_cpus=0, num_gpus=generator_gpus(cfg))(GeneratorRole)
@@ -151,8 +151,15 @@ class Roles:
             with role_failures("learner pool"):
                 self.learners.connect_sglang([e for per_generator in endpoints for e in per_generator], sglang)
         if resume_from:  # generators start on the base weights; the restored buffer leases only to `start`
-            with role_failures("learner pool"):
-                self.learners.publish_weights(version=start)
+            self.publish_weights(version=start)
+
+    def publish_weights(self, version: int) -> None:
+        """The buffer learns of `version` first (it refuses tokens and requests from versions never
+        published), then learner rank 0 publishes it."""
+        with role_failures("buffer"):
+            ray.get(self.buffer.publishing.remote(version), timeout=60)
+        with role_failures("learner pool"):
+            self.learners.publish_weights(version)
 
     def evaluate(self) -> dict:
         """Near-greedy episodes on data.val_files by generator 0 (worker.evaluate) -> eval/* metrics."""
@@ -193,10 +200,10 @@ class Roles:
 class BufferRole:
     """The buffer service in its own process (methods, not properties, so Ray can call them)."""
 
-    def __init__(self, cfg: Config, restore_from: str = ""):
+    def __init__(self, cfg: Config, vocab_size: int, restore_from: str = ""):
         self.service = BufferService(cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max,
-                                     cfg.buffer, cfg.wire, prompt_source(cfg.data, cfg.run.seed),
-                                     cfg.algorithm.group_filter)
+                                     cfg.buffer, cfg.wire, cfg.generator, vocab_size,
+                                     prompt_source(cfg.data, cfg.run.seed), cfg.algorithm.group_filter)
         if restore_from:  # before any generator connects (Roles starts their runs afterwards)
             self.service.restore(Path(restore_from).read_bytes())
 
@@ -212,6 +219,9 @@ class BufferRole:
 
     def next_batch(self, step: int, timeout_s: float):
         return self.service.next_batch(step, timeout_s)
+
+    def publishing(self, version: int) -> None:
+        self.service.publishing(version)
 
 
 class GeneratorRole:

@@ -60,6 +60,7 @@ def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, ste
         / max(1, tool_calls),  # mean seconds per tool call
         "episodes/length_mean": float(np.mean([len(t.token_ids) for t in trajectories])),
         "episodes/generated_tokens_mean": float(np.mean([t.num_generated for t in trajectories])),
+        "batch/tied_groups_frac": tied_groups_fraction(trajectories),
         # which prompts this step trained on: a resumed run never trains on one twice (tests/test_cli_run.py)
         "batch/prompt_indices": sorted({t.prompt_index for t in trajectories}),
     })
@@ -69,6 +70,17 @@ def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, ste
     for key, value in learner.items():
         metrics[key if "/" in key else f"learner/{key}"] = value
     return metrics
+
+
+def tied_groups_fraction(trajectories: list) -> float:
+    """Share of the batch's groups whose rewards all tie: their group-relative advantages are all 0."""
+    rewards: dict[int, set] = {}
+    for t in trajectories:
+        rewards.setdefault(t.group_id, set()).add(t.reward)
+    return sum(len(values) == 1 for values in rewards.values()) / max(1, len(rewards))
+
+
+TIED_STEPS_WARNING = 3  # consecutive steps where every group ties before the logger warns (once)
 
 
 class MetricsLogger:
@@ -87,6 +99,7 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.progress = progress
         self.started = time.monotonic()
+        self.tied_steps, self.warned_tied = 0, False
         self.bar = None
         if progress and sys.stdout.isatty():  # a live bar in a terminal; plain lines when piped to a file
             self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=20),
@@ -107,6 +120,17 @@ class MetricsLogger:
                                step=metrics["step"])
         if self.progress:
             self._print_line(metrics)
+        self._warn_if_nothing_to_learn(metrics)
+
+    def _warn_if_nothing_to_learn(self, m: dict) -> None:
+        self.tied_steps = self.tied_steps + 1 if m["batch/tied_groups_frac"] == 1.0 else 0
+        if self.tied_steps == TIED_STEPS_WARNING and not self.warned_tied:
+            self.warned_tied = True
+            print(f"warning: steps {m['step'] - TIED_STEPS_WARNING + 1}-{m['step']}: within every group all "
+                  f"rewards are equal (batch mean {m['reward/mean']:.3g}), so group-relative advantages are 0 "
+                  f"and nothing is learned (learner/grad_norm 0). Likely the reward function never (or always) "
+                  f"gives credit: check a few episodes' answers against it (reward.path, agent.env), or make "
+                  f"the task easier for this model", file=sys.stderr, flush=True)
 
     def _print_line(self, m: dict) -> None:
         info = (f"reward {m['reward/mean']:.3f}  tools {m['episodes/tool_use_frac']:.2f}  "

@@ -2,6 +2,7 @@
 
     path = resolve_model_path("builtin:tiny")   # a Hugging Face directory (built-ins are made once, cached)
     tokenizer = load_tokenizer(path)             # the generator, the learner's save and tests all use this
+    vocab_size(path)                             # what bounds every token id (the buffer checks them)
 
 Why one loader: under transformers 5.x `AutoTokenizer` picks the tokenizer class from the model type
 (a `qwen2` config always gets the byte-level `Qwen2Tokenizer`), whatever `tokenizer.json` holds. A
@@ -12,8 +13,10 @@ refuses any tokenizer that drops whitespace, naming the directory and the class 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from nanoverl_async import tiny_model
 
@@ -23,12 +26,15 @@ WHITESPACE_PROBE = "a b\nc  d"
 
 
 def resolve_model_path(path: str, cache_dir: str = "") -> str:
-    """`builtin:NAME` -> its Hugging Face directory (built once, cached); any other path unchanged."""
+    """`builtin:NAME` -> its Hugging Face directory (built once, cached); any other path unchanged (a
+    directory, or a Hugging Face Hub id where the hub is reachable). A path that can only be local
+    (absolute, or starting with . or ~) must exist."""
     if not path.startswith("builtin:"):
+        if path.startswith(("/", ".", "~")) and not Path(path).expanduser().is_dir():
+            raise ValueError(f"{path!r} is not a directory")
         return path
     if path not in BUILTIN_MODELS:
-        raise ValueError(f"model.path={path!r}: unknown built-in model; the built-in models are "
-                         f"{', '.join(BUILTIN_MODELS)}")
+        raise ValueError(f"{path!r} is not a built-in model; the built-in models are {', '.join(BUILTIN_MODELS)}")
     return BUILTIN_MODELS[path](cache_dir)
 
 
@@ -42,3 +48,8 @@ def load_tokenizer(path: str):
                          f"{WHITESPACE_PROBE!r} comes back as {decoded!r}; set tokenizer_class in its "
                          f"tokenizer_config.json to the class that matches tokenizer.json")
     return tokenizer
+
+
+def vocab_size(path: str) -> int:
+    """The size of the model's embedding table: every token id it is given must be below it."""
+    return AutoConfig.from_pretrained(path).get_text_config().vocab_size

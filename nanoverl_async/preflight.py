@@ -3,20 +3,21 @@
     cfg = prepare(load_config("configs/agent_grpo.yaml", overrides))   # launch and `validate` both do this
 
 `validation.py` checks values and touches nothing; this module checks the world the config names:
-data files exist, the environment, the prompt function and the reward function load (user code runs
-here, once, in the launching process), and `run.resume` names a checkpoint. Each failure is one
-ConfigError naming the key. The returned config has `agent.env`'s default filled in and every user
+data files exist and every row has a chat `prompt`, the environment, the prompt function and the
+reward function load (user code runs here, once, in the launching process), `run.resume` names a
+checkpoint, and `wire.host` can be bound. Each failure is one ConfigError naming the key. The returned config has `agent.env`'s default filled in and every user
 path absolute, so roles in other processes (and a later resume) load exactly the same code.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import socket
 from pathlib import Path
 
 from nanoverl_async import checkpoint
 from nanoverl_async.config import Config, ConfigError
-from nanoverl_async.data import prompt_source
+from nanoverl_async.data import load_samples, prompt_source
 from nanoverl_async.env import env_factory
 from nanoverl_async.rewards import load_reward
 from nanoverl_async.user_code import absolute_spec
@@ -27,11 +28,17 @@ DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 def prepare(cfg: Config) -> Config:
     """`cfg` with user paths made absolute, after checking every file and piece of user code it names."""
     for key in ("data.train_files", "data.val_files"):
-        for path in getattr(cfg.data, key.split(".")[1]):
+        files = getattr(cfg.data, key.split(".")[1])
+        for path in files:
             if not str(path).endswith(DATA_SUFFIXES):
                 raise ConfigError(f"config key '{key}': '{path}' is not a .parquet or .jsonl file")
             if not Path(path).is_file():
                 raise ConfigError(f"config key '{key}': file '{path}' does not exist")
+        try:  # every row, now: a bad one deep in the file would otherwise kill the buffer mid-run
+            if files:
+                load_samples(files)
+        except ValueError as error:
+            raise ConfigError(f"config key '{key}': {error}") from None
     default_env = "builtin:chat" if cfg.data.train_files else "builtin:multiply"  # a dataset: score its answers
     cfg = dataclasses.replace(
         cfg,
@@ -48,4 +55,9 @@ def prepare(cfg: Config) -> Config:
         except (ValueError, ImportError, SyntaxError) as error:
             raise ConfigError(f"config key '{key}': {error}") from None
     checkpoint.find_checkpoint(cfg.run)  # a run.resume path that is not a checkpoint fails here
+    try:  # every role binds its sockets here
+        with socket.socket(socket.AF_INET6 if ":" in cfg.wire.host else socket.AF_INET) as probe:
+            probe.bind((cfg.wire.host, 0))
+    except (OSError, UnicodeError) as error:
+        raise ConfigError(f"config key 'wire.host': cannot bind {cfg.wire.host!r} on this machine ({error})") from None
     return cfg

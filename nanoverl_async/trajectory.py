@@ -5,11 +5,13 @@ results) in order, with per-token masks, behaviour logprobs and weight versions.
 (checked by `validate`, on every decode):
   - all per-token arrays have the same length T >= 1;
   - loss_mask is 1 exactly on tokens the policy sampled, and versions[i] >= 0 exactly there
-    (versions[i] = -1 on prompt and tool tokens);
+    (versions[i] = -1 on prompt and tool tokens), never decreasing along the episode (weights only move
+    forward while it runs);
   - behaviour_logprobs are <= 0 and finite on sampled tokens, 0 elsewhere.
 
 Wire: msgpack, numpy arrays as raw little-endian bytes with dtype and shape (decoded zero-copy with
-np.frombuffer). Never pickle. `decode` raises WireError naming the bad field.
+np.frombuffer). Never pickle. `decode` raises WireError naming the bad field; `check_bounds` adds what
+only the receiver knows (the model's vocabulary, the newest published version).
 """
 
 from __future__ import annotations
@@ -139,8 +141,21 @@ def validate(t: Trajectory) -> None:
     sampled = t.loss_mask == 1
     if not np.array_equal(sampled, t.versions >= 0) or (t.versions < -1).any():
         raise WireError("field 'versions': must be >= 0 exactly on sampled tokens and -1 elsewhere")
+    if (np.diff(t.versions[sampled]) < 0).any():
+        raise WireError("field 'versions': decrease along the episode")
     logprobs = t.behaviour_logprobs
     if not np.isfinite(logprobs).all() or (logprobs[sampled] > 1e-4).any() or (logprobs[~sampled] != 0).any():
         raise WireError("field 'behaviour_logprobs': must be finite, <= 0 on sampled tokens and 0 elsewhere")
     if not np.isfinite(t.reward):
         raise WireError("field 'reward': not finite")
+
+
+def check_bounds(t: Trajectory, vocab_size: int, newest_version: int) -> None:
+    """A decoded trajectory against the run it claims to belong to: token ids inside the model's
+    vocabulary (an id beyond it would fail the learner's embedding lookup) and no token from weights
+    newer than the newest version published (it would train as negative staleness). WireError otherwise."""
+    if t.token_ids.max() >= vocab_size:
+        raise WireError(f"field 'token_ids': id {int(t.token_ids.max())} >= vocabulary size {vocab_size}")
+    if t.versions.max() > newest_version:
+        raise WireError(f"field 'versions': version {int(t.versions.max())} was never published "
+                        f"(newest: {newest_version})")

@@ -7,6 +7,11 @@
 Why one resolver: config keys name environments, prompt functions and reward functions the same way,
 and each role loads them in its own process; `absolute_spec` makes a file path survive a change of
 working directory. Nothing here runs at import time: user code runs only when a spec is loaded.
+
+    await call_user("agent.env step()", env.step, sample, message)   # the agent loop calls hooks so
+
+An exception in a user hook becomes a `UserCodeError` whose one line names the hook and the user's
+own frames (file:line), not the framework's: that line is what the run's failure message shows.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import sysconfig
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 BUILTINS = {  # config key -> built-in name -> the object it stands for
     "agent.env": {"builtin:multiply": "nanoverl_async.multiply_task:MultiplyEnv",
@@ -65,6 +72,34 @@ def absolute_spec(spec: str) -> str:
     """`path/to/file.py[:Name]` made absolute, so other processes find it whatever their cwd."""
     where, sep, name = spec.partition(":") if ".py" in spec else (spec, "", "")
     return f"{Path(where).resolve()}{sep}{name}" if where.endswith(".py") else spec
+
+
+class UserCodeError(RuntimeError):
+    """A user hook (environment, rollout, reward, prompt function) raised or broke its contract."""
+
+
+async def call_user(hook: str, function: Callable, *args) -> Any:
+    """`function(*args)`, awaited if it returns an awaitable; what it raises comes back as a UserCodeError
+    naming `hook`, the exception and the user's frames."""
+    try:
+        return await maybe_await(function(*args))
+    except Exception as error:  # noqa: BLE001 - every user error is reported the same way
+        raise user_error(hook, error) from error
+
+
+def user_error(hook: str, error: Exception) -> UserCodeError:
+    """One line: the hook, what it raised, and where in the user's own code."""
+    return UserCodeError(f"{hook} raised {type(error).__name__}: {error}{user_frames(error)}")
+
+
+def user_frames(error: BaseException, limit: int = 3) -> str:
+    """' at file.py:12 in step <- file.py:30 in helper': the innermost `limit` frames of the traceback
+    that are neither this package, nor the standard library, nor installed packages."""
+    skip = (str(Path(__file__).parent), sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
+            sysconfig.get_paths()["platlib"])
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(skip)]
+    return " at " + " <- ".join(f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in frames[::-1][:limit]) \
+        if frames else ""
 
 
 async def maybe_await(value: Any) -> Any:

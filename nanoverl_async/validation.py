@@ -8,6 +8,8 @@ It imports no other module of the package but the algorithms' name tables, so co
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 from nanoverl_async.algorithms import (ADVANTAGES, AGGREGATIONS, CORRECTIONS, IS_LEVELS, KL_ESTIMATORS,
@@ -18,6 +20,22 @@ from nanoverl_async.algorithms import (ADVANTAGES, AGGREGATIONS, CORRECTIONS, IS
 
 class ConfigError(ValueError):
     """A config problem, with the offending key named in the message."""
+
+
+MAX_SEED = 2**32 - 1
+MIN_LEASE_TIMEOUT_S = 1.0
+
+
+def _numbers(node: Any, prefix: str = ""):
+    """(dotted key, value) of every float in the config tree."""
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _numbers(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float):
+            yield f"{prefix}{f.name}", value
+        elif isinstance(value, list):
+            yield from ((f"{prefix}{f.name}", v) for v in value if isinstance(v, float))
 
 
 def get_key(cfg: Any, dotted: str) -> Any:
@@ -45,6 +63,9 @@ CHOICES = {
 
 def validate(cfg: Config) -> None:
     """Value checks that types cannot express; raises ConfigError naming the key."""
+    for key, value in _numbers(cfg):
+        if not math.isfinite(value):  # an inf learning rate used to pass, then kill the generator
+            raise ConfigError(f"config key '{key}': must be a finite number, got {value}")
     for key, allowed in CHOICES.items():
         value = get_key(cfg, key)
         if value not in allowed:
@@ -65,6 +86,12 @@ def validate(cfg: Config) -> None:
     for key in non_negative:
         if get_key(cfg, key) < 0:
             raise ConfigError(f"config key '{key}': must be >= 0, got {get_key(cfg, key)}")
+    if cfg.run.seed > MAX_SEED:
+        raise ConfigError(f"config key 'run.seed': must be at most {MAX_SEED} (numpy seeds are 32-bit), "
+                          f"got {cfg.run.seed}")
+    if cfg.buffer.lease_timeout_s < MIN_LEASE_TIMEOUT_S:
+        raise ConfigError(f"config key 'buffer.lease_timeout_s': must be >= {MIN_LEASE_TIMEOUT_S} s (a lease must "
+                          f"outlive an episode, or every group expires), got {cfg.buffer.lease_timeout_s}")
     if cfg.algorithm.clip.low >= 1:
         raise ConfigError(f"config key 'algorithm.clip.low': must be < 1, got {cfg.algorithm.clip.low}")
     if len(cfg.learner.betas) != 2 or not all(0 <= b < 1 for b in cfg.learner.betas):

@@ -14,11 +14,13 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from nanoverl_async import multiply_task
 from nanoverl_async.config import AgentConfig
+from nanoverl_async.env import FunctionEnv, rollout_tools
 from nanoverl_async.generators.agent_loop import run_episode
 from nanoverl_async.generators.engine import Completion, SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
 from nanoverl_async.tiny_model import build_tokenizer
 from nanoverl_async.trajectory import decode, encode, validate
+from nanoverl_async.user_code import UserCodeError, load_object
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +169,64 @@ def test_tool_call_limit_ends_the_episode(tokenizer):
     t = episode(engine, tokenizer, multiply_task.make_prompt(0, 4), max_tool_calls=1, max_total_tokens=200)
     assert (t.finish_reason, t.tool_calls, t.num_turns, t.reward) == ("max_tool_calls", 1, 2, 0.0)
     validate(t)
+
+
+USER_ENV = '''
+from nanoverl_async import Environment, Step
+
+
+def lookup(sample):
+    return sample["answr"]  # the user's typo
+
+
+class Typo(Environment):
+    async def step(self, sample, message):
+        return Step(reward=float(message["content"] == lookup(sample)))
+
+
+class ReturnsFloat(Environment):
+    def step(self, sample, message):
+        return 1.0
+'''
+
+
+def test_user_errors_name_the_hook_and_the_users_own_frames(tokenizer, tmp_path):
+    """A user's bug stops the episode with one line: the hook, the exception, and file:line of the user's
+    frames only (the framework's are left out); a step returning a float is told to return a Step."""
+    (tmp_path / "my_env.py").write_text(USER_ENV)
+    sample = multiply_task.make_prompt(0, 5)
+    with pytest.raises(UserCodeError) as raised:
+        episode(ScriptedEngine(tokenizer, ["42<|end|>"]), tokenizer, sample,
+                env=load_object(f"{tmp_path}/my_env.py:Typo")())
+    message = str(raised.value)
+    assert message.startswith("agent.env step() raised KeyError: 'answr' at my_env.py:6 in lookup <- "
+                              "my_env.py:11 in step"), message
+    assert "agent_loop" not in message and "\n" not in message
+    with pytest.raises(UserCodeError, match=r"step\(\) returned float 1.0; return a nanoverl_async.env.Step"):
+        episode(ScriptedEngine(tokenizer, ["42<|end|>"]), tokenizer, sample,
+                env=load_object(f"{tmp_path}/my_env.py:ReturnsFloat")())
+
+
+def test_a_rollout_function_runs_the_tools_it_declares(tokenizer):
+    """A plain rollout function gets tools and their call format from @rollout_tools; one that calls
+    run_tools without declaring any is refused (it used to parse no call and run nothing, silently)."""
+    sample = multiply_task.make_prompt(0, 5)
+    expression = f"{sample['a']}*{sample['b']}"
+
+    async def rollout(episode, sample):
+        episode.start(sample["messages"])
+        message = await episode.generate()
+        episode.add_turn(message)
+        observations = await episode.run_tools(message.get("parsed_calls", []))
+        return float(observations[0]["content"] == sample["answer"])
+
+    declared = rollout_tools(multiply_task.calculator, tool_format="builtin")(rollout)
+    engine = ScriptedEngine(tokenizer, [f"<call>{expression}</call>"])
+    t = episode(engine, tokenizer, sample, env=FunctionEnv(declared))
+    assert (t.reward, t.tool_calls, t.tool_errors) == (1.0, 1, 0)
+
+    async def undeclared(episode, sample):
+        episode.start(sample["messages"])
+        return float(len(await episode.run_tools([])))
+    with pytest.raises(UserCodeError, match=r"run_tools\(\) called, but the environment has no tools"):
+        episode(ScriptedEngine(tokenizer, ["x"]), tokenizer, sample, env=FunctionEnv(undeclared))

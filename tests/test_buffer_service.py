@@ -13,10 +13,11 @@ import zmq
 from nanoverl_async.buffer.service import BufferService, GatedClock, parse_request
 from nanoverl_async.data import prompt_source
 from nanoverl_async import multiply_task
-from nanoverl_async.config import BufferConfig, DataConfig, WireConfig
+from nanoverl_async.config import BufferConfig, DataConfig, GeneratorConfig, WireConfig
 from nanoverl_async.trajectory import Trajectory, encode
 
 _ids = itertools.count()
+VOCAB = 110  # the services' model vocabulary: token ids 0..109
 
 
 def make_trajectory(lease, sample_index, token_versions, generator_id=7) -> Trajectory:
@@ -57,9 +58,10 @@ class Client:
 def make_service():
     made = []
 
-    def make(B, G, eta, lease_timeout_s=30.0):
+    def make(B, G, eta, lease_timeout_s=30.0, replicas=8, max_groups_in_flight=16):
         service = BufferService(B, G, eta, BufferConfig(lease_timeout_s=lease_timeout_s), WireConfig(),
-                                lambda index: {"index": index, "question": f"{index}*3?"})
+                                GeneratorConfig(replicas=replicas, max_groups_in_flight=max_groups_in_flight),
+                                VOCAB, lambda index: {"index": index, "question": f"{index}*3?"})
         client = Client(service.endpoints)
         made.append((service, client))
         return service, client
@@ -130,6 +132,7 @@ def test_stale_group_is_dropped_and_its_prompt_reissued(make_service):
     stats = service.stats()
     assert stats["dropped_stale"] == 1 and stats["released"] == 1 and stats["reissued"] == 1
     assert stats["groups_started"] == 0 and stats["groups_ready"] == 0
+    service.publishing(1)
     (again,) = client.lease(version=1, max_groups=1)
     assert again["prompt_index"] == lease["prompt_index"] and again["group_id"] != lease["group_id"]
     client.push.send(encode(make_trajectory(again, 0, [1])))
@@ -194,10 +197,63 @@ def test_gated_clock_counts_refused_generator_time_per_window():
 
 
 def test_refused_leases_show_up_as_gated_time(make_service):
-    service, client = make_service(B=1, G=1, eta=0)
-    (lease,) = client.lease(version=0, max_groups=2)  # version 0 may start B=1 group
-    assert client.lease(version=0, max_groups=2) == []  # then the staleness bound refuses it
+    service, client = make_service(B=1, G=1, eta=0, replicas=1)
+    (lease,) = client.lease(version=0, max_groups=2, generator_id=0)  # version 0 may start B=1 group
+    assert client.lease(version=0, max_groups=2, generator_id=0) == []  # then the staleness bound refuses it
     time.sleep(0.3)
     client.push.send(encode(make_trajectory(lease, 0, [0])))
     batch = service.next_batch(0, timeout_s=5)
     assert 0.1 < batch.stats["generators_gated_frac"] <= 1.0
+
+
+def test_trajectories_the_run_cannot_have_produced_are_malformed(make_service):
+    """Ids beyond the vocabulary, versions never published or going backwards: dropped and counted before
+    they reach a group (the learner would fail on the first, train the second as negative staleness)."""
+    service, client = make_service(B=1, G=2, eta=0)
+    (lease,) = client.lease(version=0, max_groups=1)
+    beyond_vocab = make_trajectory(lease, 0, [0, 0])
+    beyond_vocab.token_ids = np.full_like(beyond_vocab.token_ids, 5000)
+    backwards = make_trajectory(lease, 0, [1, 0])
+    for bad in (beyond_vocab, make_trajectory(lease, 0, [0, 1000]), backwards):
+        client.push.send(encode(bad))
+    wait_for(service, lambda s: s["malformed"] == 3)
+    assert service.stats()["groups_ready"] == 0
+    for sample_index in (0, 1):  # the run goes on: the group completes with honest trajectories
+        client.push.send(encode(make_trajectory(lease, sample_index, [0, 0])))
+    batch = service.next_batch(step=0, timeout_s=5.0)
+    assert batch.stats["staleness_hist"] == {0: 2} and batch.stats["malformed"] == 3
+    service.publishing(1)  # once published, version 1 is honest
+    (lease,) = client.lease(version=1, max_groups=1)
+    for sample_index in (0, 1):
+        client.push.send(encode(make_trajectory(lease, sample_index, [0, 1])))
+    assert service.next_batch(step=1, timeout_s=5.0).stats["malformed"] == 3
+
+
+def test_a_group_takes_each_trajectory_id_once(make_service):
+    service, client = make_service(B=1, G=2, eta=0)
+    (lease,) = client.lease(version=0, max_groups=1)
+    first = make_trajectory(lease, 0, [0])
+    copy = make_trajectory(lease, 1, [0])
+    copy.id = first.id  # the same episode again, posing as the group's second sample
+    client.push.send(encode(first))
+    client.push.send(encode(copy))
+    wait_for(service, lambda s: s["dropped_duplicates"] == 1)
+    assert service.stats()["groups_ready"] == 0
+
+
+def test_lease_requests_are_checked_against_what_the_buffer_knows(make_service):
+    """A peer claiming unpublished weights, a generator the run does not have, or hundreds of groups is
+    refused or capped and counted; the versions the buffer reports stay those of the run's generators."""
+    service, client = make_service(B=4, G=1, eta=2, replicas=2, max_groups_in_flight=3)
+    claims = [({"version": 10**6, "max_groups": 400, "generator_id": 0}, "'version': 1000000 was never published"),
+              ({"version": 0, "max_groups": 4, "generator_id": 99}, "'generator_id': 99 is not one of this run's 2"),
+              ({"version": 1, "max_groups": 1, "generator_id": 1}, "'version': 1 was never published")]
+    for claim, error in claims:
+        assert error in client.ask({"op": "lease", **claim})["error"]
+    assert "never published" in client.ask({"op": "report", "generator_id": 0, "version": 5})["error"]
+    assert len(client.lease(version=0, max_groups=400, generator_id=0)) == 3  # capped at max_groups_in_flight
+    assert client.lease(version=0, max_groups=400, generator_id=0) == []  # its 3 are still in flight
+    assert len(client.lease(version=0, max_groups=1, generator_id=1)) == 1  # the gate had room for others
+    stats = service.stats()
+    assert stats["malformed_requests"] == 4 and stats["leased"] == 4
+    assert stats["generator_versions"] == {0: 0, 1: 0}

@@ -87,8 +87,32 @@ def test_dataset_prompts(tmp_path, writer, suffix):
 
 def test_bad_rows_fail_loudly(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "not messages"}])
-    with pytest.raises(ValueError, match="bad.jsonl row 0: 'prompt' must be a list"):
+    with pytest.raises(ValueError, match="bad.jsonl row 0: column 'prompt' must be a list"):
         DatasetPrompts([path], 0)(0)
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_a_bad_dataset_row_stops_the_launch_naming_file_row_and_columns(tmp_path, suffix):
+    """Checked when the run starts (it used to kill the buffer mid-run, buried in a Ray traceback)."""
+    rows = ROWS + [{"question": "2+2?", "reward_model": {"ground_truth": "4"}}]  # the last row has no prompt
+    path = (write_jsonl if suffix == "jsonl" else write_parquet)(tmp_path / f"train.{suffix}", rows)
+    with pytest.raises(ConfigError, match=rf"'data.train_files': .*train.{suffix} row {len(ROWS)}: no 'prompt' "
+                                          r"column \(the row has 'question', 'reward_model'"):
+        prepare(load_config(None, [f"data.train_files={path}"]))
+    (tmp_path / "val.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi"}]}\n{"prompt": [\n')
+    with pytest.raises(ConfigError, match=r"'data.val_files': .*val.jsonl line 2: not JSON"):
+        prepare(load_config(None, [f"data.val_files={tmp_path}/val.jsonl", "run.eval_every=1"]))
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 truncated")
+    with pytest.raises(ConfigError, match=r"'data.train_files': .*broken.parquet: not a readable parquet file"):
+        prepare(load_config(None, [f"data.train_files={tmp_path}/broken.parquet"]))
+
+
+def test_a_single_data_path_is_a_one_file_list(tmp_path):
+    """data.train_files=path.parquet, as every verl command line writes it (a config error before)."""
+    assert load_config(None, ["data.train_files=train.parquet"]).data.train_files == ["train.parquet"]
+    (tmp_path / "c.yaml").write_text("data:\n  train_files: a.jsonl\n  val_files: [b.jsonl, c.jsonl]\n")
+    data = load_config(str(tmp_path / "c.yaml")).data
+    assert data.train_files == ["a.jsonl"] and data.val_files == ["b.jsonl", "c.jsonl"]
 
 
 def test_reward_functions(tmp_path):

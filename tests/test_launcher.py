@@ -2,8 +2,10 @@
 
 import time
 
+import msgpack
 import pytest
 import ray
+import zmq
 
 from nanoverl_async.config import load_config
 from nanoverl_async.preflight import prepare
@@ -61,4 +63,33 @@ def test_dead_role_fails_the_run_naming_it(ray_session, random_tiny_model, tmp_p
                 roles.learners.update(roles.learners.prepare(train_batch))
         assert time.monotonic() - started < 30
     finally:
+        roles.shutdown()
+
+
+def test_a_hostile_lease_request_during_a_run_is_refused_and_the_run_goes_on(ray_session, random_tiny_model,
+                                                                             tmp_path):
+    """A peer on the wire claims weights from the future and 400 groups (once it starved the generator
+    until the gate timed out), and another claims a generator id the run does not have; both are refused
+    and counted while the run's own generator keeps the batches coming."""
+    roles = make_roles(random_tiny_model, tmp_path)
+    context = zmq.Context()
+    try:
+        batch = roles.next_batch(0)  # the run is up and streaming
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(ray.get(roles.buffer.endpoints.remote())["leases"])
+        for claim in ({"generator_id": 0, "version": 10**6, "max_groups": 400},
+                      {"generator_id": 5, "version": 0, "max_groups": 400}):
+            dealer.send(msgpack.packb({"op": "lease", **claim}))
+            assert dealer.poll(10_000)
+            assert "error" in msgpack.unpackb(dealer.recv(), raw=False)
+        for step in (1, 2):
+            with role_failures("learner pool"):
+                roles.learners.update(roles.learners.prepare(batch))
+            roles.publish_weights(version=step)
+            batch = roles.next_batch(step)
+        stats = batch.stats
+        assert stats["malformed_requests"] == 2 and set(stats["generator_versions"]) == {0}
+        assert stats["staleness_max"] >= 0 and len(batch.trajectories) == 4
+    finally:
+        context.destroy(linger=0)
         roles.shutdown()

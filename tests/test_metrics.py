@@ -58,3 +58,27 @@ def test_staleness_ignores_episodes_that_sampled_no_token():
     batch = make_batch(3, [trajectory(3, 1.0, 0), silent], dropped_stale=0, generators_gated_frac=0.0)
     m = step_metrics(3, 1, batch, {}, step_seconds=1.0, samples_trained=2)
     assert m["staleness/max"] == 0 and m["staleness/histogram"] == {"0": 1} and m["reward/mean"] == 0.5
+
+
+def test_a_run_stuck_on_tied_rewards_warns_once(tmp_path, capsys):
+    """Groups whose rewards all tie carry no group-relative advantage: after 3 such steps in a row the
+    logger says so once, with the likely cause; one informative group resets the count."""
+    def metrics(step: int, rewards: list[float]) -> dict:
+        trajectories = [trajectory(step, reward, 0) for reward in rewards]
+        for index, t in enumerate(trajectories):
+            t.group_id = index // 2  # groups of two
+        batch = make_batch(step, trajectories, dropped_stale=0, generators_gated_frac=0.0)
+        return step_metrics(step, 1, batch, {}, step_seconds=1.0, samples_trained=4)
+
+    assert metrics(0, [0.0, 0.0, 1.0, 1.0])["batch/tied_groups_frac"] == 1.0
+    assert metrics(0, [0.0, 1.0, 1.0, 1.0])["batch/tied_groups_frac"] == 0.5
+    logger = MetricsLogger(tmp_path, total_steps=10, progress=False)
+    for step, rewards in enumerate([[0.0] * 4, [0.0] * 4, [0.0, 1.0, 0.0, 0.0], [0.0] * 4, [0.0] * 4]):
+        logger.log(metrics(step, rewards))
+    assert capsys.readouterr().err == ""  # never three tied steps in a row yet
+    for step in (5, 6, 7, 8):
+        logger.log(metrics(step, [0.0] * 4))
+    logger.close()
+    warning = capsys.readouterr().err
+    assert warning.count("warning:") == 1 and warning.startswith("warning: steps 3-5: within every group")
+    assert "reward function never (or always) gives credit" in warning

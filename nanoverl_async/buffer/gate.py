@@ -68,7 +68,12 @@ class AdmissionGate:
 
     @property
     def in_flight(self) -> int:
-        return sum(1 for lease in self.live.values() if not lease.complete)
+        return self.in_flight_of()
+
+    def in_flight_of(self, generator_id: int | None = None) -> int:
+        """Leased groups not yet complete: all of them, or those of one generator."""
+        return sum(1 for lease in self.live.values()
+                   if not lease.complete and generator_id in (None, lease.generator_id))
 
     def capacity(self, version: int) -> int:
         """How many more groups a generator holding `version` may start now."""

@@ -13,7 +13,8 @@ all tie is dropped the moment it completes (`add` returns FILTERED, counted in `
 advantages would all be 0, so it carries no gradient; the caller gives its slot back without re-issuing
 the prompt, and generation keeps pulling until B informative groups are ready.
 
-Invariants: a trajectory only joins the open group named by its group_id, at an unused sample_index;
+Invariants: a trajectory only joins the open group named by its group_id, at an unused sample_index and
+with an id no other member has;
 a trajectory for an unknown group (a straggler of an expired lease, whose prompt now runs under a new
 group_id) or a duplicate sample is dropped and counted, never mixed in. Every group handed out has G
 trajectories, ordered by sample_index, and satisfies t - u <= eta.
@@ -37,7 +38,7 @@ from nanoverl_async.trajectory import Trajectory
 ADDED = "added"  # joined its open group, which still waits for more
 COMPLETED = "completed"  # joined its group, which is now complete and ready
 STRAGGLER = "straggler"  # its group is unknown, expired, released or already handed out: dropped
-DUPLICATE = "duplicate"  # its group (open or ready) already holds this sample_index: dropped
+DUPLICATE = "duplicate"  # its group (open or ready) already holds this sample_index or trajectory id: dropped
 MISMATCH = "mismatch"  # sample_index out of range or prompt_index not the group's: dropped
 FILTERED = "filtered"  # completed its group, whose rewards all tie, and group_filter is on: group dropped
 
@@ -91,7 +92,7 @@ class ReplayBuffer:
         if not 0 <= trajectory.sample_index < self.group_size or trajectory.prompt_index != group.prompt_index:
             self.counters["mismatched"] += 1
             return MISMATCH
-        if trajectory.sample_index in group.samples:
+        if trajectory.sample_index in group.samples or any(t.id == trajectory.id for t in group.samples.values()):
             self.counters["duplicates"] += 1
             return DUPLICATE
         group.samples[trajectory.sample_index] = trajectory

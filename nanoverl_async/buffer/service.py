@@ -7,11 +7,15 @@ One background thread owns both sockets, bound on WireConfig.host at random port
             -> {"leases": [{"group_id": int, "prompt_index": int, "sample": {...}}, ...]}  ([] = gate closed)
         {"op": "report", "generator_id": int, "version": int} -> {"ok": true}
         anything else -> {"error": "..."}
+    A request is refused ({"error"}, counted) from a generator id the run does not have, or claiming
+    weights newer than the newest published (`publishing`: the controller says so before publishing);
+    a lease gets at most generator.max_groups_in_flight incomplete groups per generator.
 The learner side calls `next_batch(step, timeout_s)`, which blocks on a condition until B fresh
 complete groups are ready, applying the consumption check (replay.py) first.
 
 Invariants: a message that fails to decode or validate is dropped, counted and logged, and the thread
-keeps running; gate and replay are only touched under one lock; a crash of the thread is re-raised by
+keeps running (validation includes token ids inside the model's vocabulary and versions no newer than
+the newest published: trajectory.check_bounds); gate and replay are only touched under one lock; a crash of the thread is re-raised by
 `next_batch`, never a silent hang. msgpack only, never pickle.
 
 Checkpoints: `state_bytes(version)` is one msgpack map {"format", "version", "gate", "replay",
@@ -38,7 +42,7 @@ import zmq
 from nanoverl_async import trajectory as wire
 from nanoverl_async.buffer.gate import AdmissionGate
 from nanoverl_async.buffer.replay import ADDED, COMPLETED, FILTERED, Group, ReplayBuffer
-from nanoverl_async.config import BufferConfig, WireConfig
+from nanoverl_async.config import BufferConfig, GeneratorConfig, WireConfig
 from nanoverl_async.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -130,8 +134,13 @@ class GatedClock:
 
 class BufferService:
     def __init__(self, prompts_per_step: int, group_size: int, staleness: int, config: BufferConfig,
-                 wire_config: WireConfig, prompt_fn: Callable[[int], dict], group_filter: bool = False):
+                 wire_config: WireConfig, generators: GeneratorConfig, vocab_size: int,
+                 prompt_fn: Callable[[int], dict], group_filter: bool = False):
+        """`generators`: how many there are (replicas: ids 0..replicas-1) and how many groups each may run;
+        `vocab_size`: the model's, which bounds every token id."""
         self.prompts_per_step, self.group_size, self.staleness = prompts_per_step, group_size, staleness
+        self.generators, self.vocab_size = generators, vocab_size
+        self._published = 0  # the newest weights version published (or about to be): no token is newer
         self.gate = AdmissionGate(prompts_per_step, staleness, config.lease_timeout_s,
                                   prompt_fn)
         self.replay = ReplayBuffer(group_size, group_filter)  # group_filter: DAPO dynamic sampling
@@ -163,8 +172,9 @@ class BufferService:
         deadline = start + timeout_s
         with self._cond:
             while True:
-                if self._error is not None:
-                    raise RuntimeError("buffer service thread died") from self._error
+                if self._error is not None:  # its message here: the cause does not survive a trip through Ray
+                    raise RuntimeError(f"buffer service thread died: {type(self._error).__name__}: "
+                                       f"{self._error}") from self._error
                 groups, dropped = self.replay.take(step, self.prompts_per_step, self.staleness)
                 for group in dropped:
                     self.gate.release(group.group_id, reissue=True)
@@ -189,7 +199,7 @@ class BufferService:
         for group in groups:
             self.gate.consume(group.group_id)
         stats = {**batch_stats(step, groups), **self._stats_locked(), "wait_s": waited_s,
-                 "generators_gated_frac": self._gated.fraction(time.monotonic(), len(self._generator_versions))}
+                 "generators_gated_frac": self._gated.fraction(time.monotonic(), self.generators.replicas)}
         self._tokens_since_batch = 0
         return Batch(step, [t for g in groups for t in g.trajectories], stats)
 
@@ -215,6 +225,11 @@ class BufferService:
             "tokens_generated": self._tokens_since_batch,
         }
 
+    def publishing(self, version: int) -> None:
+        """The controller is about to publish weights `version`: from now on tokens and requests may carry it."""
+        with self._cond:
+            self._published = max(self._published, version)
+
     def state_bytes(self, version: int) -> bytes:
         """The whole buffer state at weights `version` (the checkpoint's step), as msgpack bytes."""
         with self._cond:
@@ -229,6 +244,7 @@ class BufferService:
             raise ValueError(f"buffer state format {state.get('format')!r}, expected {STATE_FORMAT}")
         with self._cond:
             kept = self.gate.restore(state["gate"], state["version"], time.monotonic())
+            self._published = state["version"]  # the resumed run publishes it before any generator leases
             self.replay.restore(state["replay"], kept)
             self._counters.update(state["service"])
         log.info("buffer: restored at version %d: %d complete groups kept, frontier %s", state["version"],
@@ -270,6 +286,7 @@ class BufferService:
     def _on_trajectory(self, message: bytes) -> None:
         try:
             trajectory = wire.decode(message)
+            wire.check_bounds(trajectory, self.vocab_size, self._published)
         except Exception as error:  # noqa: BLE001 - no input may kill the service
             with self._cond:
                 self._counters["malformed"] += 1
@@ -290,6 +307,7 @@ class BufferService:
     def _on_request(self, payload: bytes) -> bytes:
         try:
             request = parse_request(payload)
+            self._check_claims(request)
         except ValueError as error:
             with self._cond:
                 self._counters["malformed_requests"] += 1
@@ -300,12 +318,22 @@ class BufferService:
             if request["op"] == "report":
                 return msgpack.packb({"ok": True}, use_bin_type=True)
             now = time.monotonic()
-            leases = self.gate.lease(request["version"], request["max_groups"], now, request["generator_id"])
+            generator_id = request["generator_id"]
+            room = self.generators.max_groups_in_flight - self.gate.in_flight_of(generator_id)
+            leases = self.gate.lease(request["version"], max(0, min(request["max_groups"], room)), now, generator_id)
             self._gated.observe(request["generator_id"], refused=not leases and request["max_groups"] > 0, now=now)
             for lease in leases:
                 self.replay.open(lease.group_id, lease.prompt_index, lease.version)
         reply = [{"group_id": l.group_id, "prompt_index": l.prompt_index, "sample": l.sample} for l in leases]
         return msgpack.packb({"leases": reply}, use_bin_type=True)
+
+    def _check_claims(self, request: dict) -> None:
+        """What a well-formed request claims, against what the buffer knows; ValueError if it cannot be so."""
+        if request["generator_id"] >= self.generators.replicas:
+            raise ValueError(f"field 'generator_id': {request['generator_id']} is not one of this run's "
+                             f"{self.generators.replicas} generators")
+        if request["version"] > self._published:
+            raise ValueError(f"field 'version': {request['version']} was never published (newest: {self._published})")
 
     def _expire(self, now: float) -> None:
         with self._cond:

@@ -45,7 +45,7 @@ import numpy as np
 
 from nanoverl_async.config import AgentConfig
 from nanoverl_async.env import Step
-from nanoverl_async.user_code import maybe_await
+from nanoverl_async.user_code import UserCodeError, call_user
 from nanoverl_async.generators.engine import Completion, Engine, SamplingParams
 from nanoverl_async.tool_parsers import ParsedCall, parse_turn, stop_strings
 from nanoverl_async.tools import Tool, ToolResult, as_tool, call_tool
@@ -154,6 +154,9 @@ class Episode:
 
     async def run_tools(self, calls: list[ParsedCall]) -> list[dict]:
         """Run the calls in order -> tool messages (errors included, counted)."""
+        if not self.tools:  # the calls could only have been parsed in the wrong format, and would all fail
+            raise UserCodeError("agent.env: episode.run_tools() called, but the environment has no tools "
+                                "(a rollout function declares them with @rollout_tools(...))")
         by_name = {t.name: t for t in self.tools}
         results: list[ToolResult] = []
         for call in calls:
@@ -201,7 +204,10 @@ async def drive(episode: Episode, env: Any, sample: dict) -> tuple[float, dict]:
             if not episode.observe(await episode.run_tools(calls)):
                 return 0.0, {}
             continue
-        step: Step = await maybe_await(env.step(sample, message))
+        step = await call_user("agent.env step()", env.step, sample, message)
+        if not isinstance(step, Step):
+            raise UserCodeError(f"agent.env step() returned {type(step).__name__} {step!r:.40}; return a "
+                                f"nanoverl_async.env.Step (e.g. Step(reward=1.0))")
         if step.done or not step.messages or not episode.observe(list(step.messages)):
             return float(step.reward), dict(step.info)
 
@@ -213,9 +219,13 @@ async def run_episode(engine: Engine, tokenizer, sample: dict, env: Any, agent: 
     trajectory_id = f"{generator_id}-{group_id}-{sample_index}-{uuid.uuid4().hex[:8]}"
     episode = Episode(engine, tokenizer, agent, temperature, env, episode_id=trajectory_id)
     if hasattr(env, "rollout"):
-        reward, info = float(await env.rollout(episode, sample)), {}
+        reward, info = await call_user("agent.env rollout()", env.rollout, episode, sample), {}
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise UserCodeError(f"agent.env rollout() returned {type(reward).__name__} {reward!r:.40}; return "
+                                f"the episode's reward as a float")
+        reward = float(reward)
     else:
-        episode.start(await maybe_await(env.reset(sample)))
+        episode.start(await call_user("agent.env reset()", env.reset, sample))
         reward, info = await drive(episode, env, sample)
     record = episode.record
     return Trajectory(
