@@ -230,12 +230,15 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
     try:
         if path is not None:
             merged = OmegaConf.merge(merged, _paths_as_lists(_read_yaml(path)))
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override '{item}' is not of the form key=value")
-            merged = OmegaConf.merge(merged, _paths_as_lists(OmegaConf.from_dotlist([item])))
     except OmegaConfBaseException as error:
         raise ConfigError(_describe(error)) from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+        try:
+            merged = OmegaConf.merge(merged, _paths_as_lists(OmegaConf.from_dotlist([item])))
+        except OmegaConfBaseException as error:
+            raise ConfigError(_describe(error, item.split("=", 1)[0])) from None
     cfg: Config = OmegaConf.to_object(merged)
     validate(cfg)
     return cfg
@@ -269,11 +272,11 @@ def _read_yaml(path: str) -> Any:
     return OmegaConf.create(loaded)
 
 
-def _describe(error: OmegaConfBaseException) -> str:
-    key = getattr(error, "full_key", None) or "?"
+def _describe(error: OmegaConfBaseException, override_key: str = "") -> str:
+    key = getattr(error, "full_key", None) or override_key or "?"
     message = str(error).strip().splitlines()[0]
     if "not in struct" in message or "Key '" in message and "not" in message:
-        return f"unknown config key '{key}'"
+        return f"unknown config key '{override_key or key}'"
     return f"config key '{key}': {message}"
 
 

@@ -54,8 +54,9 @@ def to_sample(row: dict, where: str) -> dict:
     """A verl row -> a sample: `messages` is the prompt; every other field kept as is (JSON-able)."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-    if "prompt" not in row:
-        raise ValueError(f"{where}: no 'prompt' column (the row has {', '.join(map(repr, row)) or 'none'})")
+    if row.get("prompt") is None:  # absent, or null (a parquet file has every column in every row)
+        columns = ", ".join(repr(k) for k, v in row.items() if v is not None) or "none"
+        raise ValueError(f"{where}: no 'prompt' column (the row has {columns})")
     prompt = row["prompt"]
     if isinstance(prompt, str) and prompt.lstrip().startswith("["):  # a JSON-encoded message list (some exports)
         try:

@@ -178,7 +178,7 @@ HOOK_CASES = [
     ("StepReturnsFloat", "agent.env step() returned float 1.0; return a nanoverl_async.env.Step"),
     ("StepReturnsNone", "agent.env step() returned NoneType None; return a nanoverl_async.env.Step"),
     ("RolloutReturnsText", "agent.env rollout() returned str '1.0'; return the episode's reward as a float"),
-    ("RolloutRaises", "agent.env rollout() raised ZeroDivisionError: division by zero at user_envs.py:37"),
+    ("RolloutRaises", "agent.env rollout() raised ZeroDivisionError: division by zero at user_envs.py:33 in rollout"),
 ]
 
 

@@ -225,7 +225,7 @@ def test_trajectories_the_run_cannot_have_produced_are_malformed(make_service):
     service.publishing(1)  # once published, version 1 is honest
     (lease,) = client.lease(version=1, max_groups=1)
     for sample_index in (0, 1):
-        client.push.send(encode(make_trajectory(lease, sample_index, [0, 1])))
+        client.push.send(encode(make_trajectory(lease, sample_index, [1, 1])))
     assert service.next_batch(step=1, timeout_s=5.0).stats["malformed"] == 3
 
 

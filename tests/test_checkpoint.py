@@ -186,8 +186,15 @@ def test_learner_dcp_save_load_gives_the_same_next_update(tmp_path):
 
 def fake_save(output_dir, step, keep=2):
     folder = checkpoint.begin(str(output_dir), step)
+    write_state_files(folder)
+    return checkpoint.commit(folder, {"step": step, "seed": 0, "config": {}}, keep)
+
+
+def write_state_files(folder):
+    """Stand-ins for what the roles write: DCP's index of the learner shards and the buffer's state."""
+    (folder / "learner").mkdir()
+    (folder / "learner" / ".metadata").write_bytes(b"x")
     (folder / "buffer.msgpack").write_bytes(b"x")
-    return checkpoint.commit(folder, {"step": step}, keep)
 
 
 def test_folders_are_published_whole_pruned_and_found_by_auto(tmp_path):
@@ -200,7 +207,7 @@ def test_folders_are_published_whole_pruned_and_found_by_auto(tmp_path):
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == [".step_8.tmp", "step_4", "step_6"]
     assert checkpoint.find_checkpoint(run) == root / "step_6"
-    assert checkpoint.read_meta(root / "step_6") == {"step": 6}
+    assert checkpoint.read_meta(root / "step_6") == {"step": 6, "seed": 0, "config": {}}
     fake_save(tmp_path, 8, keep=0)  # the leftover .tmp is cleared; keep=0 keeps all
     assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_6", "step_8"]
     explicit = RunConfig(output_dir=str(tmp_path), resume=str(root / "step_4"))
@@ -240,7 +247,7 @@ def saved_run(output_dir, step: int, *overrides: str):
     """A checkpoint of step `step` as a run with `overrides` writes it (meta.json with the real config)."""
     cfg = load_config("configs/agent_grpo.yaml", [f"run.output_dir={output_dir}", *overrides])
     folder = checkpoint.begin(str(output_dir), step)
-    (folder / "buffer.msgpack").write_bytes(b"x")
+    write_state_files(folder)
     return checkpoint.commit(folder, checkpoint.make_meta(cfg, step, {}), 2)
 
 

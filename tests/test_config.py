@@ -19,7 +19,7 @@ def test_default_config_loads_with_overrides():
 @pytest.mark.parametrize("override, key", [
     ("staleness.max=-1", "staleness.max"),
     ("staleness.maxx=3", "staleness.maxx"),
-    ("nosuchsection.x=1", "nosuchsection"),
+    ("nosuchsection.x=1", "nosuchsection.x"),
     ("run.total_steps=abc", "run.total_steps"),
     ("learner.world_size=3", "learner.world_size"),
     ("generator.replicas=0", "generator.replicas"),

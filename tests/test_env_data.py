@@ -97,7 +97,7 @@ def test_a_bad_dataset_row_stops_the_launch_naming_file_row_and_columns(tmp_path
     rows = ROWS + [{"question": "2+2?", "reward_model": {"ground_truth": "4"}}]  # the last row has no prompt
     path = (write_jsonl if suffix == "jsonl" else write_parquet)(tmp_path / f"train.{suffix}", rows)
     with pytest.raises(ConfigError, match=rf"'data.train_files': .*train.{suffix} row {len(ROWS)}: no 'prompt' "
-                                          r"column \(the row has 'question', 'reward_model'"):
+                                          r"column \(the row has .*'reward_model'"):
         prepare(load_config(None, [f"data.train_files={path}"]))
     (tmp_path / "val.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi"}]}\n{"prompt": [\n')
     with pytest.raises(ConfigError, match=r"'data.val_files': .*val.jsonl line 2: not JSON"):

@@ -24,6 +24,7 @@ from nanoverl_async.preflight import prepare
 from nanoverl_async.generators.worker import GeneratorWorker
 from nanoverl_async.tiny_model import build_tokenizer
 from nanoverl_async.trajectory import decode
+from nanoverl_async.user_code import UserCodeError
 
 GROUP_SIZE = 3
 
@@ -172,7 +173,8 @@ def test_failures_end_run_with_the_exception(model_dir):
             context.destroy(linger=0)
 
     env = BadEnv  # the worker makes one environment per episode
-    with pytest.raises(ZeroDivisionError, match="score exploded"):
+    with pytest.raises(UserCodeError, match=r"agent.env step\(\) raised ZeroDivisionError: score exploded at "
+                                            r"test_generator_worker.py:\d+ in step"):
         asyncio.run(main(env, reply_error=False))
     with pytest.raises(RuntimeError, match="buffer refused"):
         asyncio.run(main(None, reply_error=True))
