@@ -201,7 +201,7 @@ class RewardConfig:
 
 @dataclass
 class WireConfig:
-    host: str = "127.0.0.1"  # ZeroMQ binds here; change only on a trusted cluster network
+    host: str = "127.0.0.1"  # ZeroMQ binds here; any other address turns on CURVE with per-run keys (wire_auth.py)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from nanoverl_async.learners.pool import LearnerPool
 from nanoverl_async.metrics import MetricsLogger, step_metrics
 from nanoverl_async.models import load_tokenizer, resolve_model_path, vocab_size
 from nanoverl_async.preflight import prepare
+from nanoverl_async.wire_auth import CurveKeys, run_keys
 
 
 class RunFailed(RuntimeError):
@@ -123,24 +124,26 @@ class Roles:
 
     def __init__(self, cfg: Config, model_path: str, resume_from: Optional[Path] = None, start: int = 0):
         self.cfg = cfg
+        curve = run_keys(cfg.wire.host)  # off loopback, only processes holding this run's keys may connect
         # run.eval_every's prompts (validation checked that data.val_files is set), loaded once
         self.val_samples = [{**s, "index": i} for i, s in enumerate(load_samples(cfg.data.val_files))] \
             if cfg.run.eval_every else []
         self.buffer = ray.remote(num_cpus=0, max_concurrency=4)(BufferRole).remote(
-            cfg, vocab_size(model_path), restore_from=str(resume_from / "buffer.msgpack") if resume_from else "")
+            cfg, vocab_size(model_path), restore_from=str(resume_from / "buffer.msgpack") if resume_from else "",
+            curve=curve)
         # Every role's process starts at once (each spends seconds importing torch and loading a model);
         # generators connect to the buffer and the weights only once both exist.
         generator_actor = ray.remote(num_cpus=0, num_gpus=generator_gpus(cfg))(GeneratorRole)
         self.generators = [generator_actor.remote(generator_id=i, cfg=cfg, model_path=model_path)
                            for i in range(cfg.generator.replicas)]
         with role_failures("learner pool"):
-            self.learners = LearnerPool(cfg, model_path)
+            self.learners = LearnerPool(cfg, model_path, curve)
             if resume_from:
                 self.learners.load_checkpoint(str(resume_from / "learner"), start)
         with role_failures("buffer"):
             buffer_endpoints = ray.get(self.buffer.endpoints.remote(), timeout=60)
-        self.generator_runs = {gen.run.remote(buffer_endpoints, self.learners.weights_endpoint): f"generator {i}"
-                               for i, gen in enumerate(self.generators)}
+        self.generator_runs = {gen.run.remote(buffer_endpoints, self.learners.weights_endpoint, curve):
+                               f"generator {i}" for i, gen in enumerate(self.generators)}
         sglang = cfg.generator.sglang
         if cfg.generator.engine == "sglang" and sglang.weight_transport == "nccl":
             # Learner rank 0 loads every version into every server itself, so it joins one group with all
@@ -200,10 +203,10 @@ class Roles:
 class BufferRole:
     """The buffer service in its own process (methods, not properties, so Ray can call them)."""
 
-    def __init__(self, cfg: Config, vocab_size: int, restore_from: str = ""):
+    def __init__(self, cfg: Config, vocab_size: int, restore_from: str = "", curve: Optional[CurveKeys] = None):
         self.service = BufferService(cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max,
                                      cfg.buffer, cfg.wire, cfg.generator, vocab_size,
-                                     prompt_source(cfg.data, cfg.run.seed), cfg.algorithm.group_filter)
+                                     prompt_source(cfg.data, cfg.run.seed), cfg.algorithm.group_filter, curve)
         if restore_from:  # before any generator connects (Roles starts their runs afterwards)
             self.service.restore(Path(restore_from).read_bytes())
 
@@ -230,9 +233,9 @@ class GeneratorRole:
     def __init__(self, **kwargs):
         self.worker = GeneratorWorker(**kwargs)
 
-    async def run(self, buffer_endpoints: dict, weights_endpoint: str) -> None:
+    async def run(self, buffer_endpoints: dict, weights_endpoint: str, curve: Optional[CurveKeys] = None) -> None:
         try:
-            await self.worker.run(buffer_endpoints, weights_endpoint)
+            await self.worker.run(buffer_endpoints, weights_endpoint, curve)
         finally:
             close = getattr(self.worker.engine, "close", None)  # an SGLang engine stops its server processes
             if close is not None:
@@ -270,13 +273,22 @@ def role_failures(name: str):
 
 
 def start_ray(cfg: RayConfig) -> bool:
-    """Local Ray by default, a cluster when `ray.address` is set; returns whether we started it."""
+    """Local Ray by default, a cluster when `ray.address` is set; returns whether we started it. Every
+    role runs this very checkout's code: on a cluster the package is shipped to the nodes (py_modules);
+    on this machine the workers import it from where the driver did, whatever else is installed."""
     if ray.is_initialized():
         return False
     if not cfg.address:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local runs need no token (Ray >= 2.60)
     quiet = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     os.environ.update(quiet)
+    package = Path(__file__).resolve().parent
+    runtime_env = {"env_vars": dict(quiet)}
+    if cfg.address:
+        runtime_env["py_modules"] = [str(package)]
+    else:
+        runtime_env["env_vars"]["PYTHONPATH"] = os.pathsep.join(
+            path for path in (str(package.parent), os.environ.get("PYTHONPATH", "")) if path)
     ray.init(address=cfg.address or None, num_cpus=cfg.num_cpus or None, include_dashboard=False,
-             logging_level="WARNING", runtime_env={"env_vars": quiet})
+             logging_level="WARNING", runtime_env=runtime_env)
     return True

@@ -31,6 +31,8 @@ import zmq
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
+from nanoverl_async.wire_auth import CurveKeys, admit_run_clients, connect, serve
+
 log = logging.getLogger(__name__)
 
 HIGH_WATER_MARK = 4  # queued messages per peer; each may be a whole model, so keep few
@@ -57,7 +59,7 @@ def serialise(state_dict: dict[str, torch.Tensor]) -> bytes:
 class WeightPublisher:
     """Binds an XPUB socket on `host` (random port); `endpoint` is what generators connect to."""
 
-    def __init__(self, host: str = "127.0.0.1"):
+    def __init__(self, host: str = "127.0.0.1", curve: Optional[CurveKeys] = None):
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._bound = threading.Event()
@@ -67,7 +69,7 @@ class WeightPublisher:
         self.error: Optional[BaseException] = None
         self.sent_version = -1  # newest version sent so far
         self.counts = {"published": 0, "sent": 0, "superseded": 0, "resent_to_new_subscribers": 0}
-        self._thread = threading.Thread(target=self._run, args=(host,), name="weight-publisher", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(host, curve), name="weight-publisher", daemon=True)
         self._thread.start()
         if not self._bound.wait(timeout=30) or not self.endpoint:
             raise RuntimeError(f"weight publisher could not bind on {host}: {self.error!r}")
@@ -92,9 +94,11 @@ class WeightPublisher:
         if self._thread.is_alive():
             log.error("weight publisher thread did not stop within %.0f s", timeout_s)
 
-    def _run(self, host: str) -> None:
+    def _run(self, host: str, curve: Optional[CurveKeys]) -> None:
         context = zmq.Context()
+        authenticator = admit_run_clients(context, curve)  # only the run's generators may subscribe
         socket = context.socket(zmq.XPUB)
+        serve(socket, curve)
         socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
         socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # see every subscription, not only the first per topic
         latest: Optional[list] = None  # the frames of the newest version sent, for late subscribers
@@ -131,16 +135,19 @@ class WeightPublisher:
         finally:
             self._bound.set()
             socket.close(linger=1000)  # give the last version a moment to leave
+            if authenticator is not None:
+                authenticator.stop()
             context.term()
 
 
 class WeightSubscriber:
     """Connects a SUB socket to a WeightPublisher's endpoint; `counts` holds received/dropped totals."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, curve: Optional[CurveKeys] = None):
         self.endpoint = endpoint
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.SUB)
+        connect(self._socket, curve)
         self._socket.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self._socket.connect(endpoint)

@@ -31,7 +31,8 @@ def read_metrics(path):
     ("run.total_steps=4", "staleness.max=1"),
     ("run.total_steps=3", "staleness.max=0", "learner.world_size=2", "generator.replicas=2",
      "weight_sync.mode=drain", "data.prompts_per_step=4"),
-], ids=["default-async", "two-ranks-two-generators-sync-drain"])
+    ("run.total_steps=2", "wire.host=0.0.0.0"),  # off loopback: every socket CURVE with the run's keys
+], ids=["default-async", "two-ranks-two-generators-sync-drain", "curve-off-loopback"])
 def test_cli_runs_a_few_steps(tmp_path, overrides):
     result = run_cli(tmp_path, *overrides)
     assert result.returncode == 0, result.stderr[-3000:]

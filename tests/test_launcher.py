@@ -1,12 +1,19 @@
-"""Supervision: a role that dies ends the run within seconds with an error naming it, never a hang."""
+"""Supervision: a role that dies ends the run within seconds naming it, never a hang; a hostile lease request
+during a run is refused while the run goes on; Ray workers run the code of the checkout that launched."""
 
+import os
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
 import ray
 import zmq
 
+import nanoverl_async
 from nanoverl_async.config import load_config
 from nanoverl_async.preflight import prepare
 from nanoverl_async.launcher import Roles, RunFailed, role_failures
@@ -93,3 +100,27 @@ def test_a_hostile_lease_request_during_a_run_is_refused_and_the_run_goes_on(ray
     finally:
         context.destroy(linger=0)
         roles.shutdown()
+
+
+ACTOR_CODE_SCRIPT = """
+import ray, nanoverl_async
+from nanoverl_async.config import RayConfig
+from nanoverl_async.launcher import start_ray
+
+start_ray(RayConfig())
+where = ray.remote(num_cpus=0)(lambda: __import__("nanoverl_async").__file__)
+print(nanoverl_async.__file__, ray.get(where.remote(), timeout=60))
+ray.shutdown()
+"""
+
+
+def test_actors_run_the_code_of_the_checkout_that_launched(tmp_path):
+    """A launch from another checkout (here a copy of the package) runs that copy in every Ray worker,
+    not the copy installed in the environment."""
+    shutil.copytree(Path(nanoverl_async.__file__).parent, tmp_path / "nanoverl_async",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    result = subprocess.run([sys.executable, "-c", ACTOR_CODE_SCRIPT], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=180, env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    driver, actor = result.stdout.split()[-2:]
+    assert driver == actor == str(tmp_path / "nanoverl_async" / "__init__.py")

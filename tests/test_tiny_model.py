@@ -249,9 +249,11 @@ def test_concurrent_builds_build_once(tmp_path):
 
 
 def test_resolve_model_path(tmp_path, monkeypatch):
-    assert resolve_model_path("/some/hf/dir") == "/some/hf/dir"
-    assert resolve_model_path("Qwen/Qwen2.5-0.5B", str(tmp_path)) == "Qwen/Qwen2.5-0.5B"
-    with pytest.raises(ValueError, match="model.path='builtin:huge'.*builtin:tiny"):
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path)  # a directory, unchanged
+    assert resolve_model_path("Qwen/Qwen2.5-0.5B", str(tmp_path)) == "Qwen/Qwen2.5-0.5B"  # a hub id, unchanged
+    with pytest.raises(ValueError, match="'/some/hf/dir' is not a directory"):  # only local, and missing
+        resolve_model_path("/some/hf/dir")
+    with pytest.raises(ValueError, match="'builtin:huge' is not a built-in model.*builtin:tiny"):
         resolve_model_path("builtin:huge", str(tmp_path))
     monkeypatch.setenv("NANOVERL_CACHE", str(tmp_path))
     assert default_cache_dir() == tmp_path and default_cache_dir("/x") == default_cache_dir("/x")

@@ -14,9 +14,9 @@ The learner side calls `next_batch(step, timeout_s)`, which blocks on a conditio
 complete groups are ready, applying the consumption check (replay.py) first.
 
 Invariants: a message that fails to decode or validate is dropped, counted and logged, and the thread
-keeps running (validation includes token ids inside the model's vocabulary and versions no newer than
-the newest published: trajectory.check_bounds); gate and replay are only touched under one lock; a crash of the thread is re-raised by
-`next_batch`, never a silent hang. msgpack only, never pickle.
+keeps running (validation includes token ids inside the model's vocabulary and versions no newer than the
+newest published: trajectory.check_bounds); gate and replay are only touched under one lock; a crash of
+the thread is re-raised by `next_batch`, never a silent hang. msgpack only, never pickle.
 
 Checkpoints: `state_bytes(version)` is one msgpack map {"format", "version", "gate", "replay",
 "service"} taken under the lock while generators keep streaming (a consistent cut: every trajectory
@@ -33,7 +33,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import msgpack
 import numpy as np
@@ -44,6 +44,7 @@ from nanoverl_async.buffer.gate import AdmissionGate
 from nanoverl_async.buffer.replay import ADDED, COMPLETED, FILTERED, Group, ReplayBuffer
 from nanoverl_async.config import BufferConfig, GeneratorConfig, WireConfig
 from nanoverl_async.trajectory import Trajectory
+from nanoverl_async.wire_auth import CurveKeys, admit_run_clients, serve
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +136,10 @@ class GatedClock:
 class BufferService:
     def __init__(self, prompts_per_step: int, group_size: int, staleness: int, config: BufferConfig,
                  wire_config: WireConfig, generators: GeneratorConfig, vocab_size: int,
-                 prompt_fn: Callable[[int], dict], group_filter: bool = False):
+                 prompt_fn: Callable[[int], dict], group_filter: bool = False, curve: Optional[CurveKeys] = None):
         """`generators`: how many there are (replicas: ids 0..replicas-1) and how many groups each may run;
-        `vocab_size`: the model's, which bounds every token id."""
+        `vocab_size`: the model's, which bounds every token id; `curve`: the run's keys when wire.host is
+        not loopback (wire_auth.py): only the run's generators can then connect."""
         self.prompts_per_step, self.group_size, self.staleness = prompts_per_step, group_size, staleness
         self.generators, self.vocab_size = generators, vocab_size
         self._published = 0  # the newest weights version published (or about to be): no token is newer
@@ -152,8 +154,11 @@ class BufferService:
         self._gated = GatedClock(time.monotonic())
         self._error: BaseException | None = None
         self._context = zmq.Context()
+        self._authenticator = admit_run_clients(self._context, curve)
         self._pull = self._context.socket(zmq.PULL)
         self._router = self._context.socket(zmq.ROUTER)
+        serve(self._pull, curve)
+        serve(self._router, curve)
         host = wire_config.host
         self.endpoints = {
             "trajectories": f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{host}')}",
@@ -256,6 +261,8 @@ class BufferService:
         self._thread.join(timeout=5.0)
         with self._cond:
             self._cond.notify_all()
+        if self._authenticator is not None:
+            self._authenticator.stop()
         if not self._thread.is_alive() and not self._context.closed:
             self._context.term()
 

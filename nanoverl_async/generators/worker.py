@@ -43,6 +43,7 @@ from nanoverl_async.generators.agent_loop import run_episode
 from nanoverl_async.generators.engine import Engine
 from nanoverl_async.trajectory import encode
 from nanoverl_async.weights import WeightSubscriber
+from nanoverl_async.wire_auth import CurveKeys, connect
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +52,9 @@ EVAL_TEMPERATURE = 1e-3  # evaluation is (near-)greedy: engines sample with temp
 
 
 class GeneratorWorker:
-    def __init__(self, generator_id: int, cfg: Config, model_path: str, *, env: Optional[Callable] = None, engine: Optional[Engine] = None,
-                 tokenizer=None, request_timeout_s: float = 30.0, group_timeout_s: float = 600.0,
-                 lease_retry_s: float = 0.02):
+    def __init__(self, generator_id: int, cfg: Config, model_path: str, *, env: Optional[Callable] = None,
+                 engine: Optional[Engine] = None, tokenizer=None, request_timeout_s: float = 30.0,
+                 group_timeout_s: float = 600.0, lease_retry_s: float = 0.02):
         model_path = resolve_model_path(model_path)
         torch.set_num_threads(cfg.generator.torch_threads)  # this process is the generator's own
         self.generator_id = generator_id
@@ -87,9 +88,9 @@ class GeneratorWorker:
         return {**self.counts, "version": self.engine.version, "groups_in_flight": len(self._groups),
                 "engine_in_flight": self.engine.in_flight(), "weight_apply_s": self.weight_apply_s}
 
-    async def run(self, buffer_endpoints: dict, weights_endpoint: str) -> None:
+    async def run(self, buffer_endpoints: dict, weights_endpoint: str, curve: Optional[CurveKeys] = None) -> None:
         """Lease, generate and apply weights until `stop()`: the buffer's sockets (BufferService.endpoints)
-        and the learner's weights publisher."""
+        and the learner's weights publisher, with the run's keys when they bind beyond loopback."""
         self.buffer_endpoints = buffer_endpoints
         self._wake, self._new_weights = asyncio.Event(), asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -98,10 +99,12 @@ class GeneratorWorker:
         subscriber, tasks = None, []
         try:
             self._dealer = context.socket(zmq.DEALER)
+            connect(self._dealer, curve)
             self._dealer.connect(self.buffer_endpoints["leases"])
             self._push = context.socket(zmq.PUSH)
+            connect(self._push, curve)
             self._push.connect(self.buffer_endpoints["trajectories"])
-            subscriber = WeightSubscriber(weights_endpoint)
+            subscriber = WeightSubscriber(weights_endpoint, curve)
             if not self._stop_requested:
                 tasks = [self._spawn(self._lease_loop(), "lease-loop"),
                          self._spawn(self._weight_loop(subscriber), "weights")]

@@ -35,6 +35,7 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
@@ -54,6 +55,7 @@ from nanoverl_async.learners.batch import (Packing, TrainBatch, epoch_order, pac
 from nanoverl_async.learners.checkpoint import load_training_state, save_training_state
 from nanoverl_async.models import DTYPES, load_tokenizer
 from nanoverl_async.weights import WeightPublisher
+from nanoverl_async.wire_auth import CurveKeys
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ class LearnerSetup:
     temperature: float = 1.0  # generator.temperature: logprobs of the distribution the generators sample
     seed: int = 0  # run.seed
     max_total_tokens: int = 0  # agent.max_total_tokens: overlong limit, seq-mean-token-sum-norm's constant
+    curve: Optional[CurveKeys] = None  # the run's keys when wire.host is not loopback (wire_auth.py)
 
 
 class LearnerRank:
@@ -112,7 +115,7 @@ class LearnerRank:
         if not self.packs:
             log.warning("%s mixes packed sequences in attention: the learner pads one sequence per row (slower)",
                         setup.model.path)
-        self.publisher = WeightPublisher(setup.wire.host) if rank == 0 else None
+        self.publisher = WeightPublisher(setup.wire.host, setup.curve) if rank == 0 else None
         self.nccl_transport = False  # set by connect_sglang on every rank (publish_weights gathers differently)
         self.sender = None  # rank 0's SGLangWeightSender once connected
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import time
+from typing import Optional
 
 import numpy as np
 import ray
@@ -23,6 +24,7 @@ from nanoverl_async.config import Config, SGLangConfig
 from nanoverl_async.learners.batch import TrainBatch, collate, explained_variance, group_size_of, with_advantages
 from nanoverl_async.learners.fsdp_rank import PROCESS_GROUP_TIMEOUT_S, LearnerRank, LearnerSetup
 from nanoverl_async.learners.sglang_nccl import check_reachable
+from nanoverl_async.wire_auth import CurveKeys
 
 TIMEOUT_S = PROCESS_GROUP_TIMEOUT_S + 60  # a rank stuck in a collective fails first, with its own error
 
@@ -43,13 +45,13 @@ class _DeferredRank(LearnerRank):
 
 
 class LearnerPool:
-    def __init__(self, cfg: Config, model_path: str):
+    def __init__(self, cfg: Config, model_path: str, curve: Optional[CurveKeys] = None):
         """The ranks of `cfg.learner`, each built from the sections of `cfg` it reads (LearnerSetup);
-        `model_path` is model.path resolved to a directory. Their weights are version 0 until
-        `load_checkpoint` restores another."""
+        `model_path` is model.path resolved to a directory; `curve` the run's wire keys (wire_auth.py).
+        Their weights are version 0 until `load_checkpoint` restores another."""
         self.setup = setup = LearnerSetup(
             dataclasses.replace(cfg.model, path=model_path), cfg.learner, cfg.algorithm, cfg.kl, cfg.reference,
-            cfg.critic, cfg.wire, cfg.generator.temperature, cfg.run.seed, cfg.agent.max_total_tokens)
+            cfg.critic, cfg.wire, cfg.generator.temperature, cfg.run.seed, cfg.agent.max_total_tokens, curve)
         learner = cfg.learner
         # p_old must be recomputed unless the update's own forward (one optimizer step) sees the same weights
         self.needs_proximal = learner.ppo_epochs * learner.minibatches > 1

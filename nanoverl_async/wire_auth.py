@@ -1,0 +1,89 @@
+"""ZeroMQ CURVE on every socket bound beyond loopback: only the run's own roles may connect.
+
+    keys = run_keys(cfg.wire.host)          # the controller, once per run: None on 127.0.0.1
+    admit_run_clients(context, keys)       # a role that binds (buffer, weights publisher), per context,
+    serve(socket, keys)                    #   and per socket, before socket.bind
+    connect(socket, keys)                  # a role that connects (generators), before socket.connect
+
+Why: on 127.0.0.1 only processes of this machine can reach the sockets, but a `wire.host` on a network
+lets any peer lease prompts, push trajectories or subscribe to the weights. With keys, every connection
+is encrypted (CurveZMQ: Curve25519 keys, the server's public key must be known to start a handshake) and
+a ZAP handler admits only clients presenting the run's client key; a peer without it never completes
+the handshake, so its messages never reach the buffer. The keys are made fresh by the controller for
+each run and handed to the roles as arguments: never written to the config, the logs or the checkpoint.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from typing import Optional
+
+import zmq
+import zmq.auth.thread
+
+
+@dataclass(frozen=True, repr=False)  # repr=False: secret keys never end up in logs or tracebacks
+class CurveKeys:
+    server_public: bytes  # z85, 40 bytes each
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def run_keys(host: str) -> Optional[CurveKeys]:
+    """Fresh keys for a run whose sockets bind on `host`; None on loopback, which needs none."""
+    if is_loopback(host):
+        return None
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    return CurveKeys(server_public, server_secret, client_public, client_secret)
+
+
+class _RunClients:
+    """The ZAP credentials check: the run's client key, and no other."""
+
+    def __init__(self, client_public: bytes):
+        self.allowed = client_public
+
+    def callback(self, domain: str, key: bytes) -> bool:  # pyzmq passes the client's key z85-encoded
+        return key == self.allowed
+
+
+def admit_run_clients(context: zmq.Context,
+                      keys: Optional[CurveKeys]) -> Optional[zmq.auth.thread.ThreadAuthenticator]:
+    """Start the ZAP handler of `context` (once per context that binds CURVE servers): it admits only
+    clients presenting the run's client key. Stop it before the context ends; None without keys."""
+    if keys is None:
+        return None
+    authenticator = zmq.auth.thread.ThreadAuthenticator(context)
+    authenticator.start()
+    authenticator.configure_curve_callback(domain="*", credentials_provider=_RunClients(keys.client_public))
+    return authenticator
+
+
+def serve(socket: zmq.Socket, keys: Optional[CurveKeys]) -> None:
+    """Make `socket` (before it binds) a CURVE server; nothing without keys."""
+    if keys is None:
+        return
+    socket.curve_secretkey = keys.server_secret
+    socket.curve_publickey = keys.server_public
+    socket.curve_server = True
+
+
+def connect(socket: zmq.Socket, keys: Optional[CurveKeys]) -> None:
+    """Make `socket` (before it connects) a CURVE client of the run's servers; nothing without keys."""
+    if keys is None:
+        return
+    socket.curve_secretkey = keys.client_secret
+    socket.curve_publickey = keys.client_public
+    socket.curve_serverkey = keys.server_public
