@@ -19,9 +19,10 @@ from nanoverl_async.buffer.service import BufferService
 from nanoverl_async.config import AgentConfig, BufferConfig, ConfigError, GeneratorConfig, WireConfig, load_config
 from nanoverl_async.generators.agent_loop import run_episode
 from nanoverl_async.launcher import launch
-from nanoverl_async.trajectory import Trajectory, encode
+from nanoverl_async.trajectory import encode
 from nanoverl_async.user_code import UserCodeError, load_object
 from test_agent_loop import ScriptedEngine
+from test_buffer_service import VOCAB, make_trajectory
 
 ONE_LINE_TIMEOUT_S = 60
 
@@ -197,27 +198,15 @@ def test_user_hook_errors_name_the_hook_and_the_line(tmp_path, name, culprit):
 
 
 # --- the wire: what a faulty generator or a hostile peer sends -> counted and ignored; the run goes on
-VOCAB = 110
-
-
-def honest(lease, sample_index, versions=(0, 0)) -> Trajectory:
-    v = np.array([-1, -1, *versions, -1], dtype=np.int32)
-    mask = (v >= 0).astype(np.uint8)
-    return Trajectory(id=f"{lease['group_id']}-{sample_index}", group_id=lease["group_id"],
-                      prompt_index=lease["prompt_index"], sample_index=sample_index,
-                      token_ids=np.arange(len(v), dtype=np.int32), loss_mask=mask,
-                      behaviour_logprobs=-0.5 * mask.astype(np.float32), versions=v, reward=float(sample_index))
-
-
 def forged(lease, **changes) -> bytes:
-    t = honest(lease, 0)
+    t = make_trajectory(lease, 0, [0, 0])
     for name, value in changes.items():
         setattr(t, name, value)
     return encode(t)
 
 
 def raw_record(lease, **fields) -> bytes:
-    record = msgpack.unpackb(encode(honest(lease, 0)), raw=False)
+    record = msgpack.unpackb(encode(make_trajectory(lease, 0, [0, 0])), raw=False)
     record.update(fields)
     return msgpack.packb(record, use_bin_type=True)
 
@@ -231,7 +220,7 @@ TRAJECTORY_CASES = {  # name -> lease -> message bytes; every one is malformed, 
     "ids-beyond-vocab": lambda lease: forged(lease, token_ids=np.full(5, 5000, dtype=np.int32)),
     "negative-id": lambda lease: forged(lease, token_ids=np.array([0, 1, -2, 3, 4], dtype=np.int32)),
     "version-from-the-future": lambda lease: forged(lease, versions=np.array([-1, -1, 0, 1000, -1], np.int32)),
-    "versions-backwards": lambda lease: encode(honest(lease, 0, versions=(1, 0))),
+    "versions-backwards": lambda lease: encode(make_trajectory(lease, 0, [1, 0])),
     "logprob-positive": lambda lease: forged(lease, behaviour_logprobs=np.array([0, 0, 2.0, -1, 0], np.float32)),
     "logprob-nan": lambda lease: forged(lease, behaviour_logprobs=np.array([0, 0, np.nan, -1, 0], np.float32)),
     "mask-not-binary": lambda lease: forged(lease, loss_mask=np.array([0, 0, 2, 1, 0], np.uint8)),
@@ -270,13 +259,14 @@ def test_the_buffer_counts_and_ignores_every_bad_message_and_still_hands_out_a_b
         (lease,) = ask({"op": "lease", "generator_id": 0, "version": 0, "max_groups": 1})["leases"]
         for make in TRAJECTORY_CASES.values():
             push.send(make(lease))
-        push.send(encode(honest(lease, 0)))
-        push.send(encode(honest(lease, 0)))  # an exact resend
-        copy = honest(lease, 1)
-        copy.id = honest(lease, 0).id  # the same episode posing as the second sample
+        first = make_trajectory(lease, 0, [0, 0])
+        push.send(encode(first))
+        push.send(encode(first))  # an exact resend
+        copy = make_trajectory(lease, 1, [0, 0])
+        copy.id = first.id  # the same episode posing as the second sample
         push.send(encode(copy))
-        push.send(encode(honest({"group_id": 99, "prompt_index": 0}, 1)))  # a lease that does not exist
-        push.send(encode(honest(lease, 1)))  # the real second sample completes the group
+        push.send(encode(make_trajectory({"group_id": 99, "prompt_index": 0}, 1, [0])))  # no such lease
+        push.send(encode(make_trajectory(lease, 1, [0, 0])))  # the real second sample completes the group
         batch = service.next_batch(step=0, timeout_s=ONE_LINE_TIMEOUT_S)
         stats = batch.stats
         assert stats["malformed"] == len(TRAJECTORY_CASES) and stats["malformed_requests"] == len(REQUEST_CASES)
