@@ -1,8 +1,9 @@
-"""A learner rank's training state on disk: torch.distributed.checkpoint (DCP), sharded, every rank
-writing and reading only its own shards.
+"""What a learner rank writes to disk: its training state, torch.distributed.checkpoint (DCP), sharded,
+every rank writing and reading only its own shards; and the full model as a Hugging Face directory.
 
     save_training_state(rank, "out/checkpoints/.step_4.tmp/learner")   # collective, on every rank
     load_training_state(rank, "out/checkpoints/step_4/learner")        # collective, on every rank
+    save_hf(rank.model, AutoModelForCausalLM, model_path, "out/final", rank.rank)   # collective
 
 What is saved: the policy and its AdamW state, and, with algorithm.advantage=gae, the critic and its
 optimizer. The frozen reference model is not: it is rebuilt from reference.path (or model.path).
@@ -16,8 +17,15 @@ Run alone: `python -m pytest tests/test_checkpoint.py -q -k learner` (1 and 2 ra
 
 from __future__ import annotations
 
+import os
+
+import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+
+from nanoverl_async.models import load_tokenizer
 
 
 def _modules(learner) -> dict:
@@ -48,3 +56,21 @@ def load_training_state(learner, path: str) -> None:
     for name, (model, optimizer) in _modules(learner).items():
         set_state_dict(model, optimizer, model_state_dict=state[name]["model"],
                        optim_state_dict=state[name]["optimizer"])
+
+
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: `module`'s full (unsharded) state dict on rank 0's CPU; {} on other ranks."""
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_hf(module: torch.nn.Module, model_class, source: str, path: str, rank: int, **kwargs) -> None:
+    """Collective: gather `module`'s full state dict and have rank 0 save it as `model_class` built from
+    `source` (its config and tokenizer files are copied too)."""
+    state_dict = full_state_dict(module)
+    if rank == 0:
+        model = model_class.from_pretrained(source, dtype=torch.float32, **kwargs)
+        model.load_state_dict(state_dict)
+        model.save_pretrained(path)
+        if any(os.path.exists(os.path.join(source, name)) for name in ("tokenizer.json", "tokenizer_config.json")):
+            load_tokenizer(source).save_pretrained(path)
+    dist.barrier()

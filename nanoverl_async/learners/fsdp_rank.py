@@ -33,14 +33,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -52,8 +50,8 @@ from nanoverl_async.config import (AlgorithmConfig, CriticConfig, KLConfig, Lear
                                    ReferenceConfig, SGLangConfig, WireConfig)
 from nanoverl_async.learners.batch import (Packing, TrainBatch, epoch_order, pack, sequence_logprobs, shard, split_to,
                                            take_rows, to_device, token_budget_bounds, trimmed)
-from nanoverl_async.learners.checkpoint import load_training_state, save_training_state
-from nanoverl_async.models import DTYPES, load_tokenizer
+from nanoverl_async.learners.checkpoint import full_state_dict, load_training_state, save_hf, save_training_state
+from nanoverl_async.models import DTYPES
 from nanoverl_async.weights import WeightPublisher
 from nanoverl_async.wire_auth import CurveKeys
 
@@ -328,7 +326,7 @@ class LearnerRank:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the full (unsharded) fp32 state dict on rank 0's CPU; {} on other ranks."""
-        return _full_state_dict(self.model)
+        return full_state_dict(self.model)
 
     def weights_endpoint(self) -> str:
         return self.publisher.endpoint if self.publisher is not None else ""
@@ -337,9 +335,9 @@ class LearnerRank:
         """Collective: rank 0 writes a Hugging Face directory (config, weights, tokenizer) at `path`, and
         the critic's (advantage=gae; AutoModelForTokenClassification, one label) at `path/critic`."""
         model_path = self.setup.model.path
-        _save_hf(self.model, AutoModelForCausalLM, model_path, path, self.rank)
+        save_hf(self.model, AutoModelForCausalLM, model_path, path, self.rank)
         if self.critic is not None:
-            _save_hf(self.critic, AutoModelForTokenClassification, self.setup.critic.path or model_path,
+            save_hf(self.critic, AutoModelForTokenClassification, self.setup.critic.path or model_path,
                      f"{path}/critic", self.rank, num_labels=1)
 
     def save_checkpoint(self, path: str) -> None:
@@ -358,24 +356,6 @@ class LearnerRank:
             self.publisher.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Collective: `module`'s full (unsharded) state dict on rank 0's CPU; {} on other ranks."""
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def _save_hf(module: torch.nn.Module, model_class, source: str, path: str, rank: int, **kwargs) -> None:
-    """Collective: gather `module`'s full state dict and have rank 0 save it as `model_class` built from
-    `source` (its config and tokenizer files are copied too)."""
-    state_dict = _full_state_dict(module)
-    if rank == 0:
-        model = model_class.from_pretrained(source, dtype=torch.float32, **kwargs)
-        model.load_state_dict(state_dict)
-        model.save_pretrained(path)
-        if _has_tokenizer(source):
-            load_tokenizer(source).save_pretrained(path)
-    dist.barrier()
 
 
 @torch.no_grad()
@@ -418,6 +398,3 @@ def _reduce(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     dist.all_gather(gathered, values)
     return {key: float(value) for key, value in merge_metrics(dict(zip(names, torch.stack(gathered, 1)))).items()}
 
-
-def _has_tokenizer(path: str) -> bool:
-    return any(os.path.exists(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json"))
