@@ -37,6 +37,9 @@ class RunConfig:
     # or the path of one step_N folder. metrics.jsonl is appended to from the checkpoint's step.
     resume: str = ""
     overwrite: bool = False  # a fresh run may clear a non-empty output_dir (else it refuses: no run is lost)
+    # episodes per step written to output_dir/samples.jsonl: messages (tool calls, results, errors), reward, versions
+    log_samples: int = 0
+    print_sample_every: int = 0  # every N steps, one of those samples on the console too; 0 = never
 
 
 @dataclass

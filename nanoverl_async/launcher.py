@@ -58,7 +58,8 @@ def launch(cfg: Config) -> Path:
     started_ray = start_ray(cfg.ray)
     roles = Roles(cfg, model_path, resume_from, start)
     logger = MetricsLogger(output_dir, cfg.run.total_steps, cfg.run.progress,
-                           wandb_config=to_dict(cfg) if cfg.run.wandb else None, start_step=start)
+                           wandb_config=to_dict(cfg) if cfg.run.wandb else None, start_step=start,
+                           log_samples=cfg.run.log_samples, print_sample_every=cfg.run.print_sample_every)
     try:
         train(cfg, roles, logger, start)
         with role_failures("learner pool"):
@@ -90,7 +91,7 @@ def train(cfg: Config, roles: "Roles", logger: MetricsLogger, start: int = 0) ->
         if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
             learner_metrics.update(roles.evaluate())  # eval/*: data.val_files on generator 0's weights
         logger.log(step_metrics(step, cfg.staleness.max, batch, learner_metrics, now - last_step_end,
-                                samples_trained))
+                                samples_trained), batch.trajectories)  # and run.log_samples episodes
         maybe_checkpoint(cfg, roles, step + 1)  # the state after step `step`: weights version step + 1
         last_step_end = time.monotonic()  # a save's time is not the next step's
 

@@ -1,4 +1,5 @@
-"""Per-step metrics: `<output_dir>/metrics.jsonl`, a live console line, and optionally wandb.
+"""Per-step metrics: `<output_dir>/metrics.jsonl`, a live console line, optionally wandb, and
+(run.log_samples) some episodes per step in `<output_dir>/samples.jsonl`.
 
 One JSON object per training step (one batch), flat keys `group/name` (e.g. `reward/mean`, `staleness/max`).
 `step_metrics` turns what one step produced (the batch's stats, the learner's metrics, timings) into
@@ -69,7 +70,40 @@ def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, ste
             metrics[f"buffer/{key}"] = value
     for key, value in learner.items():
         metrics[key if "/" in key else f"learner/{key}"] = value
+    metrics.update(reward_info_means(trajectories))
     return metrics
+
+
+def reward_info_means(trajectories: list) -> dict:
+    """`reward/<key>`: the mean of each extra number a verl compute_score returned in its dict (rewards.py
+    keeps them in info["reward_info"]), over the episodes that have it."""
+    values: dict[str, list[float]] = {}
+    for t in trajectories:
+        for key, value in t.info.get("reward_info", {}).items():
+            values.setdefault(key, []).append(value)
+    return {f"reward/{key}": float(np.mean(v)) for key, v in sorted(values.items())}
+
+
+def sample_record(step: int, t) -> dict:
+    """One episode as samples.jsonl holds it: the chat (tool calls with arguments, results, errors),
+    the final answer, the reward and what it was made of, and the weight versions that sampled it."""
+    return {"step": step, "prompt_index": t.prompt_index, "sample_index": t.sample_index, "reward": t.reward,
+            "reward_info": t.info.get("reward_info", {}), "finish_reason": t.finish_reason, "turns": t.num_turns,
+            "tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
+            "versions": sorted({int(v) for v in t.versions if v >= 0}), "generator_id": t.generator_id,
+            "messages": t.info.get("messages", []), "final_answer": t.info.get("final_answer", "")}
+
+
+def sample_line(record: dict, width: int = 400) -> str:
+    """A sample on one console line: role: content, tool calls as name(arguments)."""
+    parts = []
+    for message in record["messages"]:
+        calls = [f"{c['function']['name']}({json.dumps(c['function']['arguments'])})"
+                 for c in message.get("tool_calls", [])]
+        parts.append(f"{message['role']}: {' '.join([message.get('content') or '', *calls]).strip()}")
+    text = " | ".join(parts).replace("\n", " ")
+    text = text if len(text) <= width else text[:width - 3] + "..."
+    return f"sample (step {record['step']}, reward {record['reward']:g}, versions {record['versions']}): {text}"
 
 
 def tied_groups_fraction(trajectories: list) -> float:
@@ -89,13 +123,13 @@ class MetricsLogger:
     earlier run logged after its checkpoint, so every step appears once."""
 
     def __init__(self, output_dir: Path, total_steps: int, progress: bool = True,
-                 wandb_config: Optional[dict] = None, start_step: int = 0):
+                 wandb_config: Optional[dict] = None, start_step: int = 0, log_samples: int = 0,
+                 print_sample_every: int = 0):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if start_step and self.path.is_file():  # resumed: keep the rows before the checkpoint's step, once
-            rows = [line for line in self.path.read_text().splitlines() if _step_of(line) < start_step]
-            self.path.write_text("".join(f"{row}\n" for row in rows))
-        self.file = self.path.open("a" if start_step else "w")
+        self.file = _open_rows(self.path, start_step)
+        self.log_samples, self.print_sample_every = log_samples, print_sample_every
+        self.samples = _open_rows(Path(output_dir) / "samples.jsonl", start_step) if log_samples else None
         self.total_steps = total_steps
         self.progress = progress
         self.started = time.monotonic()
@@ -112,9 +146,17 @@ class MetricsLogger:
 
             self.wandb_run = wandb.init(project="nanoverl-async", config=wandb_config, dir=str(output_dir))
 
-    def log(self, metrics: dict) -> None:
+    def log(self, metrics: dict, trajectories: list = ()) -> None:
+        """One step's metrics, and (run.log_samples) some of its episodes, spread over its groups."""
         self.file.write(json.dumps(metrics) + "\n")
         self.file.flush()
+        if self.samples is not None and trajectories:
+            chosen = trajectories[:: max(1, len(trajectories) // self.log_samples)][: self.log_samples]
+            records = [sample_record(metrics["step"], t) for t in chosen]
+            self.samples.write("".join(json.dumps(r) + "\n" for r in records))
+            self.samples.flush()
+            if self.print_sample_every and (metrics["step"] + 1) % self.print_sample_every == 0:
+                print(sample_line(records[0]), flush=True)
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in metrics.items() if not isinstance(v, (dict, list))},
                                step=metrics["step"])
@@ -146,8 +188,19 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.stop()
         self.file.close()
+        if self.samples is not None:
+            self.samples.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def _open_rows(path: Path, start_step: int):
+    """A .jsonl of per-step rows, opened for appending. A run resumed at `start_step` first drops the rows
+    of steps >= start_step that the earlier run wrote after its checkpoint, so every step appears once."""
+    if start_step and path.is_file():
+        rows = [line for line in path.read_text().splitlines() if _step_of(line) < start_step]
+        path.write_text("".join(f"{row}\n" for row in rows))
+    return path.open("a" if start_step else "w")
 
 
 def _step_of(line: str) -> float:

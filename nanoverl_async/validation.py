@@ -81,7 +81,8 @@ def validate(cfg: Config) -> None:
     for key in positive:
         if not get_key(cfg, key) > 0:
             raise ConfigError(f"config key '{key}': must be > 0, got {get_key(cfg, key)}")
-    non_negative = ["staleness.max", "run.seed", "run.eval_every", "run.save_every", "run.keep_checkpoints", "learner.weight_decay", "learner.grad_clip",
+    non_negative = ["staleness.max", "run.seed", "run.eval_every", "run.save_every", "run.keep_checkpoints",
+                    "run.log_samples", "run.print_sample_every", "learner.weight_decay", "learner.grad_clip",
                     "algorithm.clip.low", "algorithm.clip.high", "ray.num_cpus"]
     for key in non_negative:
         if get_key(cfg, key) < 0:
@@ -118,6 +119,9 @@ def validate(cfg: Config) -> None:
     if cfg.run.overwrite and cfg.run.resume:
         raise ConfigError("config key 'run.overwrite': clears run.output_dir for a fresh run, so it cannot be "
                           f"combined with run.resume={cfg.run.resume!r}")
+    if cfg.run.print_sample_every and not cfg.run.log_samples:
+        raise ConfigError("config key 'run.print_sample_every': prints one of the logged samples, so it needs "
+                          "run.log_samples >= 1")
     if cfg.run.eval_every and not cfg.data.val_files:
         raise ConfigError("config key 'run.eval_every': needs data.val_files (the evaluation prompts)")
     validate_algorithm(cfg)

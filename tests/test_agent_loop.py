@@ -230,3 +230,18 @@ def test_a_rollout_function_runs_the_tools_it_declares(tokenizer):
         return float(len(await episode.run_tools([])))
     with pytest.raises(UserCodeError, match=r"run_tools\(\) called, but the environment has no tools"):
         episode(ScriptedEngine(tokenizer, ["x"]), tokenizer, sample, env=FunctionEnv(undeclared))
+
+
+def test_keep_messages_records_the_chat_for_samples(tokenizer):
+    """run.log_samples asks generators for the message history: the call with its arguments, the result."""
+    sample = multiply_task.make_prompt(0, 5)
+    expression, answer = f"{sample['a']}*{sample['b']}", sample["answer"]
+    config = AgentConfig(max_turns=3, max_new_tokens=16, max_total_tokens=96)
+    engine = ScriptedEngine(tokenizer, [f"<call>{expression}</call>", f"{answer}<|end|>"])
+    t = asyncio.run(run_episode(engine, tokenizer, sample, multiply_task.MultiplyEnv(), config, 1.0,
+                                keep_messages=True))
+    roles = [m["role"] for m in t.info["messages"]]
+    assert roles == ["user", "assistant", "tool", "assistant"]
+    assert t.info["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"expression": expression}
+    assert t.info["messages"][2]["content"] == answer and decode(encode(t)).info["messages"] == t.info["messages"]
+    assert "messages" not in episode(ScriptedEngine(tokenizer, [f"{answer}<|end|>"]), tokenizer, sample).info

@@ -28,7 +28,7 @@ def read_metrics(path):
 
 
 @pytest.mark.parametrize("overrides", [
-    ("run.total_steps=4", "staleness.max=1"),
+    ("run.total_steps=4", "staleness.max=1", "run.log_samples=3"),
     ("run.total_steps=3", "staleness.max=0", "learner.world_size=2", "generator.replicas=2",
      "weight_sync.mode=drain", "data.prompts_per_step=4"),
     ("run.total_steps=2", "wire.host=0.0.0.0"),  # off loopback: every socket CURVE with the run's keys
@@ -44,6 +44,11 @@ def test_cli_runs_a_few_steps(tmp_path, overrides):
         assert row["staleness/max"] <= row["staleness/limit"]
         assert 0.0 <= row["reward/mean"] <= 1.0
     assert rows[-1]["samples/trained"] == steps * rows[0]["samples/trained"]
+    if "run.log_samples=3" in overrides:  # the episodes themselves: messages, tool results, reward
+        samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+        assert [s["step"] for s in samples] == [step for step in range(steps) for _ in range(3)]
+        assert all(s["messages"][0]["role"] == "user" and s["versions"] for s in samples)
+        assert any(m["role"] == "tool" for s in samples for m in s["messages"])  # the warm start calls tools
     assert (tmp_path / "final" / "config.json").is_file()
     from transformers import AutoModelForCausalLM
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from nanoverl_async.buffer.replay import Group
 from nanoverl_async.buffer.service import Batch, batch_stats
-from nanoverl_async.metrics import BUFFER_STAT_KEYS, MetricsLogger, step_metrics
+from nanoverl_async.metrics import BUFFER_STAT_KEYS, MetricsLogger, reward_info_means, step_metrics
 from nanoverl_async.trajectory import Trajectory
 
 
@@ -82,3 +82,38 @@ def test_a_run_stuck_on_tied_rewards_warns_once(tmp_path, capsys):
     warning = capsys.readouterr().err
     assert warning.count("warning:") == 1 and warning.startswith("warning: steps 3-5: within every group")
     assert "reward function never (or always) gives credit" in warning
+
+
+def test_samples_jsonl_holds_episodes_with_tool_calls_and_reward_parts(tmp_path, capsys):
+    """run.log_samples=N: N episodes per step, spread over the batch, with their messages (a tool call's
+    arguments and result), reward, the numbers a compute_score dict added (also logged as reward/<key>
+    means) and versions; print_sample_every=K prints one every K steps; a resume keeps each step once."""
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*3"}}}
+    messages = [{"role": "user", "content": "12*3?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "36"}, {"role": "assistant", "content": "36"}]
+    trajectories = [trajectory(2, float(i % 2), 1) for i in range(8)]
+    for i, t in enumerate(trajectories):
+        t.sample_index = i
+        t.info = {"messages": messages, "final_answer": "36", "reward_info": {"format": 1.0, "acc": i % 2}}
+    assert reward_info_means(trajectories) == {"reward/acc": 0.5, "reward/format": 1.0}
+    batch = make_batch(3, trajectories, dropped_stale=0, generators_gated_frac=0.0)
+    metrics = step_metrics(3, 1, batch, {}, step_seconds=1.0, samples_trained=8)
+    assert metrics["reward/acc"] == 0.5 and metrics["reward/format"] == 1.0
+
+    logger = MetricsLogger(tmp_path, total_steps=10, progress=False, log_samples=2, print_sample_every=4)
+    for step in (2, 3):
+        logger.log({**metrics, "step": step}, trajectories)
+    logger.close()
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["sample_index"]) for r in rows] == [(2, 0), (2, 4), (3, 0), (3, 4)]  # spread out
+    assert rows[0]["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"expression": "12*3"}
+    assert rows[0]["messages"][2] == {"role": "tool", "content": "36"} and rows[0]["versions"] == [2]
+    assert rows[0]["reward_info"] == {"format": 1.0, "acc": 0} and rows[0]["final_answer"] == "36"
+    printed = capsys.readouterr().out
+    assert printed.count("sample (step 3, reward 0") == 1 and 'calculator({"expression": "12*3"})' in printed
+
+    resumed = MetricsLogger(tmp_path, total_steps=10, progress=False, start_step=3, log_samples=2)
+    resumed.log({**metrics, "step": 3}, trajectories)
+    resumed.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert steps == [2, 2, 3, 3]

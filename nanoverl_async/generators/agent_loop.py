@@ -214,7 +214,9 @@ async def drive(episode: Episode, env: Any, sample: dict) -> tuple[float, dict]:
 
 async def run_episode(engine: Engine, tokenizer, sample: dict, env: Any, agent: AgentConfig, temperature: float,
                       *, group_id: int = 0, prompt_index: int = 0, sample_index: int = 0,
-                      generator_id: int = 0) -> Trajectory:
+                      generator_id: int = 0, keep_messages: bool = False) -> Trajectory:
+    """One episode of `env` on `sample` -> its Trajectory; with keep_messages, info["messages"] holds
+    the chat history (tool calls with their arguments, tool results and errors) for run.log_samples."""
     started = time.perf_counter()
     trajectory_id = f"{generator_id}-{group_id}-{sample_index}-{uuid.uuid4().hex[:8]}"
     episode = Episode(engine, tokenizer, agent, temperature, env, episode_id=trajectory_id)
@@ -236,5 +238,6 @@ async def run_episode(engine: Engine, tokenizer, sample: dict, env: Any, agent: 
         versions=np.asarray(record.versions, dtype=np.int32), reward=reward, num_turns=episode.turns,
         tool_calls=episode.tool_calls, tool_errors=episode.tool_errors, finish_reason=episode.finish or "stop",
         generator_id=generator_id, timings={"episode": time.perf_counter() - started, **episode.spent},
-        info={"final_answer": episode.answer, "reward_info": info, "template_fallbacks": episode.fallbacks},
+        info={"final_answer": episode.answer, "reward_info": info, "template_fallbacks": episode.fallbacks,
+              **({"messages": episode.messages} if keep_messages else {})},
     )

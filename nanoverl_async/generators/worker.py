@@ -59,6 +59,7 @@ class GeneratorWorker:
         torch.set_num_threads(cfg.generator.torch_threads)  # this process is the generator's own
         self.generator_id = generator_id
         self.generator, self.agent, self.weight_sync = cfg.generator, cfg.agent, cfg.weight_sync
+        self.keep_messages = cfg.run.log_samples > 0  # the controller writes some episodes to samples.jsonl
         self.group_size = cfg.data.samples_per_prompt
         # One environment per episode: `env` (a no-argument factory) or agent.env (filled in by preflight.py).
         self.make_env = env or env_factory(cfg.agent.env, load_reward(cfg.reward.path, cfg.reward.name))
@@ -206,7 +207,7 @@ class GeneratorWorker:
         trajectory = await run_episode(self.engine, self.tokenizer, lease["sample"], self.make_env(), self.agent,
                                        self.generator.temperature, group_id=lease["group_id"],
                                        prompt_index=lease["prompt_index"], sample_index=sample_index,
-                                       generator_id=self.generator_id)
+                                       generator_id=self.generator_id, keep_messages=self.keep_messages)
         await asyncio.wait_for(self._push.send(encode(trajectory)), self.request_timeout_s)
         self.counts["episodes"] += 1
         self.counts["tokens"] += trajectory.num_generated
