@@ -9,8 +9,7 @@ import torch
 from test_fsdp import model_dir  # noqa: F401 (a fixture)
 from transformers import AutoModelForCausalLM
 
-from nanoverl_async.learners.batch import collate, pack, sequence_logprobs
-from nanoverl_async.learners.fsdp_rank import _keeps_packed_sequences_apart
+from nanoverl_async.learners.batch import collate, keeps_packed_sequences_apart, pack, sequence_logprobs
 from synthetic import episodes
 
 # lengths 11, 8, 10, 5, 23, 7: the 23-token row sets the padded width, the others share rows
@@ -70,5 +69,5 @@ class DropsPositions(torch.nn.Module):
 def test_a_model_that_mixes_packed_sequences_is_detected(model_dir):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.reshard = lambda: None
-    assert _keeps_packed_sequences_apart(model, torch.device("cpu"))
-    assert not _keeps_packed_sequences_apart(DropsPositions(model), torch.device("cpu"))
+    assert keeps_packed_sequences_apart(model, torch.device("cpu"))
+    assert not keeps_packed_sequences_apart(DropsPositions(model), torch.device("cpu"))

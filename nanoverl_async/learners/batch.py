@@ -9,9 +9,10 @@ Invariants of a `TrainBatch` (checked by `collate`):
 "Logits at position i predict token i+1" is applied by `sequence_logprobs` (and, the same way, by the
 learner's entropy and critic values). `collate` leaves the advantages to `with_advantages`, which shapes
 rewards and computes them once, on the whole batch; `token_budget_bounds`, `split_to` and `trimmed` cut a
-rank's rows into micro-batches.
+rank's rows into micro-batches, and `pack` lays a micro-batch out for the model, several sequences to a
+row (`keeps_packed_sequences_apart` checks that a model honours it).
 
-Run alone: `python -m pytest tests/test_algorithms.py tests/test_fsdp_schedule.py -q`.
+Run alone: `python -m pytest tests/test_algorithms.py tests/test_fsdp_schedule.py tests/test_packing.py -q`.
 """
 
 from __future__ import annotations
@@ -258,3 +259,18 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
         if lengths else torch.zeros(0, dtype=torch.long)
     return Packing(packed_ids.to(input_ids.device), positions.to(input_ids.device), index.to(input_ids.device),
                    attention_mask)
+
+
+@torch.no_grad()
+def keeps_packed_sequences_apart(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether `model` keeps sequences packed in one row apart (`pack`): the logits of a sequence
+    packed after another must not change when the other's tokens do. With FSDP2, collective (a forward on
+    every rank); it leaves the model resharded."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    first, second = (torch.randint(vocab, (1, size), generator=generator) for size in (5, 7))
+    positions = torch.cat([torch.arange(5), torch.arange(7)])[None].to(device)
+    outputs = [model(input_ids=torch.cat([head, second], dim=1).to(device), position_ids=positions,
+                     use_cache=False).logits[:, 5:].float() for head in (first, (first + 1) % vocab)]
+    model.reshard()
+    return torch.allclose(outputs[0], outputs[1], rtol=1e-4, atol=1e-6)

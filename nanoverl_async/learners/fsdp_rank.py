@@ -48,8 +48,9 @@ from nanoverl_async.algorithms import (LossInputs, aggregate, kl_estimates, kl_p
                                       merge_metrics, policy_loss, reduce_token_metrics, token_entropy, value_loss)
 from nanoverl_async.config import (AlgorithmConfig, CriticConfig, KLConfig, LearnerConfig, ModelConfig,
                                    ReferenceConfig, SGLangConfig, WireConfig)
-from nanoverl_async.learners.batch import (Packing, TrainBatch, epoch_order, pack, sequence_logprobs, shard, split_to,
-                                           take_rows, to_device, token_budget_bounds, trimmed)
+from nanoverl_async.learners.batch import (Packing, TrainBatch, epoch_order, keeps_packed_sequences_apart, pack,
+                                           sequence_logprobs, shard, split_to, take_rows, to_device,
+                                           token_budget_bounds, trimmed)
 from nanoverl_async.learners.checkpoint import full_state_dict, load_training_state, save_hf, save_training_state
 from nanoverl_async.models import DTYPES
 from nanoverl_async.weights import WeightPublisher
@@ -107,12 +108,14 @@ class LearnerRank:
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=critic.lr,
                                                       betas=tuple(cfg.betas), weight_decay=critic.weight_decay,
                                                       fused=True)
-        # after the optimizers, which must get the sharded parameters: FSDP2 leaves the root unsharded after a
-        # forward (the probe reshards it)
-        self.packs = _keeps_packed_sequences_apart(self.model, self.device)  # else one sequence per row
-        if not self.packs:
-            log.warning("%s mixes packed sequences in attention: the learner pads one sequence per row (slower)",
-                        setup.model.path)
+        # after the optimizers: FSDP2 leaves the root unsharded after a forward (the probe reshards it)
+        models = {"policy": self.model, "reference": self.reference, "critic": self.critic}
+        mixing = [name for name, model in models.items()
+                  if model is not None and not keeps_packed_sequences_apart(model, self.device)]
+        self.packs = not mixing  # else every forward pads one sequence per row
+        if mixing:
+            log.warning("the %s model mixes packed sequences in attention: the learner pads one sequence per "
+                        "row (slower)", " and ".join(mixing))
         self.publisher = WeightPublisher(setup.wire.host, setup.curve) if rank == 0 else None
         self.nccl_transport = False  # set by connect_sglang on every rank (publish_weights gathers differently)
         self.sender = None  # rank 0's SGLangWeightSender once connected
@@ -356,20 +359,6 @@ class LearnerRank:
             self.publisher.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-@torch.no_grad()
-def _keeps_packed_sequences_apart(model: torch.nn.Module, device: torch.device) -> bool:
-    """Whether `model` keeps sequences packed in one row apart (batch.pack): the logits of a sequence
-    packed after another must not change when the other's tokens do. Collective (a forward on every rank)."""
-    generator = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-    first, second = (torch.randint(vocab, (1, size), generator=generator) for size in (5, 7))
-    positions = torch.cat([torch.arange(5), torch.arange(7)])[None].to(device)
-    outputs = [model(input_ids=torch.cat([head, second], dim=1).to(device), position_ids=positions,
-                     use_cache=False).logits[:, 5:].float() for head in (first, (first + 1) % vocab)]
-    model.reshard()
-    return torch.allclose(outputs[0], outputs[1], rtol=1e-4, atol=1e-6)
 
 
 def _device(kind: str, rank: int) -> torch.device:
