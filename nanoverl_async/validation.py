@@ -63,36 +63,11 @@ CHOICES = {
 
 def validate(cfg: Config) -> None:
     """Value checks that types cannot express; raises ConfigError naming the key."""
-    for key, value in _numbers(cfg):
-        if not math.isfinite(value):  # an inf learning rate used to pass, then kill the generator
-            raise ConfigError(f"config key '{key}': must be a finite number, got {value}")
+    _check_numbers(cfg)
     for key, allowed in CHOICES.items():
         value = get_key(cfg, key)
         if value not in allowed:
             raise ConfigError(f"config key '{key}': '{value}' is not one of {', '.join(allowed)}")
-    positive = ["run.total_steps", "data.prompts_per_step", "data.samples_per_prompt", "agent.max_turns",
-                "agent.max_new_tokens", "agent.max_total_tokens", "agent.tool_timeout_s", "agent.max_tool_calls", "generator.replicas",
-                "generator.max_groups_in_flight", "generator.torch_threads", "learner.world_size",
-                "learner.torch_threads", "run.step_timeout_s", "weight_sync.timeout_s",
-                "buffer.lease_timeout_s", "generator.temperature", "learner.lr", "algorithm.is_cap",
-                "generator.sglang.servers", "generator.sglang.tp_size", "generator.sglang.mem_fraction_static",
-                "generator.sglang.launch_timeout_s", "generator.sglang.request_timeout_s",
-                "generator.sglang.control_timeout_s"]
-    for key in positive:
-        if not get_key(cfg, key) > 0:
-            raise ConfigError(f"config key '{key}': must be > 0, got {get_key(cfg, key)}")
-    non_negative = ["staleness.max", "run.seed", "run.eval_every", "run.save_every", "run.keep_checkpoints",
-                    "run.log_samples", "run.print_sample_every", "learner.weight_decay", "learner.grad_clip",
-                    "algorithm.clip.low", "algorithm.clip.high", "ray.num_cpus"]
-    for key in non_negative:
-        if get_key(cfg, key) < 0:
-            raise ConfigError(f"config key '{key}': must be >= 0, got {get_key(cfg, key)}")
-    if cfg.run.seed > MAX_SEED:
-        raise ConfigError(f"config key 'run.seed': must be at most {MAX_SEED} (numpy seeds are 32-bit), "
-                          f"got {cfg.run.seed}")
-    if cfg.buffer.lease_timeout_s < MIN_LEASE_TIMEOUT_S:
-        raise ConfigError(f"config key 'buffer.lease_timeout_s': must be >= {MIN_LEASE_TIMEOUT_S} s (a lease must "
-                          f"outlive an episode, or every group expires), got {cfg.buffer.lease_timeout_s}")
     if cfg.algorithm.clip.low >= 1:
         raise ConfigError(f"config key 'algorithm.clip.low': must be < 1, got {cfg.algorithm.clip.low}")
     if len(cfg.learner.betas) != 2 or not all(0 <= b < 1 for b in cfg.learner.betas):
@@ -125,6 +100,37 @@ def validate(cfg: Config) -> None:
     if cfg.run.eval_every and not cfg.data.val_files:
         raise ConfigError("config key 'run.eval_every': needs data.val_files (the evaluation prompts)")
     validate_algorithm(cfg)
+
+
+POSITIVE = ("run.total_steps", "data.prompts_per_step", "data.samples_per_prompt", "agent.max_turns",
+            "agent.max_new_tokens", "agent.max_total_tokens", "agent.tool_timeout_s", "agent.max_tool_calls",
+            "generator.replicas", "generator.max_groups_in_flight", "generator.torch_threads", "learner.world_size",
+            "learner.torch_threads", "run.step_timeout_s", "weight_sync.timeout_s", "buffer.lease_timeout_s",
+            "generator.temperature", "learner.lr", "algorithm.is_cap", "generator.sglang.servers",
+            "generator.sglang.tp_size", "generator.sglang.mem_fraction_static", "generator.sglang.launch_timeout_s",
+            "generator.sglang.request_timeout_s", "generator.sglang.control_timeout_s")
+NON_NEGATIVE = ("staleness.max", "run.seed", "run.eval_every", "run.save_every", "run.keep_checkpoints",
+                "run.log_samples", "run.print_sample_every", "learner.weight_decay", "learner.grad_clip",
+                "algorithm.clip.low", "algorithm.clip.high", "ray.num_cpus")
+
+
+def _check_numbers(cfg: Config) -> None:
+    """Every float finite, signs, and the bounds that have a reason of their own."""
+    for key, value in _numbers(cfg):
+        if not math.isfinite(value):  # an inf learning rate used to pass, then kill the generator
+            raise ConfigError(f"config key '{key}': must be a finite number, got {value}")
+    for key in POSITIVE:
+        if not get_key(cfg, key) > 0:
+            raise ConfigError(f"config key '{key}': must be > 0, got {get_key(cfg, key)}")
+    for key in NON_NEGATIVE:
+        if get_key(cfg, key) < 0:
+            raise ConfigError(f"config key '{key}': must be >= 0, got {get_key(cfg, key)}")
+    if cfg.run.seed > MAX_SEED:
+        raise ConfigError(f"config key 'run.seed': must be at most {MAX_SEED} (numpy seeds are 32-bit), "
+                          f"got {cfg.run.seed}")
+    if cfg.buffer.lease_timeout_s < MIN_LEASE_TIMEOUT_S:
+        raise ConfigError(f"config key 'buffer.lease_timeout_s': must be >= {MIN_LEASE_TIMEOUT_S} s (a lease must "
+                          f"outlive an episode, or every group expires), got {cfg.buffer.lease_timeout_s}")
 
 
 INF = float("inf")
