@@ -83,6 +83,8 @@ async def call_user(hook: str, function: Callable, *args) -> Any:
     naming `hook`, the exception and the user's frames."""
     try:
         return await maybe_await(function(*args))
+    except UserCodeError:  # already names its hook (a rollout's own episode.run_tools misuse): not twice
+        raise
     except Exception as error:  # noqa: BLE001 - every user error is reported the same way
         raise user_error(hook, error) from error
 

@@ -228,8 +228,9 @@ def test_a_rollout_function_runs_the_tools_it_declares(tokenizer):
     async def undeclared(episode, sample):
         episode.start(sample["messages"])
         return float(len(await episode.run_tools([])))
-    with pytest.raises(UserCodeError, match=r"run_tools\(\) called, but the environment has no tools"):
+    with pytest.raises(UserCodeError, match=r"run_tools\(\) called, but the environment has no tools") as raised:
         episode(ScriptedEngine(tokenizer, ["x"]), tokenizer, sample, env=FunctionEnv(undeclared))
+    assert str(raised.value).startswith("agent.env: episode.run_tools()")  # reported once, not re-wrapped
 
 
 def test_keep_messages_records_the_chat_for_samples(tokenizer):

@@ -328,7 +328,7 @@ class BufferService:
             generator_id = request["generator_id"]
             room = self.generators.max_groups_in_flight - self.gate.in_flight_of(generator_id)
             leases = self.gate.lease(request["version"], max(0, min(request["max_groups"], room)), now, generator_id)
-            self._gated.observe(request["generator_id"], refused=not leases and request["max_groups"] > 0, now=now)
+            self._gated.observe(generator_id, refused=not leases and request["max_groups"] > 0, now=now)
             for lease in leases:
                 self.replay.open(lease.group_id, lease.prompt_index, lease.version)
         reply = [{"group_id": l.group_id, "prompt_index": l.prompt_index, "sample": l.sample} for l in leases]
