@@ -1,10 +1,14 @@
-"""Command line: `nanoverl-async launch|validate CONFIG [key=value ...]`.
+"""Command line: `nanoverl-async launch|validate CONFIG [key=value ...]`, `plot RUN_DIR ...`, `replay RUN_DIR`.
 
     nanoverl-async launch configs/agent_grpo.yaml staleness.max=4 learner.world_size=2
     nanoverl-async validate configs/agent_grpo.yaml run.total_steps=10
+    nanoverl-async plot outputs/agent_grpo [more run directories] [-o out.png]
+    nanoverl-async replay outputs/agent_grpo     # a run launched with run.record=true (record.py)
 
 A bad config (unknown key, wrong type, impossible value, missing or malformed YAML) prints one line
 naming the key and exits with status 2 before anything starts; a run that fails exits with status 1.
+`plot` exits with status 2 and one line naming the file when a run directory lacks its metrics or config;
+`replay` exits with status 1 when the replayed weights differ from the run's.
 """
 
 from __future__ import annotations
@@ -23,7 +27,16 @@ def main(argv: list[str] | None = None) -> int:
         command = commands.add_parser(name, help=help_text)
         command.add_argument("config", help="YAML config file, e.g. configs/agent_grpo.yaml")
         command.add_argument("overrides", nargs="*", help="dotted overrides, e.g. staleness.max=4")
+    plot = commands.add_parser("plot", help="draw runs' metrics into one PNG, runs labelled by config differences")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run.output_dir (metrics.jsonl, config.yaml)")
+    plot.add_argument("-o", "--output", help="the PNG to write (default: <first RUN_DIR>/plot.png)")
+    replay = commands.add_parser("replay", help="re-run the learner alone on a run's recorded batches (run.record)")
+    replay.add_argument("run_dir", metavar="RUN_DIR", help="a run.output_dir of a run launched with run.record=true")
     args = parser.parse_args(argv)
+    if args.command == "plot":
+        return plot_runs(args.run_dirs, args.output)
+    if args.command == "replay":
+        return replay_run(args.run_dir)
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -46,6 +59,36 @@ def main(argv: list[str] | None = None) -> int:
         print("nanoverl-async: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def plot_runs(run_dirs: list[str], output: str | None) -> int:
+    from nanoverl_async.plot import save_plot  # matplotlib only when plotting
+
+    try:
+        path = save_plot(run_dirs, output)
+    except ConfigError as error:
+        print(f"nanoverl-async plot: {error}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+def replay_run(run_dir: str) -> int:
+    """Exit 0 when the replayed weights equal the run's final/ bit for bit, 1 when they do not."""
+    from nanoverl_async.launcher import RunFailed, replay
+
+    try:
+        result = replay(run_dir)
+    except ConfigError as error:
+        return config_error(error)
+    except RunFailed as error:
+        print(f"nanoverl-async: replay failed: {error}", file=sys.stderr)
+        return 1
+    same = result["identical"] == result["tensors"]
+    print(f"replayed {result['steps']} steps: {result['identical']}/{result['tensors']} tensors equal the run's "
+          f"final/ " + ("bit for bit" if same else f"(first mismatch {result['first_mismatch']}, largest "
+                                                   f"difference {result['max_abs_diff']:.3g})"))
+    return 0 if same else 1
 
 
 def config_error(error: ConfigError) -> int:

@@ -40,6 +40,14 @@ class RunConfig:
     # episodes per step written to output_dir/samples.jsonl: messages (tool calls, results, errors), reward, versions
     log_samples: int = 0
     print_sample_every: int = 0  # every N steps, one of those samples on the console too; 0 = never
+    # two runs with the same seed log the same metrics: the engine batches requests in waves whose make-up
+    # does not depend on timing (generators/hf_engine.py "lockstep"); needs staleness.max=0, one replica
+    deterministic: bool = False
+    # output_dir/trace.json (Chrome trace events, open in ui.perfetto.dev): episodes per generator, the
+    # buffer's leases and gate, learner prepare/update/publish, weight loads (nanoverl_async/trace.py)
+    trace: bool = False
+    # output_dir/record/: every batch the learner trained on, in order (msgpack), for `nanoverl-async replay`
+    record: bool = False
 
 
 @dataclass

@@ -20,20 +20,22 @@ import os
 import sys
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
 import ray
 
-from nanoverl_async import checkpoint
-from nanoverl_async.buffer.service import BufferService
-from nanoverl_async.config import Config, ConfigError, RayConfig, to_dict, to_yaml
+from nanoverl_async import checkpoint, record
+from nanoverl_async.buffer.service import Batch, BufferService
+from nanoverl_async.config import Config, ConfigError, RayConfig, load_config, to_dict, to_yaml
 from nanoverl_async.data import load_samples, prompt_source
 from nanoverl_async.generators.worker import GeneratorWorker
 from nanoverl_async.learners.pool import LearnerPool
 from nanoverl_async.metrics import MetricsLogger, step_metrics
 from nanoverl_async.models import load_tokenizer, resolve_model_path, vocab_size
 from nanoverl_async.preflight import prepare
+from nanoverl_async.trace import PipelineTrace, TracedRole
 from nanoverl_async.wire_auth import CurveKeys, run_keys
 
 
@@ -60,11 +62,14 @@ def launch(cfg: Config) -> Path:
     logger = MetricsLogger(output_dir, cfg.run.total_steps, cfg.run.progress,
                            wandb_config=to_dict(cfg) if cfg.run.wandb else None, start_step=start,
                            log_samples=cfg.run.log_samples, print_sample_every=cfg.run.print_sample_every)
+    trace = PipelineTrace(output_dir, roles.traced(), start) if cfg.run.trace else None  # trace.json (trace.py)
     try:
-        train(cfg, roles, logger, start)
+        train(cfg, roles, logger, start, trace)
         with role_failures("learner pool"):
             roles.learners.save_pretrained(str(output_dir / "final"))
     finally:
+        if trace:
+            trace.close()
         logger.close()
         roles.shutdown()
         if started_ray:
@@ -72,15 +77,19 @@ def launch(cfg: Config) -> Path:
     return output_dir
 
 
-def train(cfg: Config, roles: "Roles", logger: MetricsLogger, start: int = 0) -> None:
+def train(cfg: Config, roles: "Roles", logger: MetricsLogger, start: int = 0,
+          trace: Optional[PipelineTrace] = None) -> None:
     """The RL dataflow (docs/design.md "Processes and data flow"), generation running ahead in the background."""
     samples_trained = start * cfg.data.prompts_per_step * cfg.data.samples_per_prompt  # every batch is B x G
     last_step_end = time.monotonic()
     for step in range(start, cfg.run.total_steps):
         batch = roles.next_batch(step)  # blocks until B complete groups with step - version <= eta
         waited = time.monotonic() - last_step_end
+        if cfg.run.record:  # the learner's input stream, for `nanoverl-async replay` (record.py)
+            record.write_batch(cfg.run.output_dir, step, batch.trajectories)
         with role_failures("learner pool"):
             train_batch = roles.learners.prepare(batch)  # proximal logprobs (version `step`), advantages
+            prepared = time.monotonic()
             learner_metrics = roles.learners.update(train_batch)  # ppo_epochs x minibatches FSDP2 steps
             trained = time.monotonic()
             roles.publish_weights(version=step + 1)  # async; generators apply it when ready
@@ -89,9 +98,11 @@ def train(cfg: Config, roles: "Roles", logger: MetricsLogger, start: int = 0) ->
         learner_metrics.update({"time/wait_batch_s": waited, "time/train_s": trained - last_step_end - waited,
                                 "time/publish_s": now - trained})  # publish: the gather (+ nccl: the load)
         if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
-            learner_metrics.update(roles.evaluate())  # eval/*: data.val_files on generator 0's weights
+            learner_metrics.update(roles.evaluate(step + 1))  # eval/*: data.val_files on generator 0's weights
         logger.log(step_metrics(step, cfg.staleness.max, batch, learner_metrics, now - last_step_end,
                                 samples_trained), batch.trajectories)  # and run.log_samples episodes
+        if trace:  # run.trace: this step's phases and episodes, and what the roles recorded meanwhile
+            trace.step(step, batch.trajectories, (last_step_end, last_step_end + waited, prepared, trained, now))
         maybe_checkpoint(cfg, roles, step + 1)  # the state after step `step`: weights version step + 1
         last_step_end = time.monotonic()  # a save's time is not the next step's
 
@@ -115,6 +126,29 @@ def warn_config_changes(cfg: Config, resume_from: Path) -> None:
     changed = checkpoint.changed_keys(checkpoint.read_meta(resume_from)["config"], checkpoint.trained_config(cfg))
     if changed:
         print(f"resuming from {resume_from} with changed config keys: {', '.join(changed)}", file=sys.stderr)
+
+
+def replay(run_dir: str) -> dict:
+    """The learner alone on a run's recorded batches (record.py), in order, one prepare + update per step
+    as in `train`; its weights go to RUN_DIR/replay/final and are compared with the run's final/."""
+    cfg = load_config(str(Path(run_dir) / "config.yaml"))
+    if not cfg.run.record:
+        raise ConfigError(f"{run_dir}: run.record was off in this run's config.yaml, so there is nothing to replay")
+    batches = record.read_batches(run_dir, cfg.run.total_steps)
+    started_ray = start_ray(cfg.ray)
+    learners = None
+    try:
+        with role_failures("learner pool"):
+            learners = LearnerPool(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+            for step, trajectories in enumerate(batches):
+                learners.update(learners.prepare(Batch(step, trajectories, {})))
+            learners.save_pretrained(str(Path(run_dir) / "replay" / "final"))
+    finally:
+        if learners is not None:
+            learners.shutdown()
+        if started_ray:
+            ray.shutdown()
+    return {"steps": len(batches), **record.compare_weights(Path(run_dir) / "final", Path(run_dir) / "replay" / "final")}
 
 
 class Roles:
@@ -165,10 +199,12 @@ class Roles:
         with role_failures("learner pool"):
             self.learners.publish_weights(version)
 
-    def evaluate(self) -> dict:
-        """Near-greedy episodes on data.val_files by generator 0 (worker.evaluate) -> eval/* metrics."""
+    def evaluate(self, version: int) -> dict:
+        """Near-greedy episodes on data.val_files by generator 0 once it holds weights `version` or newer
+        (worker.evaluate) -> eval/* metrics."""
         with role_failures("generator 0"):
-            return ray.get(self.generators[0].evaluate.remote(self.val_samples), timeout=self.cfg.run.step_timeout_s)
+            return ray.get(self.generators[0].evaluate.remote(self.val_samples, version),
+                           timeout=self.cfg.run.step_timeout_s)
 
     def next_batch(self, step: int):
         """The buffer's batch for `step`, while watching every generator: a dead one fails the run,
@@ -191,6 +227,11 @@ class Roles:
                 ray.get(run_ref)
             raise RunFailed(f"{name} stopped unexpectedly during step {step}")
 
+    def traced(self) -> list[TracedRole]:
+        """The buffer and each generator as run.trace reaches them: their `trace_events` (trace.py)."""
+        named = [("buffer", self.buffer), *((f"generator {i}", gen) for i, gen in enumerate(self.generators))]
+        return [TracedRole(name, partial(_trace_events, name, actor)) for name, actor in named]
+
     def shutdown(self) -> None:
         """Stop generators first (they talk to the others), then learners and buffer; never hangs."""
         for gen in self.generators:
@@ -207,7 +248,8 @@ class BufferRole:
     def __init__(self, cfg: Config, vocab_size: int, restore_from: str = "", curve: Optional[CurveKeys] = None):
         self.service = BufferService(cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max,
                                      cfg.buffer, cfg.wire, cfg.generator, vocab_size,
-                                     prompt_source(cfg.data, cfg.run.seed), cfg.algorithm.group_filter, curve)
+                                     prompt_source(cfg.data, cfg.run.seed), cfg.algorithm.group_filter, curve,
+                                     trace=cfg.run.trace)
         if restore_from:  # before any generator connects (Roles starts their runs afterwards)
             self.service.restore(Path(restore_from).read_bytes())
 
@@ -227,6 +269,10 @@ class BufferRole:
     def publishing(self, version: int) -> None:
         self.service.publishing(version)
 
+    def trace_events(self) -> tuple[float, list]:
+        """run.trace: this process's clock (for the controller's offset) and the spans closed since the last call."""
+        return time.time(), self.service.trace.take()
+
 
 class GeneratorRole:
     """A generator worker in its own process; `run` lives until `stop` (or dies, which Roles sees)."""
@@ -245,8 +291,12 @@ class GeneratorRole:
     async def stop(self) -> None:
         self.worker.stop()
 
-    async def evaluate(self, samples: list) -> dict:
-        return await self.worker.evaluate(samples)
+    async def trace_events(self) -> tuple[float, list]:
+        """run.trace: this process's clock (for the controller's offset) and the spans closed since the last call."""
+        return time.time(), self.worker.trace.take()
+
+    async def evaluate(self, samples: list, min_version: int) -> dict:
+        return await self.worker.evaluate(samples, min_version)
 
     async def sglang_endpoints(self) -> list[dict]:
         """This generator's SGLang servers (url, tp_size, server_version, legacy_protocol), for learner rank 0
@@ -261,6 +311,11 @@ def generator_gpus(cfg: Config) -> float:
         return 0
     sglang = cfg.generator.sglang
     return sglang.servers * sglang.tp_size if cfg.generator.engine == "sglang" else cfg.generator.gpus_per_replica
+
+
+def _trace_events(name: str, actor) -> tuple[float, list]:
+    with role_failures(name):
+        return ray.get(actor.trace_events.remote(), timeout=60)
 
 
 @contextmanager

@@ -7,7 +7,9 @@ results) in order, with per-token masks, behaviour logprobs and weight versions.
   - loss_mask is 1 exactly on tokens the policy sampled, and versions[i] >= 0 exactly there
     (versions[i] = -1 on prompt and tool tokens), never decreasing along the episode (weights only move
     forward while it runs);
-  - behaviour_logprobs are <= 0 and finite on sampled tokens, 0 elsewhere.
+  - behaviour_logprobs are <= 0 and finite on sampled tokens, 0 elsewhere;
+  - spans (run.trace only, else empty): ["episode", start, end] first, then one ["generate" | "tool",
+    start, end] per model or tool call, inside it; wall-clock seconds, finite, start <= end (trace.py).
 
 Wire: msgpack, numpy arrays as raw little-endian bytes with dtype and shape (decoded zero-copy with
 np.frombuffer). Never pickle. `decode` raises WireError naming the bad field; `check_bounds` adds what
@@ -16,6 +18,7 @@ only the receiver knows (the model's vocabulary, the newest published version).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -33,6 +36,7 @@ ARRAY_DTYPES = {
     "behaviour_logprobs": np.dtype("<f4"),
     "versions": np.dtype("<i4"),
 }
+CALL_SPANS = ("generate", "tool")  # what may follow an episode's own span in `spans`: its model and tool calls
 
 
 @dataclass
@@ -53,6 +57,8 @@ class Trajectory:
     generator_id: int = 0
     timings: dict = field(default_factory=dict)  # seconds, e.g. {"episode": 0.8}
     info: dict = field(default_factory=dict)  # JSON-able extras
+    # run.trace: [kind, start, end] of the episode, then of each call inside it (module docstring; trace.py)
+    spans: list = field(default_factory=list)
 
     @property
     def version(self) -> int:
@@ -96,7 +102,7 @@ def encode(trajectory: Trajectory) -> bytes:
 
 _SCALAR_TYPES = {"id": str, "group_id": int, "prompt_index": int, "sample_index": int, "reward": (int, float),
                  "num_turns": int, "tool_calls": int, "tool_errors": int, "finish_reason": str,
-                 "generator_id": int, "timings": dict, "info": dict}
+                 "generator_id": int, "timings": dict, "info": dict, "spans": list}
 
 
 def decode(message: bytes) -> Trajectory:
@@ -148,6 +154,20 @@ def validate(t: Trajectory) -> None:
         raise WireError("field 'behaviour_logprobs': must be finite, <= 0 on sampled tokens and 0 elsewhere")
     if not np.isfinite(t.reward):
         raise WireError("field 'reward': not finite")
+    _check_spans(t.spans)
+
+
+def _check_spans(spans: list) -> None:
+    """The episode's span first, each call's inside it: the controller writes them into trace.json."""
+    for i, span in enumerate(spans):
+        kinds = ("episode",) if i == 0 else CALL_SPANS
+        if not (isinstance(span, list) and len(span) == 3 and span[0] in kinds
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in span[1:])
+                and span[1] <= span[2]):
+            raise WireError(f"field 'spans': entry {i} is not [{' | '.join(map(repr, kinds))}, start, end] with "
+                            f"finite seconds, start <= end")
+        if i and not spans[0][1] <= span[1] <= span[2] <= spans[0][2]:
+            raise WireError(f"field 'spans': entry {i} ({span[0]}) lies outside the episode's span")
 
 
 def check_bounds(t: Trajectory, vocab_size: int, newest_version: int) -> None:

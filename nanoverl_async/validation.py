@@ -91,6 +91,11 @@ def validate(cfg: Config) -> None:
                           "generator.sglang.weight_transport=nccl (learner rank 0 loads each version into the "
                           "servers when it publishes, mid-episode); use weight_sync.mode=interrupt or "
                           "generator.sglang.weight_transport=disk")
+    _check_run(cfg)
+    validate_algorithm(cfg)
+
+
+def _check_run(cfg: Config) -> None:
     if cfg.run.overwrite and cfg.run.resume:
         raise ConfigError("config key 'run.overwrite': clears run.output_dir for a fresh run, so it cannot be "
                           f"combined with run.resume={cfg.run.resume!r}")
@@ -99,7 +104,13 @@ def validate(cfg: Config) -> None:
                           "run.log_samples >= 1")
     if cfg.run.eval_every and not cfg.data.val_files:
         raise ConfigError("config key 'run.eval_every': needs data.val_files (the evaluation prompts)")
-    validate_algorithm(cfg)
+    # Asynchronous batches depend on how fast each role runs, and so does which replica samples a group.
+    timing_free = {"staleness.max": (cfg.staleness.max, 0), "generator.replicas": (cfg.generator.replicas, 1),
+                   "generator.engine": (cfg.generator.engine, "transformers")}
+    for key, (value, needed) in timing_free.items():
+        if cfg.run.deterministic and value != needed:
+            raise ConfigError(f"config key 'run.deterministic': needs {key}={needed} (got {value}); for an "
+                              f"asynchronous run, run.record=true and `nanoverl-async replay` reproduce the learner")
 
 
 POSITIVE = ("run.total_steps", "data.prompts_per_step", "data.samples_per_prompt", "agent.max_turns",

@@ -46,6 +46,7 @@ CONFIG_CASES = [
     ("model.path=", "'model.path'"),
     ("run.eval_every=2", "'run.eval_every': needs data.val_files"),
     ("kl.reward_coef=0.1", "'kl.reward_coef'"),
+    ("run.deterministic=true", "'run.deterministic': needs staleness.max=0"),  # the default job is async
 ]
 # --- the world the config names, checked at launch before Ray starts
 LAUNCH_CASES = [
@@ -221,6 +222,7 @@ TRAJECTORY_CASES = {  # name -> lease -> message bytes; every one is malformed, 
     "negative-id": lambda lease: forged(lease, token_ids=np.array([0, 1, -2, 3, 4], dtype=np.int32)),
     "version-from-the-future": lambda lease: forged(lease, versions=np.array([-1, -1, 0, 1000, -1], np.int32)),
     "versions-backwards": lambda lease: encode(make_trajectory(lease, 0, [1, 0])),
+    "call-outside-its-episode": lambda lease: forged(lease, spans=[["episode", 5.0, 6.0], ["tool", 4.0, 5.5]]),
     "logprob-positive": lambda lease: forged(lease, behaviour_logprobs=np.array([0, 0, 2.0, -1, 0], np.float32)),
     "logprob-nan": lambda lease: forged(lease, behaviour_logprobs=np.array([0, 0, np.nan, -1, 0], np.float32)),
     "mask-not-binary": lambda lease: forged(lease, loss_mask=np.array([0, 0, 2, 1, 0], np.uint8)),

@@ -290,3 +290,35 @@ def test_unsupported_models_are_refused_in_one_line(tmp_path):
     LlamaForCausalLM(dynamic).save_pretrained(tmp_path / "dynamic")
     with pytest.raises(ValueError, match=r"config.rope_parameters=.*dynamic"):
         TransformersEngine(str(tmp_path / "dynamic"))
+
+
+def test_lockstep_waves_do_not_depend_on_timing(model_dir):
+    """run.deterministic: episodes that reach the engine in another order and at other times (a tool call
+    that took longer) get the same tokens and logprobs, because each wave waits for every live episode.
+    Without lockstep, the same schedules batch differently (and one row's logits change in their last bits)."""
+    prompts = {f"0-{g}-{s}": [5 + g, 6 + s, 7, 8 + g * s] for g in range(3) for s in range(3)}
+
+    async def episode(engine, episode_id, prompt, delays):
+        ids, out = list(prompt), []
+        for delay in delays:  # two turns, a "tool call" of `delay` seconds before each
+            await asyncio.sleep(delay)
+            completion = await engine.generate(ids, SamplingParams(5, 1.0), episode_id=episode_id)
+            ids += completion.token_ids + [3]
+            out.append((completion.token_ids, completion.logprobs))
+        return out
+
+    async def run(order, delays, lockstep):
+        engine, live = TransformersEngine(model_dir, seed=3), [len(order)]
+        if lockstep:
+            engine.lockstep = lambda: live[0]  # the worker's count of episodes that will call generate again
+        episodes = [asyncio.ensure_future(episode(engine, key, prompts[key], delays[key])) for key in order]
+        for future in episodes:
+            future.add_done_callback(lambda _: live.__setitem__(0, live[0] - 1))
+        return dict(zip(order, await asyncio.gather(*episodes)))
+
+    keys = list(prompts)
+    calm = {key: (0.0, 0.0) for key in keys}
+    jittery = {key: (0.002 * (i % 3), 0.004 * ((i * 7) % 5)) for i, key in enumerate(keys)}
+    first = asyncio.run(run(keys, calm, lockstep=True))
+    assert asyncio.run(run(keys[::-1], jittery, lockstep=True)) == first
+    assert asyncio.run(run(keys[::-1], jittery, lockstep=False)) != first

@@ -19,6 +19,7 @@ def make_trajectory() -> Trajectory:
         versions=np.array([-1, -1, -1, 4, 4, -1, -1, 5, 5], dtype=np.int32),
         reward=1.0, num_turns=2, tool_calls=1, tool_errors=0, finish_reason="stop", generator_id=3,
         timings={"episode": 0.25}, info={"answer": "408", "nested": [1, 2]},
+        spans=[["episode", 100.0, 100.25], ["generate", 100.0, 100.1], ["tool", 100.1, 100.15]],
     )
 
 
@@ -34,7 +35,7 @@ def test_round_trip_keeps_every_field():
     original = make_trajectory()
     decoded = decode(encode(original))
     for name in ("id", "group_id", "prompt_index", "sample_index", "reward", "num_turns", "tool_calls",
-                 "tool_errors", "finish_reason", "generator_id", "timings", "info"):
+                 "tool_errors", "finish_reason", "generator_id", "timings", "info", "spans"):
         assert getattr(decoded, name) == getattr(original, name), name
     for name in ("token_ids", "loss_mask", "behaviour_logprobs", "versions"):
         np.testing.assert_array_equal(getattr(decoded, name), getattr(original, name))
@@ -101,6 +102,12 @@ CASES = [
     ("behaviour_logprobs", _array("behaviour_logprobs", data=np.full(9, 0.5, "<f4").tobytes())),
     ("token_ids", _array("token_ids", data=np.full(9, -3, "<i4").tobytes())),
     ("reward", _set("reward", float("nan"))),
+    # run.trace's spans: the episode's first, finite numbers, each call inside the episode
+    ("spans", _set("spans", {"episode": [0, 1]})),
+    ("spans", _set("spans", [["generate", 100.0, 100.1]])),
+    ("spans", _set("spans", [["episode", 100.0, float("inf")]])),
+    ("spans", _set("spans", [["episode", 100.0, 100.25], ["tool", 100.2, 100.5]])),
+    ("spans", _set("spans", [["episode", 100.0, 100.25], ["sleep", 100.0, 100.1]])),
 ]
 
 

@@ -5,8 +5,8 @@ is then ready. `take(t, B, eta)` is the consumption check of docs/design.md "The
 
   1. every ready group with t - u > eta (u = the group's version, the minimum over its trajectories)
      is removed and returned as dropped, so the caller can give its slot back and re-issue its prompt;
-  2. then the B oldest ready groups (by version, then completion order) are removed and returned, or
-     none at all if fewer than B are ready (never a partial batch).
+  2. then the B oldest ready groups (by version, then completion order) are removed and returned, by
+     version and then lease order, or none at all if fewer than B are ready (never a partial batch).
 
 With `group_filter` (DAPO dynamic sampling, Yu et al. 2025, arXiv:2503.14476), a group whose G rewards
 all tie is dropped the moment it completes (`add` returns FILTERED, counted in `filtered`): its
@@ -117,7 +117,9 @@ class ReplayBuffer:
         oldest = sorted(self.ready.values(), key=lambda g: (g.version, g.arrival))[:batch_groups]
         for group in oldest:
             del self.ready[group.group_id]
-        return oldest, dropped
+        # Oldest first, then in lease order rather than completion order: the learner sums in batch order,
+        # and completion order depends on timing (run.deterministic needs the same batch in the same order).
+        return sorted(oldest, key=lambda g: (g.version, g.group_id)), dropped
 
     def state(self) -> dict:
         """Ready and partial groups (trajectories as `trajectory.encode` bytes) and the counters."""

@@ -18,6 +18,9 @@ keeps running (validation includes token ids inside the model's vocabulary and v
 newest published: trajectory.check_bounds); gate and replay are only touched under one lock; a crash of
 the thread is re-raised by `next_batch`, never a silent hang. msgpack only, never pickle.
 
+With run.trace, `trace` keeps each lease (granted -> its group complete, filtered or expired) and each
+spell of the gate refusing a generator, until the controller takes them (trace.py).
+
 Checkpoints: `state_bytes(version)` is one msgpack map {"format", "version", "gate", "replay",
 "service"} taken under the lock while generators keep streaming (a consistent cut: every trajectory
 is either in it or arrives after it); `restore(data)` loads it into a fresh service before any
@@ -43,6 +46,7 @@ from nanoverl_async import trajectory as wire
 from nanoverl_async.buffer.gate import AdmissionGate
 from nanoverl_async.buffer.replay import ADDED, COMPLETED, FILTERED, Group, ReplayBuffer
 from nanoverl_async.config import BufferConfig, GeneratorConfig, WireConfig
+from nanoverl_async.trace import SpanLog
 from nanoverl_async.trajectory import Trajectory
 from nanoverl_async.wire_auth import CurveKeys, admit_run_clients, serve
 
@@ -50,7 +54,7 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 20  # the thread wakes at least this often to expire leases and notice close()
 DRAIN_MAX = 256  # messages taken from one socket before looking at the other (no starvation)
-STATE_FORMAT = 1  # buffer.msgpack's layout (state_bytes); bump when it changes
+STATE_FORMAT = 2  # buffer.msgpack's layout (state_bytes); bump when it changes (2: trajectories have spans)
 
 
 @dataclass
@@ -136,7 +140,8 @@ class GatedClock:
 class BufferService:
     def __init__(self, prompts_per_step: int, group_size: int, staleness: int, config: BufferConfig,
                  wire_config: WireConfig, generators: GeneratorConfig, vocab_size: int,
-                 prompt_fn: Callable[[int], dict], group_filter: bool = False, curve: Optional[CurveKeys] = None):
+                 prompt_fn: Callable[[int], dict], group_filter: bool = False, curve: Optional[CurveKeys] = None,
+                 trace: bool = False):
         """`generators`: how many there are (replicas: ids 0..replicas-1) and how many groups each may run;
         `vocab_size`: the model's, which bounds every token id; `curve`: the run's keys when wire.host is
         not loopback (wire_auth.py): only the run's generators can then connect."""
@@ -152,6 +157,7 @@ class BufferService:
         self._generator_tokens: Counter = Counter()
         self._tokens_since_batch = 0
         self._gated = GatedClock(time.monotonic())
+        self.trace = SpanLog(trace)
         self._error: BaseException | None = None
         self._context = zmq.Context()
         self._authenticator = admit_run_clients(self._context, curve)
@@ -308,6 +314,8 @@ class BufferService:
                 self._cond.notify_all()
             elif outcome == FILTERED:  # all rewards tie: slot back, prompt consumed (not retried)
                 self.gate.release(trajectory.group_id, reissue=False)
+            if outcome in (COMPLETED, FILTERED):
+                self.trace.end(trajectory.group_id, outcome=outcome)
         if outcome not in (ADDED, COMPLETED, FILTERED):
             log.info("buffer: dropped trajectory %s of group %d (%s)", trajectory.id, trajectory.group_id, outcome)
 
@@ -328,11 +336,25 @@ class BufferService:
             generator_id = request["generator_id"]
             room = self.generators.max_groups_in_flight - self.gate.in_flight_of(generator_id)
             leases = self.gate.lease(request["version"], max(0, min(request["max_groups"], room)), now, generator_id)
-            self._gated.observe(generator_id, refused=not leases and request["max_groups"] > 0, now=now)
+            refused = not leases and request["max_groups"] > 0
+            self._gated.observe(generator_id, refused=refused, now=now)
             for lease in leases:
                 self.replay.open(lease.group_id, lease.prompt_index, lease.version)
+            if self.trace.enabled:
+                self._trace_request(generator_id, request["version"], leases, refused)
         reply = [{"group_id": l.group_id, "prompt_index": l.prompt_index, "sample": l.sample} for l in leases]
         return msgpack.packb({"leases": reply}, use_bin_type=True)
+
+    def _trace_request(self, generator_id: int, version: int, leases: list, refused: bool) -> None:
+        """Open a span per lease granted; a refusal opens the generator's gate-closed spell, a grant ends it."""
+        if refused:
+            self.trace.begin(("gate", generator_id), f"gate closed, generator {generator_id}", "gate closed",
+                             generator_id=generator_id, version=version)
+        else:
+            self.trace.end(("gate", generator_id))
+        for lease in leases:
+            self.trace.begin(lease.group_id, "leases", "lease", group_id=lease.group_id,
+                             prompt_index=lease.prompt_index, generator_id=generator_id, version=version)
 
     def _check_claims(self, request: dict) -> None:
         """What a well-formed request claims, against what the buffer knows; ValueError if it cannot be so."""
@@ -347,6 +369,7 @@ class BufferService:
             expired = self.gate.expire(now)
             for group_id in expired:
                 self.replay.close(group_id)
+                self.trace.end(group_id, outcome="expired")
         if expired:
             log.warning("buffer: expired %d leases (groups %s): prompts re-issued", len(expired), expired)
 

@@ -38,7 +38,6 @@ Run alone: `python -m pytest tests/test_agent_loop.py tests/test_chat_templates.
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Optional
 
 import numpy as np
@@ -113,6 +112,9 @@ class Episode:
         self.record, self.messages = _Tokens(), []
         self.turns = self.tool_calls = self.tool_errors = self.fallbacks = 0
         self.spent = {"generate": 0.0, "tool": 0.0}
+        # Its calls' spans for run.trace: the wall clock at the start, then the monotonic clock, so they stay
+        # inside the episode's span (Trajectory.spans) even if the wall clock is stepped meanwhile.
+        self.wall_origin, self.calls = time.time() - time.perf_counter(), []
         self.finish, self.answer, self.last_stop_text = "", "", ""
         self.episode_id = episode_id  # lets a server pool keep an episode's turns on one server (prefix cache)
 
@@ -134,7 +136,7 @@ class Episode:
         tick = time.perf_counter()
         params = SamplingParams(budget, self.temperature, self.stop_ids)
         completion = await self.engine.generate(self.record.ids, params, episode_id=self.episode_id)
-        self.spent["generate"] += time.perf_counter() - tick
+        self._spent("generate", tick)
         self.record.add_sampled(completion)
         self.turns += 1
         last = completion.token_ids[-1]
@@ -165,12 +167,19 @@ class Episode:
             elif call.name not in by_name:
                 results.append(ToolResult(f"error: unknown tool '{call.name}'", True))
             else:
+                tick = time.perf_counter()
                 results.append(await call_tool(by_name[call.name], call.arguments, self.agent.tool_timeout_s,
                                                self.max_chars))
+                self._spent("tool", tick)
         self.tool_calls += len(calls)
         self.tool_errors += sum(r.error for r in results)
-        self.spent["tool"] += sum(r.latency_s for r in results)
         return [{"role": "tool", "name": c.name, "content": r.text[: self.max_chars]} for c, r in zip(calls, results)]
+
+    def _spent(self, kind: str, tick: float) -> None:
+        """A model or tool call that began at perf_counter `tick` has just ended."""
+        now = time.perf_counter()
+        self.spent[kind] += now - tick
+        self.calls.append([kind, self.wall_origin + tick, self.wall_origin + now])
 
     def add_turn(self, message: dict) -> None:
         """Record a sampled turn's message in the history (its tokens are already in the record)."""
@@ -214,11 +223,15 @@ async def drive(episode: Episode, env: Any, sample: dict) -> tuple[float, dict]:
 
 async def run_episode(engine: Engine, tokenizer, sample: dict, env: Any, agent: AgentConfig, temperature: float,
                       *, group_id: int = 0, prompt_index: int = 0, sample_index: int = 0,
-                      generator_id: int = 0, keep_messages: bool = False) -> Trajectory:
+                      generator_id: int = 0, keep_messages: bool = False, trajectory_id: str = "",
+                      trace: bool = False) -> Trajectory:
     """One episode of `env` on `sample` -> its Trajectory; with keep_messages, info["messages"] holds
-    the chat history (tool calls with their arguments, tool results and errors) for run.log_samples."""
+    the chat history (tool calls with their arguments, tool results and errors) for run.log_samples;
+    with trace, `spans` holds the wall-clock intervals of the episode and of its calls for run.trace.
+    The id defaults to generator-group-sample: unique in a run (a group id is one lease's) and the same
+    in every run, so a lockstep engine can order its waves by it."""
     started = time.perf_counter()
-    trajectory_id = f"{generator_id}-{group_id}-{sample_index}-{uuid.uuid4().hex[:8]}"
+    trajectory_id = trajectory_id or f"{generator_id}-{group_id}-{sample_index}"
     episode = Episode(engine, tokenizer, agent, temperature, env, episode_id=trajectory_id)
     if hasattr(env, "rollout"):
         reward, info = await call_user("agent.env rollout()", env.rollout, episode, sample), {}
@@ -229,7 +242,7 @@ async def run_episode(engine: Engine, tokenizer, sample: dict, env: Any, agent: 
     else:
         episode.start(await call_user("agent.env reset()", env.reset, sample))
         reward, info = await drive(episode, env, sample)
-    record = episode.record
+    record, ended, origin = episode.record, time.perf_counter(), episode.wall_origin
     return Trajectory(
         id=trajectory_id, group_id=group_id,
         prompt_index=prompt_index, sample_index=sample_index,
@@ -237,7 +250,8 @@ async def run_episode(engine: Engine, tokenizer, sample: dict, env: Any, agent: 
         behaviour_logprobs=np.asarray(record.logprobs, dtype=np.float32),
         versions=np.asarray(record.versions, dtype=np.int32), reward=reward, num_turns=episode.turns,
         tool_calls=episode.tool_calls, tool_errors=episode.tool_errors, finish_reason=episode.finish or "stop",
-        generator_id=generator_id, timings={"episode": time.perf_counter() - started, **episode.spent},
+        generator_id=generator_id, timings={"episode": ended - started, **episode.spent},
         info={"final_answer": episode.answer, "reward_info": info, "template_fallbacks": episode.fallbacks,
               **({"messages": episode.messages} if keep_messages else {})},
+        spans=[["episode", origin + started, origin + ended], *episode.calls] if trace else [],
     )

@@ -21,6 +21,14 @@ sync per forward: the `.tolist()` of the sampled tokens and logprobs.
 Sampling (the behaviour policy mu of the loss): p = softmax(logits / temperature), one draw from p with
 a `torch.Generator` seeded from the config seed; logprob = log p[token], in float32.
 
+Lockstep (run.deterministic): a row's logits depend, in their last bits, on which rows share its batch
+(a matrix product over 1 row and over 37 rows sums in different orders), so continuous batching makes
+runs differ wherever tool latencies differ. With `lockstep` set (a callable: the episodes that will still
+call `generate`), the engine instead waits until every such episode is waiting, admits them all as one
+wave sorted by episode id, reseeds its generator from the wave's make-up, and admits nothing more until
+the wave has finished. Slower (a turn waits for the slowest tool call), but the same seed gives the same
+tokens.
+
 Weights (docs/design.md "Weights back to generators", mode interrupt): `stage_weights` must be called on the
 event-loop thread. The decode loop only yields between steps, so the new weights land between two
 steps: every token sampled afterwards carries the new version, earlier tokens keep theirs. By default
@@ -36,6 +44,7 @@ Run alone: python -m nanoverl_async.generators.hf_engine MODEL_DIR   (samples a 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -46,6 +55,8 @@ from transformers import AutoModelForCausalLM
 
 from nanoverl_async.generators.engine import Completion, SamplingParams
 from nanoverl_async.models import DTYPES
+
+LOCKSTEP_POLL_S = 0.001  # how often a lockstep engine checks whether every episode is waiting
 
 
 def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator):
@@ -185,6 +196,7 @@ class _Request:
     input_ids: list[int]
     params: SamplingParams
     future: asyncio.Future
+    episode_id: str = ""
     completion: Completion = field(default_factory=Completion)
 
     def length(self) -> int:
@@ -205,6 +217,8 @@ class TransformersEngine:
         self.recompute_cache_on_swap = recompute_cache_on_swap
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
+        self.seed = seed
+        self.lockstep: Optional[Callable[[], int]] = None  # run.deterministic: see "Lockstep" above
         self._pending: list[_Request] = []
         self._rows: list[_Request] = []  # the running rows; row i owns cache slot i
         self._runner: Optional[asyncio.Task] = None
@@ -219,11 +233,11 @@ class TransformersEngine:
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *,
                        episode_id: Optional[str] = None) -> Completion:
-        """See engine.Engine.generate (`episode_id` is ignored: one process, one cache)."""
+        """See engine.Engine.generate (`episode_id` orders a lockstep wave; there is one cache)."""
         if len(input_ids) == 0:
             raise ValueError("generate needs at least one input token")
         loop = asyncio.get_running_loop()
-        request = _Request(list(input_ids), params, loop.create_future())
+        request = _Request(list(input_ids), params, loop.create_future(), episode_id or "")
         if self._runner is None or self._runner.done() or self._runner.get_loop() is not loop:
             # Requests left by a loop that has gone (a previous asyncio.run) can never be answered.
             self._pending = [r for r in self._pending if r.future.get_loop() is loop]
@@ -258,9 +272,13 @@ class TransformersEngine:
     async def _run(self) -> None:
         try:
             while self._pending or self._rows:
+                if self.lockstep is not None and not self._rows and len(self._pending) < self.lockstep():
+                    await asyncio.sleep(LOCKSTEP_POLL_S)  # some episode is still in a tool call
+                    continue
                 with torch.inference_mode():
                     self._guarded(self._decode_step, 0)
-                    if self._pending and len(self._rows) < self.max_batch_size:
+                    if self._pending and len(self._rows) < self.max_batch_size and not (
+                            self.lockstep is not None and self._rows):
                         self._guarded(self._admit, len(self._rows))
                 await asyncio.sleep(0)
         except BaseException as error:  # cancelled (its loop is closing) or a bug: no one may wait forever
@@ -296,6 +314,11 @@ class TransformersEngine:
     def _admit(self) -> None:
         """Prefill the waiting requests into the slots after the running rows; sample their first token."""
         start = len(self._rows)
+        if self.lockstep is not None:
+            self._pending.sort(key=lambda r: r.episode_id)
+            wave = ";".join(f"{r.episode_id}:{len(r.input_ids)}" for r in self._pending)
+            self._generator.manual_seed(int.from_bytes(
+                hashlib.blake2b(f"{self.seed}|{wave}".encode(), digest_size=8).digest(), "little") >> 1)
         new = [r for r in self._pending[: self.max_batch_size - start] if not r.future.done()]
         del self._pending[: self.max_batch_size - start]
         if new:

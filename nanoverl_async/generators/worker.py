@@ -15,6 +15,8 @@ Tasks on one asyncio loop (a plain class: Ray only wraps it, elsewhere):
     their later tokens carry the new version). mode drain: stop leasing, wait until the in-flight
     groups finish, apply (skipping to the newest version that arrived meanwhile), resume. Either way the
     applied version is reported to the buffer (`{"op": "report"}`).
+With run.trace, every episode's trajectory carries its spans, and each version's load (its receipt to its
+application) waits in `trace` until the controller takes it (trace.py).
 
 Fail loudly: every wait has a timeout that raises; an exception in any task ends `run()` with that
 exception (so a supervisor sees a dead generator, never a silent hang). `stop()` ends `run()` promptly:
@@ -39,6 +41,7 @@ from nanoverl_async.config import Config, GeneratorConfig
 from nanoverl_async.env import env_factory
 from nanoverl_async.models import load_tokenizer, resolve_model_path
 from nanoverl_async.rewards import load_reward
+from nanoverl_async.trace import SpanLog
 from nanoverl_async.generators.agent_loop import run_episode
 from nanoverl_async.generators.engine import Engine
 from nanoverl_async.trajectory import encode
@@ -60,6 +63,7 @@ class GeneratorWorker:
         self.generator_id = generator_id
         self.generator, self.agent, self.weight_sync = cfg.generator, cfg.agent, cfg.weight_sync
         self.keep_messages = cfg.run.log_samples > 0  # the controller writes some episodes to samples.jsonl
+        self.trace = SpanLog(cfg.run.trace)  # run.trace: episodes carry their spans; weight loads kept here
         self.group_size = cfg.data.samples_per_prompt
         # One environment per episode: `env` (a no-argument factory) or agent.env (filled in by preflight.py).
         self.make_env = env or env_factory(cfg.agent.env, load_reward(cfg.reward.path, cfg.reward.name))
@@ -68,6 +72,13 @@ class GeneratorWorker:
             engine = make_engine(cfg.generator, model_path, generator_id=generator_id, seed=cfg.run.seed,
                                  dtype=cfg.model.dtype)
         self.engine = engine
+        # Episodes that will still call the engine, plus a lease request in flight (it may bring more):
+        # with run.deterministic the engine waits for all of them before each wave (hf_engine "Lockstep"),
+        # and leases and evaluations each wait until none is left, so they never share a wave.
+        self._live = 0
+        self.lockstep = cfg.run.deterministic
+        if self.lockstep:
+            engine.lockstep = lambda: self._live
         self.request_timeout_s, self.group_timeout_s = request_timeout_s, group_timeout_s
         self.lease_retry_s = lease_retry_s
         self.counts = {"groups_leased": 0, "empty_leases": 0, "episodes": 0, "tokens": 0, "weight_applies": 0}
@@ -160,11 +171,17 @@ class GeneratorWorker:
         limit = self.generator.max_groups_in_flight
         gated_since, gated_version = 0.0, None
         while True:
-            await self._wait_until(lambda: not self._draining and len(self._groups) < limit,
+            await self._wait_until(lambda: not self._draining and len(self._groups) < limit
+                                   and not (self.lockstep and self._live),
                                    self.group_timeout_s + self.weight_sync.timeout_s, "a free group slot")
             version = self.engine.version
-            reply = await self._request({"op": "lease", "generator_id": self.generator_id, "version": version,
-                                         "max_groups": limit - len(self._groups)})
+            self._live += 1
+            try:
+                reply = await self._request({"op": "lease", "generator_id": self.generator_id, "version": version,
+                                             "max_groups": limit - len(self._groups)})
+            finally:
+                self._live -= 1
+            self._live += self.group_size * len(reply["leases"])
             for lease in reply["leases"]:
                 task = self._spawn(self._run_group(lease), f"group-{lease['group_id']}")
                 self._groups.add(task)
@@ -187,7 +204,7 @@ class GeneratorWorker:
                 pass
 
     async def _run_group(self, lease: dict) -> None:
-        episodes = [asyncio.ensure_future(self._episode(lease, i)) for i in range(self.group_size)]
+        episodes = [self._track(self._episode(lease, i)) for i in range(self.group_size)]
         try:
             done, running = await asyncio.wait(episodes, timeout=self.group_timeout_s,
                                                return_when=asyncio.FIRST_EXCEPTION)
@@ -207,17 +224,29 @@ class GeneratorWorker:
         trajectory = await run_episode(self.engine, self.tokenizer, lease["sample"], self.make_env(), self.agent,
                                        self.generator.temperature, group_id=lease["group_id"],
                                        prompt_index=lease["prompt_index"], sample_index=sample_index,
-                                       generator_id=self.generator_id, keep_messages=self.keep_messages)
+                                       generator_id=self.generator_id, keep_messages=self.keep_messages,
+                                       trace=self.trace.enabled)
         await asyncio.wait_for(self._push.send(encode(trajectory)), self.request_timeout_s)
         self.counts["episodes"] += 1
         self.counts["tokens"] += trajectory.num_generated
 
-    async def evaluate(self, samples: list[dict]) -> dict:
-        """One near-greedy episode per sample under the current weights -> eval/* metrics (nothing pushed)."""
+    def _track(self, episode) -> asyncio.Future:
+        """Run an episode counted in `_live` (counted by whoever scheduled it) until it ends, however it ends."""
+        future = asyncio.ensure_future(episode)
+        future.add_done_callback(lambda _: setattr(self, "_live", self._live - 1))
+        return future
+
+    async def evaluate(self, samples: list[dict], min_version: int = 0) -> dict:
+        """One near-greedy episode per sample, once weights `min_version` or newer are loaded -> eval/*
+        metrics (nothing pushed)."""
+        await self._wait_until(lambda: self.engine.version >= min_version and not (self.lockstep and self._live),
+                               self.weight_sync.timeout_s + self.group_timeout_s, f"weights version {min_version}")
         version = self.engine.version
-        episodes = await asyncio.gather(*(
+        self._live += len(samples)
+        episodes = await asyncio.gather(*(self._track(
             run_episode(self.engine, self.tokenizer, sample, self.make_env(), self.agent, EVAL_TEMPERATURE,
-                        prompt_index=i, generator_id=self.generator_id) for i, sample in enumerate(samples)))
+                        prompt_index=i, generator_id=self.generator_id, trajectory_id=f"eval-{i}"))
+            for i, sample in enumerate(samples)))
         calls = sum(t.tool_calls for t in episodes)
         return {"eval/reward_mean": sum(t.reward for t in episodes) / len(episodes), "eval/version": version,
                 "eval/episodes": len(episodes), "eval/tool_calls_mean": calls / len(episodes),
@@ -226,12 +255,13 @@ class GeneratorWorker:
 
     async def _weight_loop(self, subscriber: WeightSubscriber) -> None:
         while True:
+            received = time.time()  # a version's receipt (checksum, deserialisation) is part of its load
             newest = subscriber.poll_newest(self.engine.version)
             if newest is not None:
-                await self._apply(subscriber, *newest)
+                await self._apply(subscriber, *newest, received)
             await asyncio.sleep(self.lease_retry_s)
 
-    async def _apply(self, subscriber: WeightSubscriber, version: int, state_dict: dict) -> None:
+    async def _apply(self, subscriber: WeightSubscriber, version: int, state_dict: dict, received: float) -> None:
         started = time.perf_counter()
         if self.weight_sync.mode == "drain":
             self._draining = True  # the lease loop starts no new group meanwhile
@@ -241,6 +271,8 @@ class GeneratorWorker:
             if newer is not None:
                 version, state_dict = newer
         self.engine.stage_weights(state_dict, version)
+        self.trace.add("weights", f"weights v{version}", received, time.time(), version=version,
+                       mode=self.weight_sync.mode)
         self._draining = False
         self._new_weights.set()
         self.counts["weight_applies"] += 1

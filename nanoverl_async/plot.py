@@ -1,0 +1,223 @@
+"""One figure of one or more runs: `nanoverl-async plot RUN_DIR [RUN_DIR ...] [-o out.png]`.
+
+    nanoverl-async plot outputs/agent_grpo                        # -> outputs/agent_grpo/plot.png
+    nanoverl-async plot outputs/eta0 outputs/eta4 -o compare.png   # two runs overlaid
+
+Reads each run directory's metrics.jsonl (one row per step, metrics.py) and config.yaml, and draws:
+
+    reward vs step            | reward vs wall clock      every run overlaid, one colour per run
+    generators gated          | generated tokens/s
+    staleness: <run 1>        | step time: <run 1>        one row per run: the share of the batch at each
+    ...                                                   lag, as a heatmap; wait / train / publish, stacked
+                                                          (a sweep of more than MAX_RUN_ROWS runs: none)
+
+A run is labelled by the config keys whose values differ between the runs (`staleness.max=4`); a single
+run, or runs whose configs match, by its directory name. Reading and the arrays each panel draws are
+pure functions, tested without drawing; `draw` only draws, on matplotlib's Agg canvas directly (no
+pyplot: no display, no global figure state). A run being written can be plotted: the line it is
+writing is left out.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import yaml
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from nanoverl_async.checkpoint import changed_keys
+from nanoverl_async.config import ConfigError
+
+# keys that say where and how a run was started, not what it trained: they never label a run
+UNLABELLED_KEYS = {"run.output_dir", "run.resume", "run.overwrite", "run.progress"}
+MAX_RUN_ROWS = 4  # runs drawn with their own heatmap and time split; a larger sweep gets the overlays only
+MAX_LABEL_KEYS = 4  # further differing keys are summarised as "+N more", so a legend stays readable
+TIME_SPLIT = {"time/wait_batch_s": "wait for batch", "time/train_s": "train", "time/publish_s": "publish"}
+TIME_COLOURS = ("#b0b0b0", "#4c72b0", "#dd8452")
+# the overlaid panels: (title, x field, y field, x label, y label) over Series fields
+OVERLAYS = (("reward vs step", "step", "reward", "step", "reward/mean"),
+            ("reward vs wall clock", "wall_s", "reward", "training wall clock (s)", "reward/mean"),
+            ("generators gated", "step", "gated_frac", "step", "generators/gated_frac"),
+            ("generated tokens/s", "step", "tokens_per_s", "step", "tokens/generated_per_s"))
+
+
+@dataclass
+class Run:
+    """A run directory as read: its metrics rows, in step order, and its resolved config."""
+
+    path: Path
+    rows: list[dict]
+    config: dict
+
+
+@dataclass
+class Series:
+    """What the panels draw for one run, one entry per logged step; NaN where a row lacks the key."""
+
+    step: np.ndarray
+    reward: np.ndarray
+    wall_s: np.ndarray  # training wall clock at the end of each step: the running sum of time/step_s
+    gated_frac: np.ndarray
+    tokens_per_s: np.ndarray
+    time_split: dict[str, np.ndarray]  # TIME_SPLIT key -> seconds; the three add up to time/step_s
+    staleness: np.ndarray  # (lag, step): share of the step's trajectories that were `lag` versions old
+    staleness_limit: int
+
+
+def read_run(run_dir: str) -> Run:
+    path = Path(run_dir)
+    return Run(path, read_rows(path / "metrics.jsonl"), read_config(path / "config.yaml"))
+
+
+def read_rows(path: Path) -> list[dict]:
+    """metrics.jsonl's rows; a ConfigError naming the file when it is missing, empty or not JSON rows."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file (a run directory holds the metrics.jsonl a launch writes)")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(keepends=True), 1):
+        if not line.strip() or not line.endswith("\n"):  # blank, or the row a live run is still writing
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict) or "step" not in row:
+            raise ConfigError(f"{path}:{number}: not a metrics row (a JSON object with a 'step')")
+        rows.append(row)
+    if not rows:
+        raise ConfigError(f"{path}: no steps logged (the file is empty)")
+    return rows
+
+
+def read_config(path: Path) -> dict:
+    """config.yaml as a plain nested dict; a ConfigError naming the file when it is missing or not YAML."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file (a run directory holds the config.yaml a launch writes)")
+    try:
+        config = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not YAML ({' '.join(str(error).split())})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: not a config (a YAML mapping)")
+    return config
+
+
+def run_labels(configs: list[dict], names: list[str]) -> list[str]:
+    """One legend label per run: `key=value` for each dotted config key whose value differs between the
+    runs (`algorithm.correction=none, staleness.max=4`); the directory names for one run or equal configs."""
+    differing = sorted({key for config in configs[1:] for key in changed_keys(configs[0], config)}
+                       - UNLABELLED_KEYS)
+    if not differing:
+        return list(names)
+    more = f", +{len(differing) - MAX_LABEL_KEYS} more" if len(differing) > MAX_LABEL_KEYS else ""
+    labels = [", ".join(f"{key}={config_value(config, key)}" for key in differing[:MAX_LABEL_KEYS]) + more
+              for config in configs]
+    if len(set(labels)) < len(labels):  # the shown keys agree, the rest differ: the names tell them apart
+        labels = [f"{name}: {label}" for name, label in zip(names, labels)]
+    return labels
+
+
+def config_value(config: dict, key: str) -> str:
+    """The value at a dotted key as an override would spell it (`false`, `null`, `[a, b]`), or "unset"
+    where that config has no such key (a run written by a version without it)."""
+    value = config
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return "unset"
+        value = value[part]
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def series(rows: list[dict]) -> Series:
+    """The arrays every panel draws, from one run's metrics rows."""
+    def column(key: str) -> np.ndarray:
+        return np.array([float(row.get(key, np.nan)) for row in rows])
+
+    return Series(step=column("step"), reward=column("reward/mean"), wall_s=np.cumsum(column("time/step_s")),
+                  gated_frac=column("generators/gated_frac"), tokens_per_s=column("tokens/generated_per_s"),
+                  time_split={key: column(key) for key in TIME_SPLIT}, staleness=staleness_shares(rows),
+                  staleness_limit=max(int(row.get("staleness/limit", 0)) for row in rows))
+
+
+def staleness_shares(rows: list[dict]) -> np.ndarray:
+    """(lag, step) -> the share of that step's trajectories that were `lag` versions old (each column sums
+    to 1, or is 0 for a step without a histogram). Lags run from 0 to the larger of the largest lag seen
+    and the run's staleness/limit, so runs with the same limit are drawn on the same scale."""
+    histograms = [{int(lag): count for lag, count in row.get("staleness/histogram", {}).items()} for row in rows]
+    top = max([lag for histogram in histograms for lag in histogram]
+              + [int(row.get("staleness/limit", 0)) for row in rows])
+    shares = np.zeros((top + 1, len(rows)))
+    for column, histogram in enumerate(histograms):
+        total = sum(histogram.values())
+        for lag, count in histogram.items():
+            shares[lag, column] = count / total
+    return shares
+
+
+def draw(runs: list[Run]) -> Figure:
+    """The figure: four overlaid panels on top, then one row per run (staleness heatmap, time split),
+    unless there are more than MAX_RUN_ROWS runs (a sweep): then the overlays alone."""
+    labels = run_labels([run.config for run in runs], [run.path.resolve().name for run in runs])
+    data = [series(run.rows) for run in runs]
+    rows = len(runs) if len(runs) <= MAX_RUN_ROWS else 0
+    figure = Figure(figsize=(13, 3.4 * (2 + rows)), layout="constrained")
+    FigureCanvasAgg(figure)  # the non-interactive Agg canvas: renders to PNG with no display
+    axes = figure.subplots(2 + rows, 2, squeeze=False)
+    for ax in axes[3:, 1]:
+        ax.sharey(axes[2, 1])  # one seconds scale for every run's step time, so they compare by eye
+    for ax, panel in zip(axes[:2].flat, OVERLAYS):
+        draw_overlay(ax, panel, data, labels)
+    axes[0, 0].legend(fontsize="small")  # one colour per run throughout: one legend is enough
+    for index, (s, label) in enumerate(zip(data[:rows], labels)):
+        draw_staleness(figure, axes[2 + index, 0], s, label, f"C{index}")
+        draw_time_split(axes[2 + index, 1], s, label, f"C{index}")
+    if rows:
+        axes[2, 1].legend(fontsize="small", loc="upper right")  # the same three colours in every run's row
+    return figure
+
+
+def draw_overlay(ax, panel: tuple, data: list[Series], labels: list[str]) -> None:
+    title, x, y, x_label, y_label = panel
+    for index, (s, label) in enumerate(zip(data, labels)):
+        marker = "o" if len(s.step) <= 30 else None  # a short run's steps stay visible as points
+        ax.plot(getattr(s, x), getattr(s, y), color=f"C{index}", marker=marker, markersize=3, label=label)
+    ax.set(title=title, xlabel=x_label, ylabel=y_label)
+    ax.grid(alpha=0.3)
+
+
+def draw_staleness(figure: Figure, ax, s: Series, label: str, colour: str) -> None:
+    first, last = s.step[0], s.step[-1]
+    image = ax.imshow(s.staleness, origin="lower", aspect="auto", interpolation="nearest", cmap="viridis",
+                      vmin=0, vmax=1, extent=(first - 0.5, last + 0.5, -0.5, s.staleness.shape[0] - 0.5))
+    figure.colorbar(image, ax=ax, label="share of the batch")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    ax.set_title(f"staleness: {textwrap.fill(label, 70)}", color=colour)
+    ax.set(xlabel="step", ylabel=f"lag in versions (limit {s.staleness_limit})")
+
+
+def draw_time_split(ax, s: Series, label: str, colour: str) -> None:
+    bottom = np.zeros(len(s.step))
+    for (key, name), bar_colour in zip(TIME_SPLIT.items(), TIME_COLOURS):
+        seconds = np.nan_to_num(s.time_split[key])  # a run logged before the split existed: empty bars
+        ax.bar(s.step, seconds, bottom=bottom, width=1.0, linewidth=0, color=bar_colour, label=name)
+        bottom += seconds
+    ax.set_xlim(s.step[0] - 0.5, s.step[-1] + 0.5)  # the same steps as the heatmap beside it
+    ax.set_title(f"step time: {textwrap.fill(label, 70)}", color=colour)
+    ax.set(xlabel="step", ylabel="seconds")
+    ax.margins(y=0.2)  # headroom for the legend
+
+
+def save_plot(run_dirs: list[str], output: Optional[str] = None) -> Path:
+    """Read the runs, draw them, write the PNG (default `<first RUN_DIR>/plot.png`); returns its path."""
+    runs = [read_run(run_dir) for run_dir in run_dirs]
+    path = Path(output) if output else runs[0].path / "plot.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    draw(runs).savefig(path, dpi=100)
+    return path
