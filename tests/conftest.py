@@ -1,4 +1,5 @@
-"""Shared fixtures: one local Ray instance for every test that places roles in-process."""
+"""Shared fixtures: one local Ray instance for every test that places roles in-process, and one short real
+run with every observation key on, which the plot, trace, replay and simulator tests all read."""
 
 import pytest
 import ray
@@ -13,3 +14,21 @@ def ray_session():
     yield
     if started:
         ray.shutdown()
+
+
+OBSERVED_STEPS = 4
+OBSERVED_RUN = (f"run.total_steps={OBSERVED_STEPS}", "generator.replicas=2", "staleness.max=1",
+                "data.prompts_per_step=4", "data.samples_per_prompt=4", "run.log_samples=3", "run.trace=true",
+                "run.record=true")
+
+
+@pytest.fixture(scope="session")
+def observed_run(tmp_path_factory):
+    """The CLI's default job for a few asynchronous steps on two generators, with samples.jsonl,
+    trace.json and record/ written: one run instead of one per test file (the real CLI costs ~30 s)."""
+    from test_cli_run import run_cli
+
+    path = tmp_path_factory.mktemp("observed")
+    result = run_cli(path, *OBSERVED_RUN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return path

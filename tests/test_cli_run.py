@@ -28,31 +28,38 @@ def read_metrics(path):
 
 
 @pytest.mark.parametrize("overrides", [
-    ("run.total_steps=4", "staleness.max=1", "run.log_samples=3"),
     ("run.total_steps=3", "staleness.max=0", "learner.world_size=2", "generator.replicas=2",
      "weight_sync.mode=drain", "data.prompts_per_step=4"),
     ("run.total_steps=2", "wire.host=0.0.0.0"),  # off loopback: every socket CURVE with the run's keys
-], ids=["default-async", "two-ranks-two-generators-sync-drain", "curve-off-loopback"])
+], ids=["two-ranks-two-generators-sync-drain", "curve-off-loopback"])
 def test_cli_runs_a_few_steps(tmp_path, overrides):
     result = run_cli(tmp_path, *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = read_metrics(tmp_path)
-    steps = int(overrides[0].split("=")[1])
+    check_run(tmp_path, int(overrides[0].split("=")[1]))
+
+
+def test_a_run_with_every_observation_key_on(observed_run):
+    """conftest.py's run (4 steps, staleness.max=1, two generators, run.log_samples=3 and more)."""
+    steps = 4
+    check_run(observed_run, steps)
+    samples = [json.loads(line) for line in (observed_run / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [step for step in range(steps) for _ in range(3)]
+    assert all(s["messages"][0]["role"] == "user" and s["versions"] for s in samples)
+    assert any(m["role"] == "tool" for s in samples for m in s["messages"])  # the warm start calls tools
+
+
+def check_run(path, steps: int) -> None:
+    rows = read_metrics(path)
     assert [row["step"] for row in rows] == list(range(steps))
     for row in rows:
         assert REQUIRED_KEYS <= set(row)
         assert row["staleness/max"] <= row["staleness/limit"]
         assert 0.0 <= row["reward/mean"] <= 1.0
     assert rows[-1]["samples/trained"] == steps * rows[0]["samples/trained"]
-    if "run.log_samples=3" in overrides:  # the episodes themselves: messages, tool results, reward
-        samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
-        assert [s["step"] for s in samples] == [step for step in range(steps) for _ in range(3)]
-        assert all(s["messages"][0]["role"] == "user" and s["versions"] for s in samples)
-        assert any(m["role"] == "tool" for s in samples for m in s["messages"])  # the warm start calls tools
-    assert (tmp_path / "final" / "config.json").is_file()
+    assert (path / "final" / "config.json").is_file()
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(tmp_path / "final")  # loadable by the standard path
+    AutoModelForCausalLM.from_pretrained(path / "final")  # loadable by the standard path
 
 
 def test_cli_bad_config_fails_before_starting(tmp_path):

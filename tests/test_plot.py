@@ -13,7 +13,7 @@ import yaml
 from nanoverl_async.cli import main
 from nanoverl_async.config import ConfigError
 from nanoverl_async.plot import draw, read_rows, read_run, run_labels, series, staleness_shares
-from test_cli_run import read_metrics, run_cli
+from test_cli_run import read_metrics
 
 
 def row(step, **extra):
@@ -83,13 +83,13 @@ def test_a_bad_run_directory_is_one_line_naming_the_file(tmp_path, capsys, break
 
 
 @pytest.fixture(scope="module")
-def two_runs(tmp_path_factory):
-    """A real 4-step run, and a copy of it whose config says staleness.max=4, correction=none."""
+def two_runs(observed_run, tmp_path_factory):
+    """A real 4-step run (conftest.py, staleness.max=1), and a copy of it whose config says
+    staleness.max=4, correction=none."""
     root = tmp_path_factory.mktemp("plot")
     first, second = root / "first", root / "second"
-    result = run_cli(first, "run.total_steps=4")
-    assert result.returncode == 0, result.stderr[-3000:]
-    shutil.copytree(first, second, ignore=shutil.ignore_patterns("final"))
+    shutil.copytree(observed_run, first, ignore=shutil.ignore_patterns("final", "record"))
+    shutil.copytree(first, second)
     config = yaml.safe_load((second / "config.yaml").read_text())
     config["run"]["output_dir"] = str(second)  # always differs between runs: never part of a label
     config["staleness"]["max"], config["algorithm"]["correction"] = 4, "none"
@@ -101,7 +101,7 @@ def two_runs(tmp_path_factory):
 def test_the_figure_of_two_real_runs_has_every_panel(two_runs):
     first, second = two_runs
     rows = read_metrics(first)
-    labels = ["algorithm.correction=decoupled, staleness.max=2", "algorithm.correction=none, staleness.max=4"]
+    labels = ["algorithm.correction=decoupled, staleness.max=1", "algorithm.correction=none, staleness.max=4"]
     axes = {ax.get_title(): ax for ax in draw([read_run(first), read_run(second)]).axes if ax.get_title()}
     assert set(axes) == {"reward vs step", "reward vs wall clock", "generators gated", "generated tokens/s",
                          *(f"{panel}: {label}" for label in labels for panel in ("staleness", "step time"))}

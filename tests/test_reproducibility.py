@@ -76,14 +76,12 @@ def test_two_seeded_synchronous_runs_log_the_same_metrics(tmp_path):
 
 
 @pytest.mark.slow
-def test_replay_of_a_recorded_async_run_gives_its_final_weights(tmp_path):
-    run = cli("launch", "configs/agent_grpo.yaml", f"run.output_dir={tmp_path}", "run.total_steps=4",
-              "staleness.max=2", "run.record=true", *SMALL)
-    assert run.returncode == 0, run.stderr[-2000:]
-    staleness = [json.loads(line)["staleness/max"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+def test_replay_of_a_recorded_async_run_gives_its_final_weights(observed_run):
+    """conftest.py's run: 4 steps at staleness.max=1 on two generators, run.record=true."""
+    staleness = [json.loads(line)["staleness/max"] for line in (observed_run / "metrics.jsonl").read_text().splitlines()]
     assert max(staleness) >= 1  # the stream really was off-policy
-    replay = cli("replay", str(tmp_path))
+    replay = cli("replay", str(observed_run))
     assert replay.returncode == 0, replay.stdout + replay.stderr[-2000:]
     assert "bit for bit" in replay.stdout
-    result = compare_weights(tmp_path / "final", tmp_path / "replay" / "final")
+    result = compare_weights(observed_run / "final", observed_run / "replay" / "final")
     assert result["identical"] == result["tensors"] > 0

@@ -20,7 +20,6 @@ from nanoverl_async.trace import (Lanes, PipelineTrace, Span, SpanLog, TracedRol
 from nanoverl_async.trajectory import decode, encode
 from test_agent_loop import ScriptedEngine
 from test_buffer_service import VOCAB, make_trajectory
-from test_cli_run import run_cli
 
 
 def tracks(events: list[dict]) -> dict[tuple[int, int], list[tuple[int, int, dict]]]:
@@ -148,11 +147,8 @@ def test_a_resumed_run_keeps_the_earlier_trace(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_real_run_traces_every_role_and_each_episode_before_its_training(tmp_path):
-    result = run_cli(tmp_path, "run.trace=true", "run.total_steps=3", "generator.replicas=2", "staleness.max=1",
-                     "data.prompts_per_step=4", "data.samples_per_prompt=4")
-    assert result.returncode == 0, result.stderr[-3000:]
-    events = json.loads((tmp_path / "trace.json").read_text())
+def test_a_real_run_traces_every_role_and_each_episode_before_its_training(observed_run):
+    events = json.loads((observed_run / "trace.json").read_text())  # 4 steps, 2 generators, 4 x 4 (conftest.py)
     processes = process_names(events)
     names = {pid: args["name"] for pid, args in processes.items()}
     assert sorted(names.values()) == ["buffer", "generator 0", "generator 1", "learners"]
@@ -164,9 +160,9 @@ def test_a_real_run_traces_every_role_and_each_episode_before_its_training(tmp_p
     assert {"episode", "generate", "tool", "lease", "prepare", "update", "publish"} <= span_names
     assert any(name.startswith("weights v") for name in span_names)
     prepare = {e["args"]["step"]: e["ts"] for e in events if e["name"] == "prepare"}
-    assert sorted(prepare) == [0, 1, 2]
+    assert sorted(prepare) == [0, 1, 2, 3]
     episodes = [(s, e, ev) for spans in by_track.values() for s, e, ev in spans if ev["name"] == "episode"]
-    assert len(episodes) == 3 * 4 * 4  # every trained trajectory, once
+    assert len(episodes) == 4 * 4 * 4  # every trained trajectory, once
     for start, end, episode in episodes:
         slack = processes[episode["pid"]]["clock_uncertainty_s"] * 1e6  # the offset estimate's error bound
         assert end <= prepare[episode["args"]["trained_step"]] + slack
