@@ -1,14 +1,16 @@
-"""Command line: `nanoverl-async launch|validate CONFIG [key=value ...]`, `plot RUN_DIR ...`, `replay RUN_DIR`.
+"""Command line: `nanoverl-async launch|validate CONFIG [key=value ...]`, `plot|replay|simulate RUN_DIR ...`.
 
     nanoverl-async launch configs/agent_grpo.yaml staleness.max=4 learner.world_size=2
     nanoverl-async validate configs/agent_grpo.yaml run.total_steps=10
     nanoverl-async plot outputs/agent_grpo [more run directories] [-o out.png]
     nanoverl-async replay outputs/agent_grpo     # a run launched with run.record=true (record.py)
+    nanoverl-async simulate outputs/agent_grpo --staleness 0,1,2,4,8 --generators 1,2,4   # run.trace=true
 
 A bad config (unknown key, wrong type, impossible value, missing or malformed YAML) prints one line
 naming the key and exits with status 2 before anything starts; a run that fails exits with status 1.
 `plot` exits with status 2 and one line naming the file when a run directory lacks its metrics or config;
-`replay` exits with status 1 when the replayed weights differ from the run's.
+`replay` exits with status 1 when the replayed weights differ from the run's. `simulate` (simulate.py) exits
+with status 2 and one line when the run directory lacks a file or its trace has no episodes, or a list is bad.
 """
 
 from __future__ import annotations
@@ -32,11 +34,20 @@ def main(argv: list[str] | None = None) -> int:
     plot.add_argument("-o", "--output", help="the PNG to write (default: <first RUN_DIR>/plot.png)")
     replay = commands.add_parser("replay", help="re-run the learner alone on a run's recorded batches (run.record)")
     replay.add_argument("run_dir", metavar="RUN_DIR", help="a run.output_dir of a run launched with run.record=true")
+    simulate = commands.add_parser("simulate", help="predict samples/s, staleness and gated_frac for other staleness "
+                                                    "limits and generator counts from a traced run (run.trace)")
+    simulate.add_argument("run_dir", metavar="RUN_DIR", help="a run.output_dir of a run launched with run.trace=true")
+    simulate.add_argument("--staleness", default="0,1,2,4,8", help="staleness.max values, comma-separated")
+    simulate.add_argument("--generators", default="1,2,4", help="generator.replicas values, comma-separated")
+    simulate.add_argument("--cores", type=float, help="the run's machine's cores (default: this machine's)")
+    simulate.add_argument("--seed", type=int, default=0, help="the simulation's seed")
     args = parser.parse_args(argv)
     if args.command == "plot":
         return plot_runs(args.run_dirs, args.output)
     if args.command == "replay":
         return replay_run(args.run_dir)
+    if args.command == "simulate":
+        return simulate_run(args.run_dir, args.staleness, args.generators, args.cores, args.seed)
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -89,6 +100,17 @@ def replay_run(run_dir: str) -> int:
           f"final/ " + ("bit for bit" if same else f"(first mismatch {result['first_mismatch']}, largest "
                                                    f"difference {result['max_abs_diff']:.3g})"))
     return 0 if same else 1
+
+
+def simulate_run(run_dir: str, staleness: str, generators: str, cores: float | None, seed: int) -> int:
+    from nanoverl_async.simulate import report
+
+    try:
+        print(report(run_dir, staleness, generators, cores, seed))
+    except ConfigError as error:
+        print(f"nanoverl-async simulate: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def config_error(error: ConfigError) -> int:

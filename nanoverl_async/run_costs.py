@@ -1,0 +1,287 @@
+"""What a traced run measured, as `nanoverl-async simulate` (simulate.py) samples it.
+
+    source = read_source("outputs/agent_grpo")    # a run launched with run.trace=true
+
+From RUN_DIR's config.yaml, metrics.jsonl and trace.json (written by trace.py, as docs/design.md
+"The pipeline trace" tells): per completed lease, its policy version and its work; per learner step, the
+hand-over of its batch (the wait after its B-th group was complete), the work of prepare, update and
+publish, the controller's time before the next step, and how long its weights took to reach each
+generator; how long a generator took to ask for a slot its finished group freed; the run's own samples/s,
+staleness and generators/gated_frac.
+
+The speed model, fitted here: a process computes (a generator with a group in flight, the learner in
+prepare/update/publish) at speed min(1, cores / k) x (its interference if k >= 2), k the processes computing
+(`speeds`). cores: the run's machine's (the --cores of simulate; default this machine's CPUs). Interference:
+how much slower a process of each kind ran beside the other than core sharing explains (`fit_interference`),
+from two measurements: a generator's seconds per token of its one-call episodes with the learner computing
+vs idle, among calls at or above its median concurrency (a half-empty batch is faster anyway) made after
+the engine's first, warm-up calls (`generation_slowdown`); the learner's seconds per batch token with a
+generator computing vs none, a least-squares fit over the steps (`learner_slowdown`). One not measured (too
+few of either kind) takes the other's value; neither, 1. A span's work is its duration at speed 1: the
+integral of the source's own speed over it.
+
+Invariants: every cost is >= 0 and finite; `Source.weight_delays` has one non-empty list per step.
+
+Run alone: `python -m pytest tests/test_simulate.py -q`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from nanoverl_async.config import ConfigError, load_config
+from nanoverl_async.plot import read_rows
+
+COMPUTE = ("prepare", "update", "publish")  # the learner's phases that compete for the cores
+STEP_COSTS = ("handover", *COMPUTE, "between")  # per step: seconds, work (COMPUTE) and seconds, in this order
+MIN_CALLS = 20  # one-call episodes needed in each class (busy / idle learner) to measure the slowdown
+MIN_STEPS = 5  # steps (after the first) needed to fit the learner's slowdown
+IDLE, BUSY = 0.2, 0.8  # a call is "idle" when the learner computed <= 20% of it, "busy" when >= 80%
+
+
+@dataclass
+class Source:
+    """What the simulation needs from a traced run: its settings and the costs it measured."""
+    batch: int  # B
+    group: int  # G
+    staleness: int  # eta
+    generators: int
+    max_groups: int  # generator.max_groups_in_flight
+    drain: bool  # weight_sync.mode == drain
+    steps: int  # complete steps in the trace
+    lease_versions: np.ndarray  # per completed lease: the version it was granted under
+    lease_work: np.ndarray  # ... and its duration at speed 1 (`speeds`)
+    filtered_frac: float  # share of completed groups the group filter dropped
+    step_costs: np.ndarray  # [steps, len(STEP_COSTS)]
+    weight_delays: list  # per step: seconds from its publish to each generator holding its weights
+    request_lags: np.ndarray  # seconds from a group's completion to its generator asking for the free slot
+    slowdowns: tuple  # (generator, learner): speed beside the other kind / alone, as measured; None: not
+    interference: tuple  # (generator, learner): the `speeds` factors fitted to them
+    cores: float
+    measured: dict  # the run's own samples_per_s, lags (Counter), gated_frac
+
+
+def load_trace(path: Path) -> list[dict]:
+    """trace.json's events; a crashed run's file lacks the closing `]`, which is added."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file (launch the run with run.trace=true)")
+    text = path.read_text().rstrip().rstrip(",")
+    try:
+        events = json.loads(text if text.endswith("]") else text + "]")
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path}: not a Chrome trace (a JSON array of events): {error}") from None
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise ConfigError(f"{path}: not a Chrome trace (a JSON array of events)")
+    return events
+
+
+def in_progress(intervals: list[tuple[float, float]]):
+    """times -> how many of `intervals` contain each time (start <= t < end)."""
+    starts, ends = np.sort([a for a, _ in intervals]), np.sort([b for _, b in intervals])
+    return lambda times: np.searchsorted(starts, times, "right") - np.searchsorted(ends, times, "right")
+
+
+class Integral:
+    """The integral of a step function over [a, b]: values[i] holds on [points[i], points[i + 1])."""
+
+    def __init__(self, points: np.ndarray, values: np.ndarray):
+        self.points = points
+        self.cumulative = np.concatenate([[0.0], np.cumsum(values * np.diff(points))])
+
+    def over(self, a: float, b: float) -> float:
+        return float(np.interp(b, self.points, self.cumulative) - np.interp(a, self.points, self.cumulative))
+
+
+def read_events(events: list[dict], path: Path) -> dict:
+    """The spans the model reads, as (start, end, args) in seconds, by kind; errors name what is missing."""
+    names = {e.get("pid"): e["args"].get("name", "") for e in events if e.get("name") == "process_name"}
+    spans: dict = {"steps": {}, "lease": [], "episode": [], "generate": {}, "weights": [], "gate closed": []}
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        start, end, args = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e.get("args", {})
+        if names.get(e.get("pid")) == "learners":
+            spans["steps"].setdefault(args["step"], {})[e["name"]] = (start, end)
+        elif e["name"] in ("lease", "episode", "gate closed"):
+            spans[e["name"]].append((start, end, {**args, "pid": e["pid"], "tid": e["tid"]}))
+        elif e["name"] == "generate":
+            spans["generate"].setdefault((e["pid"], e["tid"]), []).append((start, end))
+        elif e["name"].startswith("weights v"):
+            spans["weights"].append((start, end, args))
+    spans["steps"] = [(s, phases) for s, phases in sorted(spans["steps"].items())
+                      if {"wait batch", *COMPUTE} <= set(phases)]  # (step, {phase: (start, end)})
+    if not spans["episode"]:
+        raise ConfigError(f"{path}: no episode events (a run launched with run.trace=true that trained a step)")
+    if not spans["steps"] or not spans["lease"]:
+        raise ConfigError(f"{path}: no complete learner step or no lease in the trace")
+    return spans
+
+
+def generation_slowdown(spans: dict, learner: Integral) -> float | None:
+    """Seconds per token of one-call episodes while the learner was idle / while it computed (<= 1 when
+    the learner slows generation down), among calls at or above the median concurrency of their
+    generator (a half-empty batch generates each token faster, whatever the learner does) that started
+    once the learner had (the engine's first calls warm up, as the learner's first step does)."""
+    warm = spans["steps"][0][1]["prepare"][0]
+    by_generator: dict = {}
+    for (pid, _), calls in spans["generate"].items():
+        by_generator.setdefault(pid, []).extend(calls)
+    flight = {pid: in_progress(calls) for pid, calls in by_generator.items()}
+    rows = []  # (seconds, tokens, share of the call with the learner computing, mean calls in flight)
+    for start, end, args in spans["episode"]:  # an episode's calls are on its own track, inside it
+        track = spans["generate"].get((args["pid"], args["tid"]), ())
+        inside = [c for c in track if start <= c[0] and c[1] <= end]
+        if len(inside) == 1 and warm <= inside[0][0] < inside[0][1] and args.get("generated_tokens", 0) > 0:
+            a, b = inside[0]
+            rows.append((b - a, args["generated_tokens"], learner.over(a, b) / (b - a),
+                         flight[args["pid"]](np.linspace(a, b, 9)).mean()))
+    if not rows:
+        return None
+    seconds, tokens, busy, flight = np.array(rows).T
+    loaded = flight >= np.median(flight)
+    idle, computing = loaded & (busy <= IDLE), loaded & (busy >= BUSY)
+    if idle.sum() < MIN_CALLS or computing.sum() < MIN_CALLS:
+        return None
+    return float((seconds[idle].sum() / tokens[idle].sum()) / (seconds[computing].sum() / tokens[computing].sum()))
+
+
+def learner_slowdown(spans: dict, rows: list[dict], generating: Integral, samples_per_step: int) -> float | None:
+    """The learner's seconds per batch token with no generator computing / with one: least squares over the
+    steps after the first (a warm-up) of seconds = tokens x (alone x (1 - h) + beside x h), h the share of the
+    step's compute with a generator computing. None unless both kinds hold >= 10% of the tokens."""
+    length = {row.get("step"): row.get("episodes/length_mean") for row in rows}
+    samples = []
+    for step, phases in spans["steps"][1:]:
+        seconds = sum(phases[p][1] - phases[p][0] for p in COMPUTE)
+        if length.get(step) and seconds > 0:
+            shared = sum(generating.over(*phases[p]) for p in COMPUTE) / seconds
+            samples.append((seconds, length[step] * samples_per_step, shared))
+    if len(samples) < MIN_STEPS:
+        return None
+    seconds, tokens, shared = np.array(samples).T
+    if min((tokens * shared).sum(), (tokens * (1 - shared)).sum()) < 0.1 * tokens.sum():
+        return None
+    shares = np.stack([tokens * (1 - shared), tokens * shared], 1)
+    (alone, beside), *_ = np.linalg.lstsq(shares, seconds, rcond=None)
+    return float(alone / beside) if alone > 0 and beside > 0 else None
+
+
+def speeds(generators, learner, cores: float, interference: tuple):
+    """(a generator's speed, the learner's) with `generators` generators and `learner` (0 or 1) computing."""
+    k = np.asarray(generators + learner)
+    share = np.minimum(1.0, cores / np.maximum(k, 1))
+    return share * np.where(k >= 2, interference[0], 1.0), share * np.where(k >= 2, interference[1], 1.0)
+
+
+def fit_interference(slowdowns: tuple, generators: int, cores: float) -> tuple[float, float]:
+    """The factors under which `speeds` reproduces the measured slowdowns of a run with `generators` generators
+    computing: a generator's speed changes by share(R+1) / share(R) x interference when the learner joins (R = 1;
+    for R >= 2 the part core sharing leaves unexplained), the learner's by share(R+1) x interference."""
+    share = [min(1.0, cores / k) for k in (generators, generators + 1)]
+    generator, learner = slowdowns
+    fitted = [None if generator is None else generator * share[0] / share[1],
+              None if learner is None else learner / share[1]]
+    fitted = [value if value is not None else other for value, other in zip(fitted, fitted[::-1])]
+    return tuple(1.0 if value is None else float(min(1.0, value)) for value in fitted)
+
+
+def computing(spans: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Over the source run, constant between consecutive `points`: (points, the learner computing (0 or 1),
+    the generators computing: those with a lease in flight)."""
+    compute = [phases[p] for _, phases in spans["steps"] for p in COMPUTE]
+    leases: dict = {}
+    for start, end, args in spans["lease"]:
+        leases.setdefault(args["generator_id"], []).append((start, end))
+    points = np.unique([t for interval in compute + [l[:2] for l in spans["lease"]] for t in interval])
+    middles = (points[:-1] + points[1:]) / 2
+    learner = (in_progress(compute)(middles) > 0).astype(float)
+    return points, learner, sum((in_progress(own)(middles) > 0).astype(float) for own in leases.values())
+
+
+def step_costs(spans: dict, learner_work: Integral, drain: bool) -> tuple[np.ndarray, list]:
+    """Per source step, STEP_COSTS (compute phases as work at speed 1) and the delays of its weights."""
+    lease_end = {args["group_id"]: end for _, end, args in spans["lease"]}
+    ready: dict = {}  # step -> when the last group it trained was complete
+    for _, _, args in spans["episode"]:
+        step, end = args["trained_step"], lease_end.get(args["group_id"], -math.inf)
+        ready[step] = max(ready.get(step, -math.inf), end)
+    rows, delays = [], []
+    for i, (step, phases) in enumerate(spans["steps"]):
+        waited, published = phases["wait batch"], phases["publish"][1]
+        handover = waited[1] - min(waited[1], max(waited[0], ready.get(step, waited[0])))
+        last = i + 1 == len(spans["steps"])
+        between = math.nan if last else max(0.0, spans["steps"][i + 1][1]["wait batch"][0] - published)
+        rows.append([handover, *(learner_work.over(*phases[p]) for p in COMPUTE), between])
+        # publish end -> the generator holds the weights (drain: -> receipt; the simulation drains itself)
+        delays.append([max(0.0, (start if drain else end) - published) for start, end, args in spans["weights"]
+                       if args.get("version") == step + 1])
+    costs = np.array(rows)
+    gaps = costs[:, -1]  # the last step has none of its own: the median of the others
+    costs[np.isnan(gaps), -1] = np.nanmedian(gaps) if np.isfinite(gaps).any() else 0.0
+    every = [d for own in delays for d in own] or [0.0]  # a step whose weights no generator applied (the last)
+    return costs, [own or every for own in delays]
+
+
+def request_lags(spans: dict) -> np.ndarray:
+    """How long a generator took to ask for a slot its finished group freed: from a grant, its next request
+    (a grant, or a refusal that opened a gate-closed spell) minus the first completion of its groups
+    between the two. The worker asks at once in theory; on a busy event loop it does not."""
+    lags = []
+    for g in {args["generator_id"] for _, _, args in spans["lease"]}:
+        ends = np.sort([end for _, end, args in spans["lease"] if args["generator_id"] == g])
+        requests = sorted({(start, "grant") for start, _, args in spans["lease"] if args["generator_id"] == g} |
+                          {(start, "refusal") for start, _, args in spans["gate closed"] if args["generator_id"] == g})
+        for (before, kind), (after, _) in zip(requests, requests[1:]):
+            first = np.searchsorted(ends, before, "right")
+            if kind == "grant" and first < len(ends) and ends[first] <= after:
+                lags.append(after - ends[first])
+    return np.array(lags or [0.0])
+
+
+def measured(rows: list[dict], samples_per_step: int) -> dict:
+    """The source run's own figures from metrics.jsonl, counted as `Prediction` counts them."""
+    lags = Counter()
+    for row in rows:
+        lags.update({int(lag): n for lag, n in row.get("staleness/histogram", {}).items()})
+    return {"samples_per_s": len(rows) * samples_per_step / sum(row["time/step_s"] for row in rows),
+            "lags": lags, "gated_frac": float(np.mean([row.get("generators/gated_frac", 0.0) for row in rows]))}
+
+
+def read_source(run_dir: str, cores: float | None = None) -> Source:
+    """RUN_DIR's config.yaml, metrics.jsonl and trace.json -> Source, for a machine of `cores` cores (default:
+    this one's CPUs); ConfigError naming what is wrong."""
+    path = Path(run_dir)
+    cfg = load_config(str(path / "config.yaml"))
+    rows, trace = read_rows(path / "metrics.jsonl"), path / "trace.json"
+    drain, cores = cfg.weight_sync.mode == "drain", float(cores or os.cpu_count() or 1)
+    samples_per_step = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
+    try:
+        spans = read_events(load_trace(trace), trace)
+        done = [(args["version"], start, end, args["outcome"]) for start, end, args in spans["lease"]
+                if args.get("outcome") in ("completed", "filtered")]
+        if not done:
+            raise ConfigError(f"{trace}: no lease completed its group")
+        points, learner, generators = computing(spans)
+        generating = Integral(points, (generators > 0).astype(float))
+        slowdowns = (generation_slowdown(spans, Integral(points, learner)),
+                     learner_slowdown(spans, rows, generating, samples_per_step))
+        interference = fit_interference(slowdowns, cfg.generator.replicas, cores)
+        generator_speed, learner_speed = speeds(generators, learner, cores, interference)
+        costs, delays = step_costs(spans, Integral(points, learner_speed), drain)
+        sampled = measured(rows, samples_per_step)
+    except (KeyError, TypeError) as error:  # an event or a row without a field the trace and metrics always have
+        raise ConfigError(f"{path}: trace.json or metrics.jsonl lacks the field {error}") from None
+    versions, starts, ends, outcomes = zip(*done)
+    generator_work = Integral(points, generator_speed)
+    return Source(cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max, cfg.generator.replicas,
+                  cfg.generator.max_groups_in_flight, drain, len(costs), np.array(versions),
+                  np.array([generator_work.over(a, b) for a, b in zip(starts, ends)]),
+                  outcomes.count("filtered") / len(outcomes), costs, delays, request_lags(spans), slowdowns,
+                  interference, cores, sampled)

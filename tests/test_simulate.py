@@ -1,0 +1,179 @@
+"""`nanoverl-async simulate`: the gate's rules in the simulation, the throughput of its limiting cases and its
+reproducibility on hand-made traces (fast); bad input (one line, status 2); and the prediction of a short real
+run's own setting (slow). Run alone: `python -m pytest tests/test_simulate.py -q`.
+"""
+
+import json
+
+import pytest
+
+from nanoverl_async.cli import main
+from nanoverl_async.config import load_config, to_yaml
+from nanoverl_async.run_costs import fit_interference, load_trace, read_source, speeds
+from nanoverl_async.simulate import parse_list, predict, recommend, report
+
+PREPARE_S, PUBLISH_S, HANDOVER_S, WEIGHTS_S = 0.001, 0.01, 0.001, 0.002
+
+
+def span(name, pid, tid, start, end, **args):
+    return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": round(start * 1e6),
+            "dur": round((end - start) * 1e6), "args": args}
+
+
+def trace_events(steps, lease_s, update_s, batch, group):
+    """A synchronous run as the launcher traces it: per step the learner waits while B groups of generator 0
+    take lease_s, then trains and publishes, while the gate refuses the generator until the new weights
+    arrive. The simulation only draws costs from it, so it serves every staleness limit."""
+    events = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}
+              for pid, name in ((1, "learners"), (2, "buffer"), (3, "generator 0"))]
+    t, group_id = 0.0, 0
+    for step in range(steps):
+        if step:
+            events.append(span("gate closed", 2, 9, previous, t, generator_id=0, version=step - 1))
+        for lane in range(batch):
+            events.append(span("lease", 2, 10 + lane, t, t + lease_s, group_id=group_id, prompt_index=group_id,
+                               generator_id=0, version=step, outcome="completed"))
+            for sample in range(group):
+                tid = 100 + lane * group + sample
+                events.append(span("episode", 3, tid, t, t + lease_s, group_id=group_id, sample_index=sample,
+                                   generated_tokens=4, turns=1, trained_step=step))
+                events.append(span("generate", 3, tid, t, t + lease_s))
+            group_id += 1
+        marks = [t, t + lease_s + HANDOVER_S]
+        for seconds in (PREPARE_S, update_s, PUBLISH_S):
+            marks.append(marks[-1] + seconds)
+        for name, a, b in zip(("wait batch", "prepare", "update", "publish"), marks, marks[1:]):
+            events.append(span(name, 1, 1, a, b, step=step))
+        events.append(span(f"weights v{step + 1}", 3, 2, marks[-1], marks[-1] + WEIGHTS_S, version=step + 1))
+        previous, t = t + lease_s, marks[-1] + WEIGHTS_S
+    return events
+
+
+def write_run(path, *, steps=12, lease_s=0.2, update_s=0.5, staleness=1, batch=2, group=2, events=None,
+              overrides=()):
+    """A run directory as a traced launch leaves it: config.yaml, metrics.jsonl, trace.json."""
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(None, [f"staleness.max={staleness}", f"data.prompts_per_step={batch}",
+                             f"data.samples_per_prompt={group}", f"generator.max_groups_in_flight={batch}",
+                             f"run.total_steps={steps}", *overrides])
+    (path / "config.yaml").write_text(to_yaml(cfg))
+    step_s = lease_s + HANDOVER_S + PREPARE_S + update_s + PUBLISH_S  # the wait began as the weights arrived
+    rows = [{"step": s, "time/step_s": step_s, "staleness/histogram": {"0": batch * group},
+             "generators/gated_frac": 0.5, "episodes/length_mean": 10.0} for s in range(steps)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    events = trace_events(steps, lease_s, update_s, batch, group) if events is None else events
+    (path / "trace.json").write_text(json.dumps(events))
+    return path
+
+
+def source(tmp_path, **run):
+    return read_source(str(write_run(tmp_path / "run", **run)), cores=8)  # cores to spare: no sharing
+
+
+def test_eta0_trains_only_fresh_groups_and_staleness_never_exceeds_eta(tmp_path):
+    fast = source(tmp_path, lease_s=0.05, update_s=0.5)  # generation far ahead of the learner
+    assert set(predict(fast, 0, 1).lags) == {0}
+    for eta in (1, 2, 4):
+        assert max(predict(fast, eta, 2).lags) == eta  # reached (generation runs ahead) and never passed
+
+
+def test_drain_mode_keeps_the_bound(tmp_path):
+    drained = source(tmp_path, lease_s=0.05, update_s=0.5, overrides=("weight_sync.mode=drain",))
+    assert drained.drain and max(predict(drained, 2, 2).lags) <= 2
+
+
+def test_gated_frac_rises_as_the_staleness_limit_falls(tmp_path):
+    fast = source(tmp_path, lease_s=0.3, update_s=0.5)
+    gated = [predict(fast, eta, 1).gated_frac for eta in (0, 1, 4)]
+    assert gated[0] > gated[1] + 0.1 and gated[1] >= gated[2] - 0.02, gated
+
+
+def test_learner_bound_throughput_is_a_batch_per_learner_step(tmp_path):
+    fast = source(tmp_path, lease_s=0.01, update_s=1.0, staleness=4)
+    step_s = HANDOVER_S + PREPARE_S + 1.0 + PUBLISH_S
+    assert predict(fast, 4, 1).samples_per_s == pytest.approx(2 * 2 / step_s, rel=0.03)
+
+
+def test_generation_bound_throughput_is_the_generation_rate(tmp_path):
+    slow = source(tmp_path, lease_s=1.0, update_s=0.01, staleness=4)
+    # one generator runs max_groups_in_flight = B = 2 groups of 1 s side by side: 2 groups of G = 2 a second
+    assert predict(slow, 4, 1).samples_per_s == pytest.approx(2 * 2 / 1.0, rel=0.05)
+
+
+def test_synchronous_steps_add_generation_and_training(tmp_path):
+    sync = source(tmp_path, lease_s=0.3, update_s=0.5, staleness=0)
+    step_s = WEIGHTS_S + 0.3 + HANDOVER_S + PREPARE_S + 0.5 + PUBLISH_S
+    assert predict(sync, 0, 1).samples_per_s == pytest.approx(2 * 2 / step_s, rel=0.03)
+
+
+def test_the_same_seed_gives_the_same_report(tmp_path):
+    run = str(write_run(tmp_path / "run"))
+    assert report(run, "0,2", "1,2", seed=3) == report(run, "0,2", "1,2", seed=3)
+    assert "measured eta=1 gen=1" in report(run, "0,2", "1,2", seed=3)
+
+
+def test_speeds_share_the_cores_and_reproduce_the_measured_slowdowns():
+    interference = fit_interference((0.8, 0.6), generators=1, cores=2)
+    assert interference == pytest.approx((0.8, 0.6))
+    generator, learner = speeds(1, 1, 2, interference)  # side by side on 2 cores: only the interference
+    assert (generator, learner) == pytest.approx((0.8, 0.6))
+    generator, learner = speeds(3, 1, 2, interference)  # 4 processes on 2 cores: half a core each, and slowed
+    assert (generator, learner) == pytest.approx((0.4, 0.3))
+    assert speeds(1, 0, 2, interference) == pytest.approx((1.0, 1.0))  # alone: full speed
+    assert fit_interference((None, 0.6), generators=1, cores=2) == pytest.approx((0.6, 0.6))  # the other's
+    assert fit_interference((None, None), generators=1, cores=2) == (1.0, 1.0)
+
+
+def test_recommendation_is_the_smallest_staleness_near_the_best():
+    from nanoverl_async.simulate import Prediction
+
+    rates = {(0, 1): 50.0, (1, 1): 97.0, (1, 2): 99.0, (4, 1): 100.0}
+    assert recommend({k: Prediction(v, {}, 0.0) for k, v in rates.items()}) == (1, 1)
+
+
+def test_a_crashed_runs_trace_without_its_closing_bracket_reads(tmp_path):
+    path = tmp_path / "trace.json"
+    path.write_text('[\n{"name":"x","ph":"X","pid":1,"tid":1,"ts":0,"dur":1,"args":{}},\n')
+    assert load_trace(path)[0]["name"] == "x"
+
+
+@pytest.mark.parametrize("case, flags, message", [
+    ("no trace", [], "trace.json: no such file"),
+    ("no episodes", [], "no episode events"),
+    ("fine", ["--staleness", "0,x"], "--staleness '0,x': expected comma-separated integers >= 0"),
+    ("fine", ["--staleness", "-1"], "--staleness '-1'"),
+    ("fine", ["--generators", "0"], "--generators '0': expected comma-separated integers >= 1"),
+    ("fine", ["--cores", "0"], "--cores 0.0: expected a number of cores > 0"),
+])
+def test_bad_input_is_one_line_and_status_2(tmp_path, capsys, case, flags, message):
+    run = write_run(tmp_path / "run")
+    if case == "no trace":
+        (run / "trace.json").unlink()
+    elif case == "no episodes":
+        events = [e for e in trace_events(3, 0.2, 0.5, 2, 2) if e["name"] not in ("episode", "generate")]
+        write_run(run, events=events)
+    assert main(["simulate", str(run), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_a_missing_run_directory_is_one_line(tmp_path, capsys):
+    assert main(["simulate", str(tmp_path / "nowhere")]) == 2
+    assert "config.yaml" in capsys.readouterr().err
+
+
+def test_lists_parse_sorted_and_unique():
+    assert parse_list("4,0,2,2", "--staleness", 0) == [0, 2, 4]
+
+
+@pytest.mark.slow
+def test_a_real_run_predicts_its_own_setting(observed_run, capsys):
+    """The self-prediction sanity check: the run's own setting (4 steps, 2 generators, staleness 1; conftest.py)
+    predicted within 35% of the samples/s it measured, and its own staleness histogram's largest lag."""
+    assert main(["simulate", str(observed_run), "--staleness", "0,1", "--generators", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    measured = next(line for line in lines if line.startswith("measured eta=1 gen=2")).split()
+    predicted = next(line for line in lines if line.startswith("predicted eta=1 gen=2")).split()
+    assert float(predicted[3]) == pytest.approx(float(measured[3]), rel=0.35), lines
+    assert predicted[5] == measured[5]  # the largest lag: the staleness limit, reached
+    assert any(line.startswith("recommend staleness.max=") for line in lines)
