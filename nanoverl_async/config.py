@@ -52,7 +52,7 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = "builtin:tiny"  # a Hugging Face directory, or builtin:tiny (created locally, no download)
+    path: str = "builtin:tiny"  # a Hugging Face directory, or a builtin: name (models.BUILTIN_MODELS), no download
     dtype: str = "float32"  # float32 | bfloat16
     cache_dir: str = ""  # where builtin models are built; "" = $NANOVERL_CACHE or ~/.cache/nanoverl_async
 

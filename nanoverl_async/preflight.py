@@ -42,6 +42,7 @@ def prepare(cfg: Config) -> Config:
     default_env = "builtin:chat" if cfg.data.train_files else "builtin:multiply"  # a dataset: score its answers
     cfg = dataclasses.replace(
         cfg,
+        model=dataclasses.replace(cfg.model, path=absolute_spec(cfg.model.path)),  # a builder file.py:fn
         agent=dataclasses.replace(cfg.agent, env=absolute_spec(cfg.agent.env or default_env)),
         reward=dataclasses.replace(cfg.reward, path=absolute_spec(cfg.reward.path)),
         data=dataclasses.replace(cfg.data, task=absolute_spec(cfg.data.task),

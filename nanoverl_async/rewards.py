@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from typing import Any, Callable, Optional
 
 from nanoverl_async.user_code import load_object, maybe_await
@@ -56,9 +57,12 @@ def math_compute_score(data_source: str, solution_str: str, ground_truth: Any, e
         from math_verify import parse, verify
     except ImportError:  # documented fallback: exact match after whitespace normalisation
         return float(_normalise(answer) == _normalise(str(ground_truth)))
-    gold = parse(f"${ground_truth}$")
-    predicted = parse(f"${answer}$")
-    if gold and predicted and verify(gold, predicted):
+    # math-verify's timeouts use signal.alarm, which works only in the main thread (it raises elsewhere);
+    # a generator's event loop runs in a Ray actor's thread, so there they are off (an answer is one turn).
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(f"${ground_truth}$", parsing_timeout=timeout)
+    predicted = parse(f"${answer}$", parsing_timeout=timeout)
+    if gold and predicted and verify(gold, predicted, timeout_seconds=timeout):
         return 1.0
     return float(_normalise(answer) == _normalise(str(ground_truth)))
 

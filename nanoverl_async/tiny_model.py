@@ -13,8 +13,7 @@ policy sampled at temperature 1 uses the tool rarely and succeeds rarely at firs
 Invariants:
 - the cache directory name carries a hash of the whole recipe (every hyperparameter, the recipe
   version, the chat template), so a changed recipe never reuses a stale model;
-- the directory is built in a temporary directory and renamed into place under an fcntl lock:
-  it exists only when complete, and two processes never build it twice;
+- it is built once and cached (nanoverl_async/model_cache.py: atomic rename under a lock);
 - the tokenizer is exactly what transformers' `Qwen2Tokenizer` (which `AutoTokenizer` returns for a
   `qwen2` config) rebuilds from tokenizer.json: byte-level BPE, NFC, no merges, so `final/` loads as
   itself in transformers and SGLang (nanoverl_async/models.py);
@@ -27,15 +26,11 @@ Run alone:  python -m nanoverl_async.tiny_model [cache_dir]   (builds or finds, 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
 import math
-import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +40,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from nanoverl_async import multiply_task
+from nanoverl_async.model_cache import build_once
 
 RECIPE_VERSION = 2  # bump whenever the build code changes what it produces
 SECONDS_PER_STEP = 0.23  # warm-start step time at batch 64, measured on one busy core (log line only)
@@ -280,43 +276,21 @@ def warm_start(model: Qwen2ForCausalLM, tokenizer, recipe: TinyRecipe) -> dict:
     return {"steps": recipe.steps, "seconds": time.perf_counter() - start, "final_loss": sum(tail) / len(tail)}
 
 
-def default_cache_dir(cache_dir: str = "") -> Path:
-    """The argument, else $NANOVERL_CACHE, else ~/.cache/nanoverl_async."""
-    return Path(cache_dir or os.environ.get("NANOVERL_CACHE") or Path.home() / ".cache" / "nanoverl_async")
-
-
 def build_tiny(cache_dir: str = "", recipe: TinyRecipe = TinyRecipe()) -> str:
-    """The directory of the tiny model for `recipe`, building it once (under a lock) if missing."""
-    root = default_cache_dir(cache_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"tiny-{recipe.digest()}"
-    if final.is_dir():  # complete by construction: it only ever appears through the rename below
-        return str(final)
-    with open(root / f".tiny-{recipe.digest()}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if we crash
-        if final.is_dir():  # another process built it while we waited
-            return str(final)
-        estimate = max(1, round(recipe.steps * SECONDS_PER_STEP * recipe.batch_size / 64))
-        print(f"building builtin:tiny (one-time warm start, ~{estimate} s) in {final} ...",
-              file=sys.stderr, flush=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=root))
-        try:
-            with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
-                tokenizer = build_tokenizer()
-                model = build_model(tokenizer, recipe)
-                stats = warm_start(model, tokenizer, recipe)
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            info = {"recipe": dataclasses.asdict(recipe), "recipe_version": RECIPE_VERSION, **stats}
-            (tmp / "nanoverl_recipe.json").write_text(json.dumps(info, indent=1))
-            tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        print(f"built builtin:tiny in {stats['seconds']:.0f} s (final SFT loss {stats['final_loss']:.3f})",
-              file=sys.stderr, flush=True)
-    return str(final)
+    """The directory of the tiny model for `recipe`, built once and cached (nanoverl_async/model_cache.py)."""
+    def write(directory: Path) -> str:
+        with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
+            tokenizer = build_tokenizer()
+            model = build_model(tokenizer, recipe)
+            stats = warm_start(model, tokenizer, recipe)
+        model.save_pretrained(directory, safe_serialization=True)
+        tokenizer.save_pretrained(directory)
+        info = {"recipe": dataclasses.asdict(recipe), "recipe_version": RECIPE_VERSION, **stats}
+        (directory / "nanoverl_recipe.json").write_text(json.dumps(info, indent=1))
+        return f"final SFT loss {stats['final_loss']:.3f}"
+
+    estimate = max(1, round(recipe.steps * SECONDS_PER_STEP * recipe.batch_size / 64))
+    return build_once("tiny", recipe.digest(), write, cache_dir, note=f"one-time warm start, ~{estimate} s")
 
 
 if __name__ == "__main__":

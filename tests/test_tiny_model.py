@@ -22,13 +22,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoverl_async import multiply_task
+from nanoverl_async.model_cache import default_cache_dir
 from nanoverl_async.models import load_tokenizer, resolve_model_path
 from nanoverl_async.tiny_model import (
     TinyRecipe,
     build_model,
     build_tiny,
     build_tokenizer,
-    default_cache_dir,
     demo_batch,
     demo_pieces,
     warm_start,
@@ -255,6 +255,12 @@ def test_resolve_model_path(tmp_path, monkeypatch):
         resolve_model_path("/some/hf/dir")
     with pytest.raises(ValueError, match="'builtin:huge' is not a built-in model.*builtin:tiny"):
         resolve_model_path("builtin:huge", str(tmp_path))
+    builder = tmp_path / "my_model.py"  # model.path may name a function that makes (and caches) a model directory
+    builder.write_text(f"def build(cache_dir):\n    return {str(tmp_path)!r}\n\n\n"
+                       "def broken(cache_dir):\n    return 'x'\n")
+    assert resolve_model_path(f"{builder}:build") == str(tmp_path)
+    with pytest.raises(ValueError, match="returned 'x', not a model directory"):
+        resolve_model_path(f"{builder}:broken")
     monkeypatch.setenv("NANOVERL_CACHE", str(tmp_path))
     assert default_cache_dir() == tmp_path and default_cache_dir("/x") == default_cache_dir("/x")
 
