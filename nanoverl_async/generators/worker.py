@@ -265,7 +265,9 @@ class GeneratorWorker:
         started = time.perf_counter()
         if self.weight_sync.mode == "drain":
             self._draining = True  # the lease loop starts no new group meanwhile
-            await self._wait_until(lambda: not self._groups, self.weight_sync.timeout_s,
+            # `_live` also counts a lease request in flight: the groups its reply brings start under the
+            # old weights, so they must finish before the swap too.
+            await self._wait_until(lambda: not self._groups and not self._live, self.weight_sync.timeout_s,
                                    f"in-flight groups to finish before applying weights version {version}")
             newer = subscriber.poll_newest(version)  # a newer version may have arrived while draining
             if newer is not None:
