@@ -21,13 +21,11 @@ sync per forward: the `.tolist()` of the sampled tokens and logprobs.
 Sampling (the behaviour policy mu of the loss): p = softmax(logits / temperature), one draw from p with
 a `torch.Generator` seeded from the config seed; logprob = log p[token], in float32.
 
-Lockstep (run.deterministic): a row's logits depend, in their last bits, on which rows share its batch
-(a matrix product over 1 row and over 37 rows sums in different orders), so continuous batching makes
-runs differ wherever tool latencies differ. With `lockstep` set (a callable: the episodes that will still
-call `generate`), the engine instead waits until every such episode is waiting, admits them all as one
-wave sorted by episode id, reseeds its generator from the wave's make-up, and admits nothing more until
-the wave has finished. Slower (a turn waits for the slowest tool call), but the same seed gives the same
-tokens.
+Lockstep (run.deterministic; docs/design.md "Reproducible runs"): a row's logits depend in their last bits
+on which rows share its batch, so continuous batching makes runs differ wherever tool latencies do. With
+`lockstep` set (a callable: the episodes that will still call `generate`), the engine waits until every
+such episode waits, admits them as one wave sorted by episode id, reseeds its generator from the wave's
+make-up, and admits nothing more until the wave has finished: the same seed gives the same tokens.
 
 Weights (docs/design.md "Weights back to generators", mode interrupt): `stage_weights` must be called on the
 event-loop thread. The decode loop only yields between steps, so the new weights land between two
