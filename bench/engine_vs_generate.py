@@ -118,7 +118,8 @@ def multi_turn(system, prompts: list[list[int]], lengths: np.ndarray, tools: np.
         async def episode(e: int) -> int:
             context, done = list(prompts[e]), 0
             for turn in range(TURNS):
-                completion = await system.generate(context, SamplingParams(int(lengths[e, turn]), 1.0))
+                completion = await system.generate(context, SamplingParams(int(lengths[e, turn]), 1.0),
+                                                   episode_id=f"episode-{e}")  # its turns share a cache
                 context += completion.token_ids
                 done += len(completion.token_ids)
                 if turn < TURNS - 1:

@@ -7,7 +7,8 @@ moving slots, the cache growing), equal those of a recomputed unpadded forward p
 finishes while a long one still decodes; stop tokens and max_new_tokens hold; an interrupt-mode weight
 swap re-tags later tokens with the new version and samples them from the new weights; the Llama family
 (Llama untied without bias, Qwen2 with qkv bias, Qwen3 q/k norms, Mistral sliding window) matches HF;
-lengths are not capped at max_position_embeddings; other model types and rope types are refused.
+lengths are not capped at max_position_embeddings; other model types and rope types are refused; an
+episode's later turns reuse its kept cache and still match a full forward of the whole history.
 """
 
 import asyncio
@@ -280,6 +281,56 @@ def test_llama_family_matches_hf(name, tmp_path):
     for (_, prompt, _), completion in zip(requests, staggered(engine, requests)):
         expected = reference_logprobs(reference, prompt, completion.token_ids, 0.9)
         assert completion.logprobs == pytest.approx(expected, abs=TOL)
+
+
+@pytest.mark.parametrize("name", ["qwen2-qkv-bias", "mistral-sliding-window"])
+def test_later_turns_reuse_the_episodes_cache_and_match_a_full_forward(name, tmp_path):
+    """Episodes of 3 turns, with tool tokens between turns and turns that join a running batch: each later
+    turn computes only its new tokens on top of the kept cache, and every logprob still equals one full
+    forward over the whole history. A weight swap between turns drops the stale cache (recomputed, and
+    under the new weights); a turn that does not continue its episode's tokens gets no cache."""
+    cls, config = FAMILY[name]
+    torch.manual_seed(0)
+    randomized(cls(config)).save_pretrained(tmp_path)
+    engine = TransformersEngine(str(tmp_path), seed=8)
+    reference = cls.from_pretrained(tmp_path).eval()
+    prompts = {f"e{i}": [5 + i, 6, 7 + i, 8, 9][: 2 + i % 4] for i in range(6)}
+    turns = []  # (episode, context, completion, weights version at the end)
+
+    async def episode(key, prompt):
+        ids = list(prompt)
+        for turn, limit in enumerate((4 + len(key), 7, 3)):
+            await asyncio.sleep(0.001 * (hash(key) % 3))  # the "tool" of each episode takes its own time
+            context = ids if key != "e5" or turn < 2 else [1] + ids[1:]  # e5's last turn rewrites its history
+            completion = await engine.generate(context, SamplingParams(limit, 0.9), episode_id=key)
+            turns.append((key, list(context), completion))
+            ids = context + completion.token_ids + [2, 3 + turn]
+
+    async def main():
+        await asyncio.gather(*(episode(key, prompt) for key, prompt in prompts.items()))
+
+    asyncio.run(main())
+    for _, context, completion in turns:
+        expected = reference_logprobs(reference, context, completion.token_ids, 0.9)
+        assert completion.logprobs == pytest.approx(expected, abs=TOL)
+    continued = [context for key, context, _ in turns if len(context) > len(prompts[key]) and context[0] != 1]
+    assert len(continued) == 2 * len(prompts) - 1  # every later turn but e5's rewritten one
+    # a later turn's context = the previous context + completion + 2 tool tokens; the cache held all of it
+    # but the last sampled token
+    assert engine.reused_tokens == sum(len(context) - 3 for context in continued)
+
+
+def test_a_weight_swap_between_turns_drops_the_kept_cache(model_dir):
+    engine = TransformersEngine(model_dir, seed=9)
+    new = tiny_qwen2(seed=3)
+    first = asyncio.run(engine.generate([4, 5, 6], SamplingParams(5, 1.0), episode_id="e"))
+    engine.stage_weights({k: v for k, v in new.state_dict().items() if k != "lm_head.weight"}, 1)
+    context = [4, 5, 6] + first.token_ids + [2]
+    second = asyncio.run(engine.generate(context, SamplingParams(5, 1.0), episode_id="e"))
+    assert engine.reused_tokens == 0 and second.versions == [1] * 5
+    assert second.logprobs == pytest.approx(reference_logprobs(new, context, second.token_ids, 1.0), abs=TOL)
+    third = asyncio.run(engine.generate(context + second.token_ids + [2], SamplingParams(2, 1.0), episode_id="e"))
+    assert engine.reused_tokens == len(context) + 4 and len(third.token_ids) == 2  # same weights: reused
 
 
 def test_unsupported_models_are_refused_in_one_line(tmp_path):

@@ -9,14 +9,17 @@ the requests that arrived meanwhile (one right-padded batch) so they decode with
 next step on. A row that samples a stop token or reaches max_new_tokens is resolved at once and leaves.
 Between iterations the loop yields (`await asyncio.sleep(0)`) so ZeroMQ I/O and the episodes keep flowing.
 
-Why our own forward: at these sizes HF's per-step cache concatenation, mask building and position
-re-derivation cost more than the math. `_LlamaForward` runs the Llama family (llama, mistral, qwen2,
-qwen3; other model types are refused) on the HF model's own parameter tensors (`load_state_dict` into
-`engine.model` swaps them) with a KV cache of row slots [layers, k|v, slots, kv_heads, positions,
-head_dim]: the running rows hold slots 0..R-1 (a finished row's slot takes the last row), so attention
-reads one view with a per-row length mask, and the cache only grows (doubling) when a row or a length
-outgrows it. Lengths are not capped (as with HF, positions may pass max_position_embeddings). One host
-sync per forward: the `.tolist()` of the sampled tokens and logprobs.
+The forward is our own (llama_forward.py: the Llama family on the HF model's own tensors, so
+`load_state_dict` into `engine.model` swaps them) with a KV cache of row slots [layers, k|v, slots,
+kv_heads, positions, head_dim]: the running rows hold slots 0..R-1 (a finished row's slot takes the last
+row), so attention reads one view with a per-row length mask, and the cache only grows (doubling) when a
+row or a length outgrows it. Lengths are not capped (as with HF, positions may pass
+max_position_embeddings). One host sync per forward: the `.tolist()` of the sampled tokens and logprobs.
+
+Turns of one episode (`episode_id`): when a row finishes, its cache is kept (the `max_batch_size` most
+recent episodes). The episode's next turn starts with the same tokens plus the tool's, so it gets the
+kept cache back and computes only its new tokens, instead of its whole history again. The kept cache
+must be of the current weights (unless `recompute_cache_on_swap=False`, which reuses any cache anyway).
 
 Sampling (the behaviour policy mu of the loss): p = softmax(logits / temperature), one draw from p with
 a `torch.Generator` seeded from the config seed; logprob = log p[token], in float32.
@@ -44,14 +47,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import sys
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from nanoverl_async.generators.engine import Completion, SamplingParams
+from nanoverl_async.generators.llama_forward import LlamaForward
 from nanoverl_async.models import DTYPES
 
 LOCKSTEP_POLL_S = 0.001  # how often a lockstep engine checks whether every episode is waiting
@@ -71,122 +75,14 @@ def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, generator: t
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
-    """HF's RMSNorm, op for op: normalize in float32, cast back, then scale."""
-    x32 = x.float()
-    return norm.weight * (x32 * x32.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon).rsqrt_()).to(x.dtype)
+@dataclass
+class _Kept:
+    """A finished turn's cache, for the episode's next turn: the tokens it holds (all but the last sampled,
+    which is never cached), their keys and values [layers, 2, kv_heads, tokens, head_dim], the version."""
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-class _LlamaForward:
-    """Prefill and decode of the Llama family on the HF model's parameters and a slot KV cache."""
-
-    FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-    ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # fixed frequencies (no per-length update)
-
-    def __init__(self, model, model_path: str):
-        config = model.config
-        if config.model_type not in self.FAMILY:
-            raise ValueError(f"model.path={model_path!r}: model_type {config.model_type!r} is not supported by the "
-                             f"transformers engine (it runs {', '.join(self.FAMILY)}); try generator.engine=sglang")
-        rope = dict(getattr(config, "rope_parameters", None) or {})
-        if rope.get("rope_type") not in self.ROPE_TYPES:
-            raise ValueError(f"model.path={model_path!r}: config.rope_parameters={rope} is not supported by the "
-                             f"transformers engine (rope_type must be one of {', '.join(self.ROPE_TYPES)})")
-        self.model, self.layers = model, model.model.layers
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        rotary = model.model.rotary_emb  # HF derived these from config.rope_parameters
-        self.inv_freq, self.rope_scale = rotary.inv_freq.float(), rotary.attention_scaling
-        sliding = getattr(config, "sliding_window", None)
-        types = getattr(config, "layer_types", None) or ["sliding_attention" if sliding else "full_attention"] * len(
-            self.layers)
-        if set(types) - {"full_attention", "sliding_attention"}:
-            raise ValueError(f"model.path={model_path!r}: config.layer_types={types} is not supported")
-        self.windows = [sliding if kind == "sliding_attention" else None for kind in types]
-
-    def cache(self, slots: int, positions: int) -> torch.Tensor:
-        weight = self.model.get_input_embeddings().weight
-        return torch.zeros((len(self.layers), 2, slots, self.kv_heads, positions, self.head_dim),
-                           dtype=weight.dtype, device=weight.device)
-
-    def prefill(self, kv: torch.Tensor, ids: torch.Tensor, last: torch.Tensor, start: int) -> torch.Tensor:
-        """Rows start..start+n-1 from position 0: ids [n, P] right-padded, `last` [n] the index of each
-        row's last token -> its logits [n, V] float32. The padding's keys are written, never attended."""
-        n, length = ids.shape
-        cos, sin = self._rope(torch.arange(length, device=ids.device)[None])
-        causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
-        masks = {w: causal.triu(1 - w) if w else None for w in set(self.windows)}
-
-        def attend(layer: int, q, k, v):
-            kv[layer, 0, start:start + n, :, :length] = k
-            kv[layer, 1, start:start + n, :, :length] = v
-            mask = masks[self.windows[layer]]
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-
-        hidden = self._layers(F.embedding(ids.flatten(), self.model.get_input_embeddings().weight), n, cos, sin,
-                              attend).view(n, length, -1)
-        return self._logits(hidden[torch.arange(n, device=ids.device), last])
-
-    def decode(self, kv: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
-        """One token for rows 0..R-1: `tokens` [R] at `positions` [R] (their cache holds the positions
-        before; `length` > every position) -> logits [R, V] float32.
-
-        CUDA-graph hook: every input is a fixed-address buffer (slices of the engine's _next/_lens and the
-        cache); capturing this per bucket of R with `length` = the cache's capacity would remove the
-        per-kernel launch cost. Not done yet."""
-        rows = torch.arange(tokens.shape[0], device=tokens.device)
-        cos, sin = self._rope(positions[:, None])
-        keys = torch.arange(length, device=tokens.device)
-        seen = keys <= positions[:, None]
-        masks = {w: torch.where(seen & (keys > positions[:, None] - w) if w else seen, 0.0, float("-inf"))
-                 .to(cos.dtype)[:, None, None] for w in set(self.windows)}  # additive (a bool mask is slower)
-
-        def attend(layer: int, q, k, v):
-            kv[layer, 0][rows, :, positions] = k[:, :, 0]
-            kv[layer, 1][rows, :, positions] = v[:, :, 0]
-            cached = kv[layer, :, : len(rows), :, :length]
-            return F.scaled_dot_product_attention(q, cached[0], cached[1], attn_mask=masks[self.windows[layer]],
-                                                  enable_gqa=True)
-
-        x = F.embedding(tokens, self.model.get_input_embeddings().weight)
-        return self._logits(self._layers(x, len(rows), cos, sin, attend))
-
-    def _rope(self, positions: torch.Tensor):
-        """positions [B, Q] -> cos, sin [B, Q, 1, head_dim] in the model dtype (HF's formula)."""
-        freqs = positions[..., None].float() * self.inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)[:, :, None]
-        dtype = self.model.dtype
-        return (angles.cos() * self.rope_scale).to(dtype), (angles.sin() * self.rope_scale).to(dtype)
-
-    def _layers(self, x: torch.Tensor, batch: int, cos, sin, attend: Callable) -> torch.Tensor:
-        """The decoder layers on the tokens x [B * Q, hidden] of `batch` rows (2-D: the fewest ops per
-        linear); `attend(layer, q, k, v)` caches k, v [B, kv_heads, Q, d] and attends."""
-        width = x.shape[0] // batch
-        for index, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            h = _rms_norm(x, layer.input_layernorm)
-            q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(batch, width, self.heads, self.head_dim)
-            k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(batch, width, self.kv_heads, self.head_dim)
-            v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(batch, width, self.kv_heads, self.head_dim)
-            if hasattr(attn, "q_norm"):  # qwen3
-                q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            out = attend(index, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-            x = x + F.linear(out.transpose(1, 2).reshape(x.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
-            h = _rms_norm(x, layer.post_attention_layernorm)
-            gate = mlp.act_fn(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias))
-            x = x + F.linear(gate * F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias), mlp.down_proj.weight,
-                             mlp.down_proj.bias)
-        return x
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.get_output_embeddings()  # tied or not: the HF model's own tensor
-        return F.linear(_rms_norm(hidden, self.model.model.norm), head.weight, head.bias).float()
+    tokens: list[int]
+    kv: torch.Tensor
+    version: int
 
 
 @dataclass
@@ -209,7 +105,7 @@ class TransformersEngine:
                  version: int = 0, max_batch_size: int = 256, recompute_cache_on_swap: bool = True):
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).to(self.device).eval()
-        self.forward = _LlamaForward(self.model, model_path)
+        self.forward = LlamaForward(self.model, model_path)
         self.version = version
         self.max_batch_size = max_batch_size
         self.recompute_cache_on_swap = recompute_cache_on_swap
@@ -221,11 +117,13 @@ class TransformersEngine:
         self._rows: list[_Request] = []  # the running rows; row i owns cache slot i
         self._runner: Optional[asyncio.Task] = None
         self._kv: Optional[torch.Tensor] = None  # the slot cache, allocated and grown by _reserve
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()  # episode id -> its last turn's cache, oldest first
         self._cache_version = version  # the weights version the running rows' cache was computed with
         self._lens = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # cached tokens per slot
         self._next = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # last sampled, not cached
         self._temps = torch.ones(max_batch_size, 1, dtype=torch.float32, device=self.device)
         self.decode_steps = 0  # forward passes (prefills included), for metrics and tests
+        self.reused_tokens = 0  # cached tokens an episode's later turns did not compute again
         self.tokens_generated = 0
         self.weight_swaps = 0
 
@@ -305,7 +203,7 @@ class TransformersEngine:
         else:
             count, length = len(self._rows), max(r.length() for r in self._rows)
             self._reserve(count, length)
-            logits = self.forward.decode(self._kv, self._next[:count], self._lens[:count], length)
+            logits = self.forward.extend(self._kv, self._next[:count, None], None, 0, self._lens[:count], length)
             self._lens[:count] += 1
         self._emit(0, logits)
 
@@ -321,18 +219,36 @@ class TransformersEngine:
         del self._pending[: self.max_batch_size - start]
         if new:
             self._rows += new
-            self._emit(start, self._prefill(start, [r.input_ids for r in new]))
+            self._emit(start, self._prefill(start, [r.input_ids for r in new], [self._reusable(r) for r in new]))
 
-    def _prefill(self, start: int, seqs: list[list[int]]) -> torch.Tensor:
-        """Cache `seqs` from position 0 in slots start.. (one right-padded batch) -> their last logits."""
-        width = max(len(s) for s in seqs)
-        self._reserve(start + len(seqs), width)
-        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.long).to(self.device)
+    def _reusable(self, request: _Request) -> Optional[_Kept]:
+        """The kept cache of the request's episode, if the request continues exactly those tokens."""
+        kept = self._kept.pop(request.episode_id, None) if request.episode_id else None
+        if kept is None or (self.recompute_cache_on_swap and kept.version != self.version):
+            return None
+        cached = len(kept.tokens)
+        return kept if cached < len(request.input_ids) and request.input_ids[:cached] == kept.tokens else None
+
+    def _prefill(self, start: int, seqs: list[list[int]], kept: Optional[list[Optional[_Kept]]] = None) -> torch.Tensor:
+        """Cache `seqs` in slots start.. (one right-padded batch) -> their last logits. A row with a kept
+        cache gets it back and computes only the tokens after it."""
+        offsets = [len(k.tokens) if k else 0 for k in kept] if kept else [0] * len(seqs)
+        width = max(len(s) - offset for s, offset in zip(seqs, offsets))
+        self._reserve(start + len(seqs), max(map(len, seqs)))
+        ids = torch.tensor([s[offset:] + [0] * (width - len(s) + offset) for s, offset in zip(seqs, offsets)],
+                           dtype=torch.long).to(self.device)
         lens = torch.tensor([len(s) for s in seqs], dtype=torch.long).to(self.device)
         temps = [r.params.temperature for r in self._rows[start:start + len(seqs)]]
         self._lens[start:start + len(seqs)] = lens
         self._temps[start:start + len(seqs), 0] = torch.tensor(temps, dtype=torch.float32).to(self.device)
-        return self.forward.prefill(self._kv, ids, lens - 1, start)
+        if not any(offsets):
+            return self.forward.prefill(self._kv, ids, lens - 1, start)
+        for row, (reused, offset) in enumerate(zip(kept, offsets)):
+            if offset:
+                self._kv[:, :, start + row, :, :offset] = reused.kv
+        self.reused_tokens += sum(offsets)
+        offsets = torch.tensor(offsets, dtype=torch.long).to(self.device)
+        return self.forward.extend(self._kv, ids, lens - offsets - 1, start, offsets, max(map(len, seqs)))
 
     def _reserve(self, rows: int, length: int) -> None:
         """Grow the slot cache, doubling, to at least `rows` slots of `length` positions."""
@@ -367,10 +283,22 @@ class TransformersEngine:
                 completion.finish_reason = "length"
             if completion.finish_reason or request.future.done():  # done here = the caller was cancelled
                 if not request.future.done():
+                    self._keep(request, row)
                     request.future.set_result(completion)
                 done.append(row)
         if done:
             self._compact(done)
+
+    def _keep(self, request: _Request, row: int) -> None:
+        """Keep a finished row's cache for its episode's next turn (the max_batch_size most recent episodes)."""
+        if not request.episode_id:
+            return
+        cached = request.length() - 1
+        self._kept[request.episode_id] = _Kept(request.input_ids + request.completion.token_ids[:-1],
+                                               self._kv[:, :, row, :, :cached].clone(), self.version)
+        self._kept.move_to_end(request.episode_id)
+        while len(self._kept) > self.max_batch_size:
+            self._kept.popitem(last=False)
 
     def _compact(self, done: list[int]) -> None:
         """Drop finished rows; the last running rows move into their slots, so rows stay in 0..R-1."""
