@@ -202,6 +202,17 @@ class BufferConfig:
 class RayConfig:
     address: str = ""  # "" = local ray.init(); "auto" or host:port = join a cluster
     num_cpus: int = 0  # 0 = let Ray count; roles ask for 0 CPUs so small machines never deadlock
+    # Placement on a cluster: a role runs only on nodes offering its custom resource (`ray start
+    # --resources='{"NAME": 1}'`); "" = any node. Checked at launch against the cluster's resources.
+    learner_resource: str = ""
+    generator_resource: str = ""
+    buffer_resource: str = ""
+
+    def resources(self, role: str) -> dict[str, float]:
+        """Ray's `resources=` for one actor of `role` (learner, generator, buffer): a sliver of the role's
+        resource, so that any number of its actors fit on a node offering it."""
+        name = getattr(self, f"{role}_resource")
+        return {name: 0.001} if name else {}
 
 
 @dataclass
@@ -212,7 +223,10 @@ class RewardConfig:
 
 @dataclass
 class WireConfig:
-    host: str = "127.0.0.1"  # ZeroMQ binds here; any other address turns on CURVE with per-run keys (wire_auth.py)
+    # Where the buffer and the weight publisher bind ZeroMQ: "auto" = 127.0.0.1 on one machine and, on a
+    # cluster (ray.address), the address of the node each one is placed on; or one address for all.
+    # Anything but loopback turns on CURVE with per-run keys (wire_auth.py).
+    host: str = "auto"
 
 
 @dataclass

@@ -16,7 +16,9 @@ the restored weights first, and continues at the checkpoint's step.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import sys
 import time
 from contextlib import contextmanager
@@ -33,10 +35,10 @@ from nanoverl_async.data import load_samples, prompt_source
 from nanoverl_async.generators.worker import GeneratorWorker
 from nanoverl_async.learners.pool import LearnerPool
 from nanoverl_async.metrics import MetricsLogger, step_metrics
-from nanoverl_async.models import load_tokenizer, resolve_model_path, vocab_size
+from nanoverl_async.models import load_tokenizer, require_model_dir, resolve_model_path, vocab_size
 from nanoverl_async.preflight import prepare
 from nanoverl_async.trace import PipelineTrace, TracedRole
-from nanoverl_async.wire_auth import CurveKeys, run_keys
+from nanoverl_async.wire_auth import CurveKeys, bind_host, run_keys
 
 
 class RunFailed(RuntimeError):
@@ -116,8 +118,8 @@ def maybe_checkpoint(cfg: Config, roles: "Roles", version: int) -> None:
     with role_failures("learner pool"):
         roles.learners.save_checkpoint(str(folder / "learner"))
     with role_failures("buffer"):  # generators keep streaming: the buffer's state is a cut taken under its lock
-        counters = ray.get(roles.buffer.save_state.remote(str(folder / "buffer.msgpack"), version),
-                           timeout=cfg.run.step_timeout_s)
+        state, counters = ray.get(roles.buffer.state.remote(version), timeout=cfg.run.step_timeout_s)
+    (folder / "buffer.msgpack").write_bytes(state)  # here, not on the buffer's node: no shared disk assumed
     checkpoint.commit(folder, checkpoint.make_meta(cfg, version, counters), cfg.run.keep_checkpoints)
 
 
@@ -159,16 +161,18 @@ class Roles:
 
     def __init__(self, cfg: Config, model_path: str, resume_from: Optional[Path] = None, start: int = 0):
         self.cfg = cfg
+        check_placement(cfg.ray)
         curve = run_keys(cfg.wire.host)  # off loopback, only processes holding this run's keys may connect
         # run.eval_every's prompts (validation checked that data.val_files is set), loaded once
         self.val_samples = [{**s, "index": i} for i, s in enumerate(load_samples(cfg.data.val_files))] \
             if cfg.run.eval_every else []
-        self.buffer = ray.remote(num_cpus=0, max_concurrency=4)(BufferRole).remote(
-            cfg, vocab_size(model_path), restore_from=str(resume_from / "buffer.msgpack") if resume_from else "",
-            curve=curve)
+        self.buffer = ray.remote(num_cpus=0, max_concurrency=4, resources=cfg.ray.resources("buffer"))(
+            BufferRole).remote(cfg, vocab_size(model_path), curve=curve,
+                               state=(resume_from / "buffer.msgpack").read_bytes() if resume_from else b"")
         # Every role's process starts at once (each spends seconds importing torch and loading a model);
         # generators connect to the buffer and the weights only once both exist.
-        generator_actor = ray.remote(num_cpus=0, num_gpus=generator_gpus(cfg))(GeneratorRole)
+        generator_actor = ray.remote(num_cpus=0, num_gpus=generator_gpus(cfg),
+                                     resources=cfg.ray.resources("generator"))(GeneratorRole)
         self.generators = [generator_actor.remote(generator_id=i, cfg=cfg, model_path=model_path)
                            for i in range(cfg.generator.replicas)]
         with role_failures("learner pool"):
@@ -177,6 +181,9 @@ class Roles:
                 self.learners.load_checkpoint(str(resume_from / "learner"), start)
         with role_failures("buffer"):
             buffer_endpoints = ray.get(self.buffer.endpoints.remote(), timeout=60)
+        if cfg.ray.address:  # on a cluster, where each socket went (wire.host auto: its own node's address)
+            print(f"wire: buffer {buffer_endpoints['leases']}, weights {self.learners.weights_endpoint}"
+                  f"{' (CURVE)' if curve else ''}", file=sys.stderr)
         self.generator_runs = {gen.run.remote(buffer_endpoints, self.learners.weights_endpoint, curve):
                                f"generator {i}" for i, gen in enumerate(self.generators)}
         sglang = cfg.generator.sglang
@@ -245,20 +252,20 @@ class Roles:
 class BufferRole:
     """The buffer service in its own process (methods, not properties, so Ray can call them)."""
 
-    def __init__(self, cfg: Config, vocab_size: int, restore_from: str = "", curve: Optional[CurveKeys] = None):
+    def __init__(self, cfg: Config, vocab_size: int, curve: Optional[CurveKeys] = None, state: bytes = b""):
+        host = bind_host(cfg.wire.host, ray.util.get_node_ip_address())  # this node's address on a cluster
         self.service = BufferService(cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max,
-                                     cfg.buffer, cfg.wire, cfg.generator, vocab_size,
+                                     cfg.buffer, host, cfg.generator, vocab_size,
                                      prompt_source(cfg.data, cfg.run.seed), cfg.algorithm.group_filter, curve,
                                      trace=cfg.run.trace)
-        if restore_from:  # before any generator connects (Roles starts their runs afterwards)
-            self.service.restore(Path(restore_from).read_bytes())
+        if state:  # a checkpoint's buffer.msgpack, before any generator connects (Roles starts them afterwards)
+            self.service.restore(state)
 
-    def save_state(self, path: str, version: int) -> dict:
-        """Write buffer.msgpack; returns the gate's counters for meta.json."""
-        Path(path).write_bytes(self.service.state_bytes(version))
-        stats = self.service.stats()
-        return {key: stats[key] for key in ("leased", "consumed", "released", "expired", "reissued",
-                                            "groups_in_flight", "groups_ready")}
+    def state(self, version: int) -> tuple[bytes, dict]:
+        """buffer.msgpack's bytes for the controller to write, and the gate's counters for meta.json."""
+        state, stats = self.service.state_bytes(version), self.service.stats()
+        return state, {key: stats[key] for key in ("leased", "consumed", "released", "expired", "reissued",
+                                                   "groups_in_flight", "groups_ready")}
 
     def endpoints(self) -> dict:
         return self.service.endpoints
@@ -278,6 +285,7 @@ class GeneratorRole:
     """A generator worker in its own process; `run` lives until `stop` (or dies, which Roles sees)."""
 
     def __init__(self, **kwargs):
+        require_model_dir(kwargs["model_path"], f"node {ray.util.get_node_ip_address()}")
         self.worker = GeneratorWorker(**kwargs)
 
     async def run(self, buffer_endpoints: dict, weights_endpoint: str, curve: Optional[CurveKeys] = None) -> None:
@@ -320,12 +328,30 @@ def _trace_events(name: str, actor) -> tuple[float, list]:
 
 @contextmanager
 def role_failures(name: str):
-    """Turn a dead actor or a timed-out wait into RunFailed naming the role."""
+    """Turn a dead actor or a timed-out wait into RunFailed naming the role, and the node of an actor lost
+    with its machine: Ray's error carries the node's address, as `ip: ADDRESS` once the node is declared
+    dead or `ipv4:ADDRESS:PORT` when its process is unreachable (on a cluster: which machine to look at)."""
     try:
         yield
     except (ray.exceptions.RayError, TimeoutError) as error:
         cause = getattr(error, "cause", None) or error
-        raise RunFailed(f"{name}: {type(cause).__name__}: {str(cause).strip().splitlines()[-1]}") from error
+        node = re.search(r"(?:^\s*ip: |ipv4:)(\d+\.\d+\.\d+\.\d+)", str(error), re.MULTILINE)
+        where = f" on node {node.group(1)}" if node else ""
+        raise RunFailed(f"{name}{where}: {type(cause).__name__}: {str(cause).strip().splitlines()[-1]}") from error
+
+
+def check_placement(cfg: RayConfig) -> None:
+    """Every ray.*_resource must be offered by some node of the cluster: one line now, not actors pending
+    until a timeout."""
+    offered = ray.cluster_resources()
+    for key in (f.name for f in dataclasses.fields(cfg) if f.name.endswith("_resource")):
+        name = getattr(cfg, key)
+        if name and name not in offered:
+            custom = sorted(k for k in offered if k not in ("CPU", "GPU", "memory", "object_store_memory")
+                            and not k.startswith(("node:", "accelerator_type:")))
+            raise ConfigError(f"config key 'ray.{key}': no node of the Ray cluster offers the resource {name!r} "
+                              f"(custom resources offered: {', '.join(custom) or 'none'}); start the node meant "
+                              f"for it with ray start --resources='{{\"{name}\": 1}}'")
 
 
 def start_ray(cfg: RayConfig) -> bool:

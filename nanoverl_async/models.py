@@ -5,6 +5,7 @@
                                                  # `file.py:fn` names a builder of one's own
     tokenizer = load_tokenizer(path)             # the generator, the learner's save and tests all use this
     vocab_size(path)                             # what bounds every token id (the buffer checks them)
+    require_model_dir(path, "node 10.0.0.2")     # each placed role, on its own node
 
 Why one loader: under transformers 5.x `AutoTokenizer` picks the tokenizer class from the model type
 (a `qwen2` config always gets the byte-level `Qwen2Tokenizer`), whatever `tokenizer.json` holds. A
@@ -46,6 +47,14 @@ def resolve_model_path(path: str, cache_dir: str = "") -> str:
     if path.startswith(("/", ".", "~")) and not Path(path).expanduser().is_dir():
         raise ValueError(f"{path!r} is not a directory")
     return path
+
+
+def require_model_dir(path: str, where: str) -> None:
+    """On a cluster each role loads model.path (resolved on the launching node) from its own node's disk:
+    the same directory must exist there (a shared filesystem, or a copy); one clear line if it does not."""
+    if Path(path).is_absolute() and not Path(path).is_dir():
+        raise FileNotFoundError(f"config key 'model.path': {path} does not exist on {where}; every node that runs "
+                                f"a generator or learner needs the model directory at the same path")
 
 
 def load_tokenizer(path: str):

@@ -5,8 +5,10 @@
 `validation.py` checks values and touches nothing; this module checks the world the config names:
 data files exist and every row has a chat `prompt`, the environment, the prompt function and the
 reward function load (user code runs here, once, in the launching process), `run.resume` names a
-checkpoint, and `wire.host` can be bound. Each failure is one ConfigError naming the key. The returned config has `agent.env`'s default filled in and every user
-path absolute, so roles in other processes (and a later resume) load exactly the same code.
+checkpoint, and `wire.host` can be bound. Each failure is one ConfigError naming the key. The returned
+config has `agent.env`'s default filled in and every user path absolute, so roles in other processes (and
+a later resume) load exactly the same code, and `wire.host` placed (wire_auth.placed_host: "auto" is
+loopback on one machine, each role's own node address on a cluster).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from nanoverl_async.data import load_samples, prompt_source
 from nanoverl_async.env import env_factory
 from nanoverl_async.rewards import load_reward
 from nanoverl_async.user_code import absolute_spec
+from nanoverl_async.wire_auth import placed_host
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 
@@ -56,9 +59,12 @@ def prepare(cfg: Config) -> Config:
         except (ValueError, ImportError, SyntaxError) as error:
             raise ConfigError(f"config key '{key}': {error}") from None
     checkpoint.find_checkpoint(cfg.run)  # a run.resume path that is not a checkpoint fails here
-    try:  # every role binds its sockets here
-        with socket.socket(socket.AF_INET6 if ":" in cfg.wire.host else socket.AF_INET) as probe:
-            probe.bind((cfg.wire.host, 0))
-    except (OSError, UnicodeError) as error:
-        raise ConfigError(f"config key 'wire.host': cannot bind {cfg.wire.host!r} on this machine ({error})") from None
-    return cfg
+    if cfg.wire.host != "auto":  # one address for every role (auto: each binds on its own node, wire_auth.py)
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in cfg.wire.host else socket.AF_INET) as probe:
+                probe.bind((cfg.wire.host, 0))
+        except (OSError, UnicodeError) as error:
+            raise ConfigError(f"config key 'wire.host': cannot bind {cfg.wire.host!r} on this machine "
+                              f"({error})") from None
+    return dataclasses.replace(cfg, wire=dataclasses.replace(cfg.wire, host=placed_host(cfg.wire.host,
+                                                                                      bool(cfg.ray.address))))

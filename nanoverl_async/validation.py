@@ -76,6 +76,10 @@ def validate(cfg: Config) -> None:
     if samples % cfg.learner.world_size:
         raise ConfigError(f"config key 'learner.world_size': {cfg.learner.world_size} does not divide the "
                           f"{samples} samples per step (data.prompts_per_step x data.samples_per_prompt)")
+    for key in (f.name for f in dataclasses.fields(cfg.ray) if f.name.endswith("_resource")):
+        if getattr(cfg.ray, key) and not cfg.ray.address:
+            raise ConfigError(f"config key 'ray.{key}': places roles on a cluster's nodes, so it needs ray.address "
+                              "(a local run has one node)")
     if not 0 < cfg.learner.gpus_per_rank <= 1:  # Ray's fractional GPUs: a share of one GPU, or one whole GPU
         raise ConfigError(f"config key 'learner.gpus_per_rank': must be in (0, 1], got {cfg.learner.gpus_per_rank}")
     replica_gpus = cfg.generator.gpus_per_replica

@@ -1,6 +1,8 @@
-"""ZeroMQ CURVE on every socket bound beyond loopback: only the run's own roles may connect.
+"""Where the run's ZeroMQ sockets bind, and CURVE on every one beyond loopback: only the run's roles connect.
 
-    keys = run_keys(cfg.wire.host)          # the controller, once per run: None on 127.0.0.1
+    host = placed_host(cfg.wire.host, on_cluster)   # preflight, once: "auto" -> 127.0.0.1, or NODE on a cluster
+    keys = run_keys(host)                  # the controller, once per run: None on 127.0.0.1
+    bind_host(host, node_ip)               # a role that binds, on the node Ray placed it on
     admit_run_clients(context, keys)       # a role that binds (buffer, weights publisher), per context,
     serve(socket, keys)                    #   and per socket, before socket.bind
     connect(socket, keys)                  # a role that connects (generators), before socket.connect
@@ -38,6 +40,22 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name: it may resolve to anything
         return False
+
+
+NODE = "node"  # bind on the address of the node the role was placed on (Ray's node IP)
+
+
+def placed_host(host: str, on_cluster: bool) -> str:
+    """wire.host as the roles get it: "auto" is loopback on one machine, and on a cluster each role's own
+    node address (NODE), since a socket bound on loopback cannot be reached from another node."""
+    if host != "auto":
+        return host
+    return NODE if on_cluster else "127.0.0.1"
+
+
+def bind_host(host: str, node_ip: str) -> str:
+    """The address a role running on the node `node_ip` binds, for a host from `placed_host`."""
+    return node_ip if host == NODE else host
 
 
 def run_keys(host: str) -> Optional[CurveKeys]:

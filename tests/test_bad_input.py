@@ -16,7 +16,7 @@ import zmq
 
 from nanoverl_async import multiply_task
 from nanoverl_async.buffer.service import BufferService
-from nanoverl_async.config import AgentConfig, BufferConfig, ConfigError, GeneratorConfig, WireConfig, load_config
+from nanoverl_async.config import AgentConfig, BufferConfig, ConfigError, GeneratorConfig, load_config
 from nanoverl_async.generators.agent_loop import run_episode
 from nanoverl_async.launcher import launch
 from nanoverl_async.trajectory import encode
@@ -47,6 +47,7 @@ CONFIG_CASES = [
     ("run.eval_every=2", "'run.eval_every': needs data.val_files"),
     ("kl.reward_coef=0.1", "'kl.reward_coef'"),
     ("run.deterministic=true", "'run.deterministic': needs staleness.max=0"),  # the default job is async
+    ("ray.learner_resource=learners", "'ray.learner_resource': places roles on a cluster's nodes, so it needs"),
 ]
 # --- the world the config names, checked at launch before Ray starts
 LAUNCH_CASES = [
@@ -242,7 +243,7 @@ REQUEST_CASES = [  # requests refused with an error naming the field, counted
 
 
 def test_the_buffer_counts_and_ignores_every_bad_message_and_still_hands_out_a_batch():
-    service = BufferService(1, 2, 0, BufferConfig(lease_timeout_s=30), WireConfig(),
+    service = BufferService(1, 2, 0, BufferConfig(lease_timeout_s=30), "127.0.0.1",
                             GeneratorConfig(replicas=1, max_groups_in_flight=4), VOCAB,
                             lambda index: {"index": index})
     context = zmq.Context()

@@ -13,7 +13,7 @@ import zmq
 from nanoverl_async.buffer.service import BufferService, GatedClock, parse_request
 from nanoverl_async.data import prompt_source
 from nanoverl_async import multiply_task
-from nanoverl_async.config import BufferConfig, DataConfig, GeneratorConfig, WireConfig
+from nanoverl_async.config import BufferConfig, DataConfig, GeneratorConfig
 from nanoverl_async.trajectory import Trajectory, encode
 
 _ids = itertools.count()
@@ -59,7 +59,7 @@ def make_service():
     made = []
 
     def make(B, G, eta, lease_timeout_s=30.0, replicas=8, max_groups_in_flight=16):
-        service = BufferService(B, G, eta, BufferConfig(lease_timeout_s=lease_timeout_s), WireConfig(),
+        service = BufferService(B, G, eta, BufferConfig(lease_timeout_s=lease_timeout_s), "127.0.0.1",
                                 GeneratorConfig(replicas=replicas, max_groups_in_flight=max_groups_in_flight),
                                 VOCAB, lambda index: {"index": index, "question": f"{index}*3?"})
         client = Client(service.endpoints)

@@ -19,7 +19,7 @@ from nanoverl_async.buffer.gate import AdmissionGate
 from nanoverl_async.buffer.replay import STRAGGLER, ReplayBuffer
 from nanoverl_async.buffer.service import BufferService
 from nanoverl_async.config import (AlgorithmConfig, BufferConfig, ConfigError, CriticConfig, GeneratorConfig, KLConfig,
-                                   RunConfig, WireConfig, load_config)
+                                   RunConfig, load_config)
 from nanoverl_async.learners.batch import collate, with_advantages
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.metrics import MetricsLogger
@@ -90,7 +90,7 @@ def test_restored_buffer_reissues_in_flight_prompt_once_and_keeps_complete_group
 
 def test_buffer_service_state_bytes_round_trip_and_min_version():
     def service():
-        return BufferService(1, 1, 0, BufferConfig(lease_timeout_s=30), WireConfig(), GeneratorConfig(), 110,
+        return BufferService(1, 1, 0, BufferConfig(lease_timeout_s=30), "127.0.0.1", GeneratorConfig(), 110,
                              lambda i: {"index": i})
 
     old, new = service(), service()

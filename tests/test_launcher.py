@@ -1,5 +1,6 @@
 """Supervision: a role that dies ends the run within seconds naming it, never a hang; a hostile lease request
-during a run is refused while the run goes on; Ray workers run the code of the checkout that launched."""
+during a run is refused while the run goes on; Ray workers run the code of the checkout that launched; a
+placement resource no node offers fails in one line (two real hosts: tests/test_two_hosts.py)."""
 
 import os
 import shutil
@@ -14,9 +15,9 @@ import ray
 import zmq
 
 import nanoverl_async
-from nanoverl_async.config import load_config
+from nanoverl_async.config import ConfigError, RayConfig, load_config
 from nanoverl_async.preflight import prepare
-from nanoverl_async.launcher import Roles, RunFailed, role_failures
+from nanoverl_async.launcher import Roles, RunFailed, check_placement, role_failures
 from nanoverl_async.tiny_model import TinyRecipe, build_model, build_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -124,3 +125,12 @@ def test_actors_run_the_code_of_the_checkout_that_launched(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     driver, actor = result.stdout.split()[-2:]
     assert driver == actor == str(tmp_path / "nanoverl_async" / "__init__.py")
+
+
+def test_a_placement_resource_no_node_offers_fails_in_one_line(ray_session):
+    check_placement(RayConfig())  # nothing named: any node
+    with pytest.raises(ConfigError) as raised:
+        check_placement(RayConfig(address="auto", generator_resource="generators"))
+    message = str(raised.value)
+    assert "'ray.generator_resource': no node of the Ray cluster offers the resource 'generators'" in message
+    assert "ray start --resources='{\"generators\": 1}'" in message and "\n" not in message

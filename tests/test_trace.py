@@ -13,7 +13,7 @@ import zmq
 
 from nanoverl_async import multiply_task
 from nanoverl_async.buffer.service import BufferService
-from nanoverl_async.config import AgentConfig, BufferConfig, GeneratorConfig, WireConfig
+from nanoverl_async.config import AgentConfig, BufferConfig, GeneratorConfig
 from nanoverl_async.generators.agent_loop import run_episode
 from nanoverl_async.trace import (Lanes, PipelineTrace, Span, SpanLog, TracedRole, TraceFile, estimate_offset,
                                   sequential)
@@ -86,7 +86,7 @@ def test_an_episode_carries_its_calls_inside_its_span_over_the_wire():
 
 
 def test_the_buffer_records_leases_until_complete_and_the_gate_while_closed():
-    service = BufferService(1, 1, 0, BufferConfig(lease_timeout_s=30), WireConfig(),
+    service = BufferService(1, 1, 0, BufferConfig(lease_timeout_s=30), "127.0.0.1",
                             GeneratorConfig(replicas=1, max_groups_in_flight=4), VOCAB,
                             lambda index: {"index": index}, trace=True)
     context = zmq.Context()

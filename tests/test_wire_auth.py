@@ -12,7 +12,7 @@ import torch
 import zmq
 
 from nanoverl_async.buffer.service import BufferService
-from nanoverl_async.config import BufferConfig, GeneratorConfig, WireConfig
+from nanoverl_async.config import BufferConfig, GeneratorConfig
 from nanoverl_async.weights import WeightPublisher, WeightSubscriber
 from nanoverl_async.wire_auth import CurveKeys, connect, run_keys
 from weight_waits import wait_newest
@@ -41,7 +41,7 @@ def lease_request(endpoint: str, keys) -> dict | None:
 
 def test_the_buffer_admits_only_the_runs_keys():
     keys = run_keys("0.0.0.0")
-    service = BufferService(1, 1, 0, BufferConfig(lease_timeout_s=30), WireConfig(host="0.0.0.0"),
+    service = BufferService(1, 1, 0, BufferConfig(lease_timeout_s=30), "0.0.0.0",
                             GeneratorConfig(replicas=1), 110, lambda index: {"index": index}, curve=keys)
     try:
         intruder_keys = CurveKeys(keys.server_public, keys.server_secret, *zmq.curve_keypair())

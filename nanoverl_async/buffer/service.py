@@ -1,6 +1,6 @@
 """The buffer service: ZeroMQ front end of the admission gate and the replay buffer.
 
-One background thread owns both sockets, bound on WireConfig.host at random ports (`endpoints`):
+One background thread owns both sockets, bound on `host` (wire.host as placed) at random ports (`endpoints`):
   - "trajectories": PULL; each frame is `trajectory.encode(t)` from a generator's PUSH socket;
   - "leases": ROUTER; generators (DEALER or REQ) send single msgpack maps (docs/design.md "The lease protocol")
         {"op": "lease", "generator_id": int, "version": int, "max_groups": int}
@@ -45,7 +45,7 @@ import zmq
 from nanoverl_async import trajectory as wire
 from nanoverl_async.buffer.gate import AdmissionGate
 from nanoverl_async.buffer.replay import ADDED, COMPLETED, FILTERED, Group, ReplayBuffer
-from nanoverl_async.config import BufferConfig, GeneratorConfig, WireConfig
+from nanoverl_async.config import BufferConfig, GeneratorConfig
 from nanoverl_async.trace import SpanLog
 from nanoverl_async.trajectory import Trajectory
 from nanoverl_async.wire_auth import CurveKeys, admit_run_clients, serve
@@ -139,10 +139,10 @@ class GatedClock:
 
 class BufferService:
     def __init__(self, prompts_per_step: int, group_size: int, staleness: int, config: BufferConfig,
-                 wire_config: WireConfig, generators: GeneratorConfig, vocab_size: int,
+                 host: str, generators: GeneratorConfig, vocab_size: int,
                  prompt_fn: Callable[[int], dict], group_filter: bool = False, curve: Optional[CurveKeys] = None,
                  trace: bool = False):
-        """`generators`: how many there are (replicas: ids 0..replicas-1) and how many groups each may run;
+        """`host`: the address both sockets bind (this node's); `generators`: how many there are (replicas: ids 0..replicas-1) and how many groups each may run;
         `vocab_size`: the model's, which bounds every token id; `curve`: the run's keys when wire.host is
         not loopback (wire_auth.py): only the run's generators can then connect."""
         self.prompts_per_step, self.group_size, self.staleness = prompts_per_step, group_size, staleness
@@ -165,7 +165,6 @@ class BufferService:
         self._router = self._context.socket(zmq.ROUTER)
         serve(self._pull, curve)
         serve(self._router, curve)
-        host = wire_config.host
         self.endpoints = {
             "trajectories": f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{host}')}",
             "leases": f"tcp://{host}:{self._router.bind_to_random_port(f'tcp://{host}')}",

@@ -47,7 +47,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from nanoverl_async.algorithms import (LossInputs, aggregate, kl_estimates, kl_per_token, loss_normaliser,
                                       merge_metrics, policy_loss, reduce_token_metrics, token_entropy, value_loss)
 from nanoverl_async.config import (AlgorithmConfig, CriticConfig, KLConfig, LearnerConfig, ModelConfig,
-                                   ReferenceConfig, SGLangConfig, WireConfig)
+                                   ReferenceConfig, SGLangConfig)
 from nanoverl_async.learners.batch import (Packing, TrainBatch, epoch_order, keeps_packed_sequences_apart, pack,
                                            sequence_logprobs, shard, split_to, take_rows, to_device,
                                            token_budget_bounds, trimmed)
@@ -71,7 +71,7 @@ class LearnerSetup:
     kl: KLConfig = field(default_factory=KLConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)  # KL's frozen policy; "" = model.path
     critic: CriticConfig = field(default_factory=CriticConfig)  # algorithm.advantage=gae only
-    wire: WireConfig = field(default_factory=WireConfig)
+    wire_host: str = "127.0.0.1"  # where rank 0's weight publisher binds (wire.host as placed, wire_auth.py)
     temperature: float = 1.0  # generator.temperature: logprobs of the distribution the generators sample
     seed: int = 0  # run.seed
     max_total_tokens: int = 0  # agent.max_total_tokens: overlong limit, seq-mean-token-sum-norm's constant
@@ -116,7 +116,7 @@ class LearnerRank:
         if mixing:
             log.warning("the %s model mixes packed sequences in attention: the learner pads one sequence per "
                         "row (slower)", " and ".join(mixing))
-        self.publisher = WeightPublisher(setup.wire.host, setup.curve) if rank == 0 else None
+        self.publisher = WeightPublisher(setup.wire_host, setup.curve) if rank == 0 else None
         self.nccl_transport = False  # set by connect_sglang on every rank (publish_weights gathers differently)
         self.sender = None  # rank 0's SGLangWeightSender once connected
 

@@ -24,7 +24,8 @@ from nanoverl_async.config import Config, SGLangConfig
 from nanoverl_async.learners.batch import TrainBatch, collate, explained_variance, group_size_of, with_advantages
 from nanoverl_async.learners.fsdp_rank import PROCESS_GROUP_TIMEOUT_S, LearnerRank, LearnerSetup
 from nanoverl_async.learners.sglang_nccl import check_reachable
-from nanoverl_async.wire_auth import CurveKeys
+from nanoverl_async.models import require_model_dir
+from nanoverl_async.wire_auth import CurveKeys, bind_host
 
 TIMEOUT_S = PROCESS_GROUP_TIMEOUT_S + 60  # a rank stuck in a collective fails first, with its own error
 
@@ -41,6 +42,9 @@ class _DeferredRank(LearnerRank):
             return ray.util.get_node_ip_address(), probe.getsockname()[1]
 
     def start(self, setup: LearnerSetup, rank: int, master_addr: str, master_port: int) -> None:
+        node = ray.util.get_node_ip_address()
+        require_model_dir(setup.model.path, f"node {node}")
+        setup = dataclasses.replace(setup, wire_host=bind_host(setup.wire_host, node))
         LearnerRank.__init__(self, setup, rank, master_addr, master_port)
 
 
@@ -51,14 +55,14 @@ class LearnerPool:
         Their weights are version 0 until `load_checkpoint` restores another."""
         self.setup = setup = LearnerSetup(
             dataclasses.replace(cfg.model, path=model_path), cfg.learner, cfg.algorithm, cfg.kl, cfg.reference,
-            cfg.critic, cfg.wire, cfg.generator.temperature, cfg.run.seed, cfg.agent.max_total_tokens, curve)
+            cfg.critic, cfg.wire.host, cfg.generator.temperature, cfg.run.seed, cfg.agent.max_total_tokens, curve)
         learner = cfg.learner
         # p_old must be recomputed unless the update's own forward (one optimizer step) sees the same weights
         self.needs_proximal = learner.ppo_epochs * learner.minibatches > 1
         self.needs_reference = cfg.kl.loss_coef > 0 or cfg.kl.reward_coef > 0
         self.needs_values = cfg.algorithm.advantage == "gae"
         gpus = learner.gpus_per_rank if learner.device == "cuda" else 0
-        actor = ray.remote(num_cpus=0, num_gpus=gpus)(_DeferredRank)
+        actor = ray.remote(num_cpus=0, num_gpus=gpus, resources=cfg.ray.resources("learner"))(_DeferredRank)
         self.ranks = [actor.remote() for _ in range(learner.world_size)]
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=TIMEOUT_S)
         ray.get([actor_rank.start.remote(setup, rank, master_addr, master_port)
