@@ -5,7 +5,9 @@
                         sharded, every learner rank writes its own part (learners/checkpoint.py)
         buffer.msgpack  the prompt frontier, live leases, complete groups' trajectories, counters
                         (BufferService.state_bytes)
-        meta.json       step (= the weights' version), seed, the config and its digest, buffer counters
+        meta.json       step (= the weights' version), seed, the config and its digest, buffer counters,
+                        and where each part was written (`written_on`: node addresses; on a cluster
+                        the learner shards are on the learners' nodes, the rest on the head's)
 
 Invariants: a folder named `step_N` is complete. The launcher writes into `.step_N.tmp`, the controller
 writes meta.json last, and one `rename` publishes it, so a crash mid-save leaves only a `.tmp` folder,
@@ -141,10 +143,11 @@ def commit(tmp: Path, meta: dict, keep: int) -> Path:
     return final
 
 
-def make_meta(cfg: Config, step: int, buffer_counters: dict) -> dict:
+def make_meta(cfg: Config, step: int, buffer_counters: dict, written_on: Optional[dict] = None) -> dict:
     config = trained_config(cfg)
     return {"step": step, "version": step, "seed": cfg.run.seed, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "config_digest": config_digest(config), "config": config, "buffer": buffer_counters}
+            "config_digest": config_digest(config), "config": config, "buffer": buffer_counters,
+            "written_on": written_on or {}}
 
 
 def trained_config(cfg: Config) -> dict:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import sys
 import time
 from contextlib import contextmanager
@@ -67,7 +66,7 @@ def launch(cfg: Config) -> Path:
     trace = PipelineTrace(output_dir, roles.traced(), start) if cfg.run.trace else None  # trace.json (trace.py)
     try:
         train(cfg, roles, logger, start, trace)
-        with role_failures("learner pool"):
+        with roles.failures("learner pool"):
             roles.learners.save_pretrained(str(output_dir / "final"))
     finally:
         if trace:
@@ -87,9 +86,7 @@ def train(cfg: Config, roles: "Roles", logger: MetricsLogger, start: int = 0,
     for step in range(start, cfg.run.total_steps):
         batch = roles.next_batch(step)  # blocks until B complete groups with step - version <= eta
         waited = time.monotonic() - last_step_end
-        if cfg.run.record:  # the learner's input stream, for `nanoverl-async replay` (record.py)
-            record.write_batch(cfg.run.output_dir, step, batch.trajectories)
-        with role_failures("learner pool"):
+        with roles.failures("learner pool"):
             train_batch = roles.learners.prepare(batch)  # proximal logprobs (version `step`), advantages
             prepared = time.monotonic()
             learner_metrics = roles.learners.update(train_batch)  # ppo_epochs x minibatches FSDP2 steps
@@ -105,6 +102,8 @@ def train(cfg: Config, roles: "Roles", logger: MetricsLogger, start: int = 0,
                                 samples_trained), batch.trajectories)  # and run.log_samples episodes
         if trace:  # run.trace: this step's phases and episodes, and what the roles recorded meanwhile
             trace.step(step, batch.trajectories, (last_step_end, last_step_end + waited, prepared, trained, now))
+        if cfg.run.record:  # the learner's input stream, for `nanoverl-async replay` (record.py)
+            record.write_batch(cfg.run.output_dir, step, batch.trajectories)
         maybe_checkpoint(cfg, roles, step + 1)  # the state after step `step`: weights version step + 1
         last_step_end = time.monotonic()  # a save's time is not the next step's
 
@@ -115,12 +114,13 @@ def maybe_checkpoint(cfg: Config, roles: "Roles", version: int) -> None:
     if not cfg.run.save_every or version % cfg.run.save_every:
         return
     folder = checkpoint.begin(cfg.run.output_dir, version)
-    with role_failures("learner pool"):
+    with roles.failures("learner pool"):
         roles.learners.save_checkpoint(str(folder / "learner"))
-    with role_failures("buffer"):  # generators keep streaming: the buffer's state is a cut taken under its lock
+    with roles.failures("buffer"):  # generators keep streaming: the buffer's state is a cut taken under its lock
         state, counters = ray.get(roles.buffer.state.remote(version), timeout=cfg.run.step_timeout_s)
     (folder / "buffer.msgpack").write_bytes(state)  # here, not on the buffer's node: no shared disk assumed
-    checkpoint.commit(folder, checkpoint.make_meta(cfg, version, counters), cfg.run.keep_checkpoints)
+    written_on = {"learner": roles.learners.nodes, "buffer and meta": ray.util.get_node_ip_address()}
+    checkpoint.commit(folder, checkpoint.make_meta(cfg, version, counters, written_on), cfg.run.keep_checkpoints)
 
 
 def warn_config_changes(cfg: Config, resume_from: Path) -> None:
@@ -134,6 +134,7 @@ def replay(run_dir: str) -> dict:
     """The learner alone on a run's recorded batches (record.py), in order, one prepare + update per step
     as in `train`; its weights go to RUN_DIR/replay/final and are compared with the run's final/."""
     cfg = load_config(str(Path(run_dir) / "config.yaml"))
+    cfg = dataclasses.replace(cfg, wire=dataclasses.replace(cfg.wire, host="127.0.0.1"))  # no generator connects
     if not cfg.run.record:
         raise ConfigError(f"{run_dir}: run.record was off in this run's config.yaml, so there is nothing to replay")
     batches = record.read_batches(run_dir, cfg.run.total_steps)
@@ -181,9 +182,7 @@ class Roles:
                 self.learners.load_checkpoint(str(resume_from / "learner"), start)
         with role_failures("buffer"):
             buffer_endpoints = ray.get(self.buffer.endpoints.remote(), timeout=60)
-        if cfg.ray.address:  # on a cluster, where each socket went (wire.host auto: its own node's address)
-            print(f"wire: buffer {buffer_endpoints['leases']}, weights {self.learners.weights_endpoint}"
-                  f"{' (CURVE)' if curve else ''}", file=sys.stderr)
+        self.nodes = self._placement(buffer_endpoints, curve) if cfg.ray.address else {}  # role -> node
         self.generator_runs = {gen.run.remote(buffer_endpoints, self.learners.weights_endpoint, curve):
                                f"generator {i}" for i, gen in enumerate(self.generators)}
         sglang = cfg.generator.sglang
@@ -198,18 +197,37 @@ class Roles:
         if resume_from:  # generators start on the base weights; the restored buffer leases only to `start`
             self.publish_weights(version=start)
 
+    def _placement(self, buffer_endpoints: dict, curve: Optional[CurveKeys]) -> dict[str, str]:
+        """On a cluster: the node each role runs on (every failure names it), printed once with the
+        endpoints the roles bound there."""
+        with role_failures("generators"):  # each answers once its constructor is done
+            generator_nodes = ray.get([gen.node.remote() for gen in self.generators],
+                                      timeout=self.cfg.generator.sglang.launch_timeout_s + 60)
+        with role_failures("buffer"):
+            nodes = {"learner pool": ", ".join(dict.fromkeys(self.learners.nodes)),
+                     "buffer": ray.get(self.buffer.node.remote(), timeout=60),
+                     **{f"generator {i}": node for i, node in enumerate(generator_nodes)}}
+        print(f"placed: {'; '.join(f'{role} on {node}' for role, node in nodes.items())}. wire: buffer "
+              f"{buffer_endpoints['leases']}, weights {self.learners.weights_endpoint}{' (CURVE)' if curve else ''}",
+              file=sys.stderr)
+        return nodes
+
+    def failures(self, name: str):
+        """role_failures naming the node `name` runs on too, on a cluster (which machine to look at)."""
+        return role_failures(f"{name} on node {self.nodes[name]}" if name in self.nodes else name)
+
     def publish_weights(self, version: int) -> None:
         """The buffer learns of `version` first (it refuses tokens and requests from versions never
         published), then learner rank 0 publishes it."""
-        with role_failures("buffer"):
+        with self.failures("buffer"):
             ray.get(self.buffer.publishing.remote(version), timeout=60)
-        with role_failures("learner pool"):
+        with self.failures("learner pool"):
             self.learners.publish_weights(version)
 
     def evaluate(self, version: int) -> dict:
         """Near-greedy episodes on data.val_files by generator 0 once it holds weights `version` or newer
         (worker.evaluate) -> eval/* metrics."""
-        with role_failures("generator 0"):
+        with self.failures("generator 0"):
             return ray.get(self.generators[0].evaluate.remote(self.val_samples, version),
                            timeout=self.cfg.run.step_timeout_s)
 
@@ -221,7 +239,7 @@ class Roles:
             ready, _ = ray.wait([batch_ref, *self.generator_runs], num_returns=1)
             self._check_generators(step)
             if batch_ref in ready:
-                with role_failures("buffer"):
+                with self.failures("buffer"):
                     return ray.get(batch_ref)
 
     def _check_generators(self, step: int) -> None:
@@ -230,7 +248,7 @@ class Roles:
         ended, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
         for run_ref in ended:
             name = self.generator_runs[run_ref]
-            with role_failures(name):
+            with self.failures(name):
                 ray.get(run_ref)
             raise RunFailed(f"{name} stopped unexpectedly during step {step}")
 
@@ -270,6 +288,9 @@ class BufferRole:
     def endpoints(self) -> dict:
         return self.service.endpoints
 
+    def node(self) -> str:
+        return ray.util.get_node_ip_address()
+
     def next_batch(self, step: int, timeout_s: float):
         return self.service.next_batch(step, timeout_s)
 
@@ -298,6 +319,9 @@ class GeneratorRole:
 
     async def stop(self) -> None:
         self.worker.stop()
+
+    async def node(self) -> str:
+        return ray.util.get_node_ip_address()
 
     async def trace_events(self) -> tuple[float, list]:
         """run.trace: this process's clock (for the controller's offset) and the spans closed since the last call."""
@@ -328,16 +352,12 @@ def _trace_events(name: str, actor) -> tuple[float, list]:
 
 @contextmanager
 def role_failures(name: str):
-    """Turn a dead actor or a timed-out wait into RunFailed naming the role, and the node of an actor lost
-    with its machine: Ray's error carries the node's address, as `ip: ADDRESS` once the node is declared
-    dead or `ipv4:ADDRESS:PORT` when its process is unreachable (on a cluster: which machine to look at)."""
+    """Turn a dead actor or a timed-out wait into RunFailed naming the role."""
     try:
         yield
     except (ray.exceptions.RayError, TimeoutError) as error:
         cause = getattr(error, "cause", None) or error
-        node = re.search(r"(?:^\s*ip: |ipv4:)(\d+\.\d+\.\d+\.\d+)", str(error), re.MULTILINE)
-        where = f" on node {node.group(1)}" if node else ""
-        raise RunFailed(f"{name}{where}: {type(cause).__name__}: {str(cause).strip().splitlines()[-1]}") from error
+        raise RunFailed(f"{name}: {type(cause).__name__}: {str(cause).strip().splitlines()[-1]}") from error
 
 
 def check_placement(cfg: RayConfig) -> None:

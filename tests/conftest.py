@@ -19,13 +19,14 @@ def ray_session():
 OBSERVED_STEPS = 4
 OBSERVED_RUN = (f"run.total_steps={OBSERVED_STEPS}", "generator.replicas=2", "staleness.max=1",
                 "data.prompts_per_step=4", "data.samples_per_prompt=4", "run.log_samples=3", "run.trace=true",
-                "run.record=true")
+                "run.record=true", "wire.host=0.0.0.0")  # off loopback: every socket CURVE with the run's keys
 
 
 @pytest.fixture(scope="session")
 def observed_run(tmp_path_factory):
     """The CLI's default job for a few asynchronous steps on two generators, with samples.jsonl,
-    trace.json and record/ written: one run instead of one per test file (the real CLI costs ~30 s)."""
+    trace.json and record/ written, its sockets bound off loopback (CURVE): one run instead of one per
+    test file (the real CLI costs ~30 s)."""
     from test_cli_run import run_cli
 
     path = tmp_path_factory.mktemp("observed")

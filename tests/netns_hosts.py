@@ -2,9 +2,10 @@
 address, a Ray head node in one and a Ray worker node in the other. Never a real network.
 
     hosts = TwoHosts.create()            # needs root (ip netns); raises HostsUnavailable otherwise
-    hosts.start_ray_head(); hosts.start_ray_worker()
+    hosts.start_ray_head(resources); hosts.start_ray_worker(resources)
     hosts.popen(hosts.head, [...])       # a process on a host: it sees that host's address only
     hosts.kill_host(hosts.worker)        # SIGKILL every process of a host (a machine that died)
+    hosts.wait_until_dead(hosts.worker)  # until the head has declared its node dead
     hosts.destroy()
 
 Run as a script it is the wire probe of tests/test_two_hosts.py, one end per host:
@@ -28,6 +29,9 @@ from pathlib import Path
 SUBNET = "10.213.77"  # the test hosts' own /24 on the veth pair; nothing outside the namespaces sees it
 RAY_PORT = 6379
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+# the head declares a silent node dead after ~3 s instead of Ray's default ~15-30 s (the test waits for it)
+FAST_NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
+                   "RAY_health_check_failure_threshold": "3"}
 RAY = str(Path(sys.executable).parent / "ray")
 
 
@@ -101,6 +105,14 @@ class TwoHosts:
                                f"--node-ip-address={self.worker.address}", f"--resources={json.dumps(resources)}",
                                "--num-cpus=2", "--object-store-memory=200000000",
                                f"--temp-dir={self.worker.temp_dir}"], 120)
+
+    def wait_until_dead(self, host: Host, timeout_s: float = 120) -> None:
+        """Until the head has declared the host's Ray node dead: a node started again on the same address
+        before that would share its address with a node the head still places actors on."""
+        probe = (f"import ray, time; ray.init(address='{self.head.address}:{RAY_PORT}', logging_level='ERROR')\n"
+                 f"while any(n['Alive'] and n['NodeManagerAddress'] == '{host.address}' for n in ray.nodes()):\n"
+                 f"    time.sleep(0.5)")
+        self.run(self.head, [sys.executable, "-c", probe], timeout_s)
 
     def kill_host(self, host: Host) -> None:
         """SIGKILL every process living in the host's namespace: what a machine that loses power does."""

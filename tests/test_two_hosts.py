@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from netns_hosts import HostsUnavailable, TwoHosts
+from netns_hosts import FAST_NODE_DEATH, HostsUnavailable, TwoHosts
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -63,7 +63,7 @@ def test_a_socket_on_one_host_is_reached_from_the_other_only_with_the_runs_keys(
 
 
 def test_the_default_job_on_two_hosts_survives_losing_one_and_resumes(hosts, tmp_path):
-    address = hosts.start_ray_head({"learners": 1})
+    address = hosts.start_ray_head({"learners": 1}, **FAST_NODE_DEATH)
     hosts.start_ray_worker({"generators": 1})
     out = tmp_path / "run"
     launch = [sys.executable, "-m", "nanoverl_async.cli", "launch", "configs/agent_grpo.yaml", f"ray.address={address}",
@@ -86,10 +86,12 @@ def test_the_default_job_on_two_hosts_survives_losing_one_and_resumes(hosts, tmp
     assert first.returncode == 1 and stopped_after < STOPS_WITHIN_S, (stopped_after, stderr[-3000:])
     assert "run failed" in failure and f"on node {hosts.worker.address}" in failure, failure
     assert "buffer" in failure or "generator 0" in failure, failure
-    # where each socket was bound: the buffer on the worker host, the learner's weights on the head
-    assert f"buffer tcp://{hosts.worker.address}:" in stderr and f"weights tcp://{hosts.head.address}:" in stderr
-    assert "CURVE" in stderr
+    # where each role ran and each socket was bound: the buffer on the worker host, the weights on the head
+    assert (f"placed: learner pool on {hosts.head.address}; buffer on {hosts.worker.address}; generator 0 on "
+            f"{hosts.worker.address}. wire: buffer tcp://{hosts.worker.address}:") in stderr
+    assert f"weights tcp://{hosts.head.address}:" in stderr and "(CURVE)" in stderr
 
+    hosts.wait_until_dead(hosts.worker)
     hosts.start_ray_worker({"generators": 1})  # the machine is back; the head resumes the run
     resumed = hosts.run(hosts.head, [*launch, "run.resume=auto"], 600, **ENV)
     assert "resum" in resumed.stderr.lower() or (out / "final").is_dir()
@@ -100,4 +102,7 @@ def test_the_default_job_on_two_hosts_survives_losing_one_and_resumes(hosts, tmp
     # by the last step the generator sampled with weights the learner published many steps in
     assert all(row["staleness/max"] <= STALENESS for row in rows)
     assert rows[-1]["learner/version"] == STEPS and (out / "final" / "config.json").is_file()
-    assert os.path.isfile(out / "checkpoints" / f"step_{STEPS}" / "buffer.msgpack")  # written by the controller
+    last = out / "checkpoints" / f"step_{STEPS}"
+    assert os.path.isfile(last / "buffer.msgpack")  # sent by the buffer, written by the controller on the head
+    written_on = json.loads((last / "meta.json").read_text())["written_on"]
+    assert written_on == {"learner": [hosts.head.address], "buffer and meta": hosts.head.address}

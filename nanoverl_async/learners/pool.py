@@ -41,6 +41,9 @@ class _DeferredRank(LearnerRank):
             probe.bind(("", 0))
             return ray.util.get_node_ip_address(), probe.getsockname()[1]
 
+    def node(self) -> str:
+        return ray.util.get_node_ip_address()
+
     def start(self, setup: LearnerSetup, rank: int, master_addr: str, master_port: int) -> None:
         node = ray.util.get_node_ip_address()
         require_model_dir(setup.model.path, f"node {node}")
@@ -68,6 +71,7 @@ class LearnerPool:
         ray.get([actor_rank.start.remote(setup, rank, master_addr, master_port)
                  for rank, actor_rank in enumerate(self.ranks)], timeout=TIMEOUT_S)
         self.weights_endpoint: str = ray.get(self.ranks[0].weights_endpoint.remote(), timeout=TIMEOUT_S)
+        self.nodes: list[str] = ray.get([rank.node.remote() for rank in self.ranks], timeout=TIMEOUT_S)  # per rank
 
     def _all(self, method: str, *args) -> list:
         """Call `method(*args)` on every rank at once (they run collectives together); one result per rank.
