@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from nanoverl_async.config import ConfigError
+from nanoverl_async.config import ConfigError, load_config
+from nanoverl_async.launcher import launch
 from nanoverl_async.record import compare_weights, read_batches, record_dir, write_batch
 from tests.synthetic import episodes
 
@@ -64,12 +65,13 @@ def test_weight_comparison_finds_one_changed_bit(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_seeded_synchronous_runs_log_the_same_metrics(tmp_path):
+def test_two_seeded_synchronous_runs_log_the_same_metrics(ray_session, tmp_path):
+    """In this process, one Ray instance for both (as bench/ does): every role is a new actor each run."""
     runs = []
     for name in ("first", "second"):
-        result = cli("launch", "configs/agent_grpo.yaml", f"run.output_dir={tmp_path / name}", "run.total_steps=4",
-                     "staleness.max=0", "run.deterministic=true", "run.seed=5", *SMALL)
-        assert result.returncode == 0, result.stderr[-2000:]
+        launch(load_config("configs/agent_grpo.yaml", [f"run.output_dir={tmp_path / name}", "run.total_steps=4",
+                                                       "staleness.max=0", "run.deterministic=true", "run.seed=5",
+                                                       *SMALL]))
         runs.append(logged(tmp_path / name))
     assert runs[0] == runs[1]
     assert len({row["reward/mean"] for row in runs[0]}) > 1  # the runs learned something, not a constant
