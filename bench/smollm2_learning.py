@@ -24,7 +24,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tool_eval beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches beside this file
+from staleness_sweep import mean  # noqa: E402
 from tool_eval import evaluate  # noqa: E402
 
 from nanoverl_async.config import load_config  # noqa: E402
@@ -34,11 +35,6 @@ CONFIG = "configs/smollm2_tools.yaml"
 RATES = {"tool-call rate": ("episodes/tool_use_frac", "tool_call_rate"),
          "tool errors per call": ("episodes/tool_error_rate", "tool_error_rate"),
          "reward (success)": ("reward/mean", "success")}  # row: (metrics.jsonl key, tool_eval key)
-
-
-def mean(rows: list[dict], key: str) -> float:
-    values = [row[key] for row in rows if key in row]
-    return sum(values) / len(values) if values else float("nan")
 
 
 def held_out(model: str, cfg, episodes: int) -> dict:
