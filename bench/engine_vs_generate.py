@@ -12,7 +12,8 @@ Workloads (no stop tokens; every length is forced by max_new_tokens, and by min_
     batches (left-padded, the longest turn's length for every row, each row cut to its own length,
     one 50 ms sleep per turn). Tokens counted: the forced lengths, never the padding.
 The old engine is the batch-at-a-time version at OLD_ENGINE_REF, loaded from git into a temporary
-module at start (no old code is kept in the package). Systems run interleaved (A, B, C, C, B, A, ...)
+module at start (no old code is kept in the package; --old-ref '' leaves it out where there is no git
+history). On cuda the engine also runs with its CUDA graphs off ("new, eager"). Systems run interleaved (A, B, C, C, B, A, ...)
 and each cell shows the mean with the range over repeats (ratios: of the means, with the range of
 the per-repeat ratios). torch uses 2 threads throughout. The machine may be shared: each run waits
 (--max-wait) until other processes are quiet, and the table reports the most CPU other processes
@@ -195,7 +196,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny", choices=sorted(SHAPES))
     parser.add_argument("--concurrency", default="16,64,256")
     parser.add_argument("--repeats", type=int, default=2, help="runs per system per row (interleaved)")
-    parser.add_argument("--old-ref", default=OLD_ENGINE_REF, help="git commit of the old engine")
+    parser.add_argument("--old-ref", default=OLD_ENGINE_REF, help="git commit of the old engine ('' = leave it out)")
     parser.add_argument("--max-wait", type=float, default=300, help="seconds to wait for a quiet machine per run")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -206,15 +207,20 @@ def main() -> None:
             path, dtype = resolve_model_path("builtin:tiny"), "float32"
         else:
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-            from gpu_throughput import qwen_shaped_model
+            from qwen_shape import qwen_shaped_model
 
             path, dtype = qwen_shaped_model(f"{scratch}/qwen"), "bfloat16"
         vocab, (prompt_len, new_tokens) = AutoConfig.from_pretrained(path).vocab_size, SHAPES[args.model]
         concurrency = [int(c) for c in args.concurrency.split(",")]
         batch = max(256, *concurrency, EPISODES)
-        systems = {"new engine": TransformersEngine(path, args.device, dtype, seed=0, max_batch_size=batch),
-                   "old engine": old_engine_class(args.old_ref)(path, args.device, dtype, seed=0, max_batch_size=batch),
-                   "generate": Bare(path, args.device, dtype)}
+        systems = {"new engine": TransformersEngine(path, args.device, dtype, seed=0, max_batch_size=batch)}
+        if args.device == "cuda":  # what the CUDA graphs (decode_graphs.py) bring
+            systems["new, eager"] = TransformersEngine(path, args.device, dtype, seed=0, max_batch_size=batch,
+                                                       cuda_graphs=False)
+        if args.old_ref:
+            systems["old engine"] = old_engine_class(args.old_ref)(path, args.device, dtype, seed=0,
+                                                                   max_batch_size=batch)
+        systems["generate"] = Bare(path, args.device, dtype)
         rng = np.random.default_rng(0)
         for system in systems.values():  # warm-up: kernels, allocator, the new engine's cache
             throughput(system, [rng.integers(10, vocab, prompt_len).tolist() for _ in range(8)], 16, args.device)
@@ -236,15 +242,15 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     table = Table(title=f"Engine vs generate: {args.model} {dtype} ({device}, torch {torch.__version__}); "
                         f"tok/s mean (range of {args.repeats}); load average {load} -> {_loadavg()}")
-    for column in ("workload", "tokens", *systems, "wall s (new/old/gen)", "new/generate", "new/old",
+    baselines = [s for s in systems if s != "new engine"]
+    for column in ("workload", "tokens", *systems, f"wall s ({'/'.join(systems)})", *(f"new/{s}" for s in baselines),
                    "others' CPU (cores, max)"):
         table.add_column(column, justify="right")
     for name, tokens, runs in rows:
         walls = "/".join(f"{mean(run[1] for run in runs[s]):.2f}" for s in systems)
         others = max(run[2] for s in systems for run in runs[s])
         table.add_row(name, tokens, *(cell(runs[s]) for s in systems), walls,
-                      ratio(runs["new engine"], runs["generate"]), ratio(runs["new engine"], runs["old engine"]),
-                      f"{others:.2f}")
+                      *(ratio(runs["new engine"], runs[s]) for s in baselines), f"{others:.2f}")
     console.print(table)
 
 

@@ -1,24 +1,33 @@
 """`LearnerRank.update` against the bare PyTorch loop it wraps, on the same batches, side by side.
 
-    python bench/learner_vs_torch.py [--threads 2] [--repeats 2] [--updates 5] [--device cpu]
+    python bench/learner_vs_torch.py [--threads 2] [--repeats 2] [--updates 5] [--device cpu|cuda]
+                                     [--model tiny|qwen0.5b]
 
-The batch is shaped like the default job's (configs/agent_grpo.yaml): 16 groups x 8 episodes of the
-built-in `A*B?` task, lengths as measured in its runs: a prompt of 10 tokens, then a sampled answer (40%
-of rows), a sampled call, a 5-token tool result and an answer (52%), or three turns of calls (8%, up to
-~70 tokens), so that, as in the job, a few long rows set the padded width. The bare loop is what a user would write by hand: the Hugging Face model in
-fp32, AdamW, one forward over the padded batch, token logprobs, the PPO clipped loss against the
-behaviour logprobs (token mean), backward, gradient clipping, step; once over the padded batch, and once
-over the packed rows LearnerRank uses (batch.pack), which isolates the wrapper's own cost. `LearnerRank`
-runs the project's default algorithm on the same rows (world size 1). Interleaved A, B, C, C, B, A;
-trained tokens/s as ranges.
+tiny (the default): the batch is shaped like the default job's (configs/agent_grpo.yaml): 16 groups x 8
+episodes of the built-in `A*B?` task, lengths as measured in its runs: a prompt of 10 tokens, then a sampled
+answer (40% of rows), a sampled call, a 5-token tool result and an answer (52%), or three turns of calls
+(8%, up to ~70 tokens), so that, as in the job, a few long rows set the padded width.
+qwen0.5b (for a GPU): Qwen2.5-0.5B-Instruct's architecture with random weights (bench/qwen_shape.py),
+64 sequences of 128 prompt + 896 sampled tokens, micro-batches of 8,192 tokens, bfloat16 compute over
+float32 master weights (LearnerRank's FSDP2 mixed precision; torch.autocast in the bare loop).
+The bare loop is what a user would write by hand: the Hugging Face model with float32 weights, AdamW,
+a forward per micro-batch over the padded rows, token logprobs, the PPO clipped loss against the behaviour
+logprobs (token mean), backward, gradient clipping, step; for tiny also over the packed rows LearnerRank
+uses (batch.pack), which isolates the wrapper's own cost. `LearnerRank` runs the project's default
+algorithm on the same rows (world size 1). Interleaved A, B, C, C, B, A; trained tokens/s as ranges,
+and the seconds of LearnerRank.publish_weights (the full state dict gathered and handed to the publisher).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import statistics
+import sys
+import tempfile
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -27,12 +36,14 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM
 
 from nanoverl_async.config import AlgorithmConfig, KLConfig, LearnerConfig, ModelConfig
-from nanoverl_async.learners.batch import collate, pack, sequence_logprobs, with_advantages
+from nanoverl_async.learners.batch import (collate, pack, sequence_logprobs, token_budget_bounds, trimmed,
+                                           with_advantages)
 from nanoverl_async.learners.fsdp_rank import LearnerRank, LearnerSetup
-from nanoverl_async.models import resolve_model_path
+from nanoverl_async.models import DTYPES, resolve_model_path
 from nanoverl_async.trajectory import Trajectory
 
 GROUPS, GROUP_SIZE, MAX_TOTAL_TOKENS = 16, 8, 96
+QWEN_SEQUENCES, QWEN_PROMPT, QWEN_SAMPLED, QWEN_MICRO_BATCH_TOKENS = 64, 128, 896, 8_192
 
 
 def default_job_batch(vocab: int, seed: int = 0):
@@ -52,32 +63,55 @@ def default_job_batch(vocab: int, seed: int = 0):
     return with_advantages(collate(trajectories), GROUP_SIZE, AlgorithmConfig(), KLConfig(), MAX_TOTAL_TOKENS)
 
 
+def qwen_batch(vocab: int, seed: int = 0):
+    """64 sequences of 128 prompt + 896 sampled tokens, groups of 8, with GRPO advantages."""
+    rng = np.random.default_rng(seed)
+    length = QWEN_PROMPT + QWEN_SAMPLED
+    mask = np.array([0] * QWEN_PROMPT + [1] * QWEN_SAMPLED, np.uint8)
+    trajectories = [Trajectory(
+        id=str(i), group_id=i // GROUP_SIZE, prompt_index=i // GROUP_SIZE, sample_index=i % GROUP_SIZE,
+        token_ids=rng.integers(10, vocab, length).astype(np.int32), loss_mask=mask,
+        behaviour_logprobs=np.where(mask == 1, -rng.uniform(3, 6, length), 0).astype(np.float32),
+        versions=np.where(mask == 1, 0, -1).astype(np.int32), reward=float(rng.random() < 0.5))
+        for i in range(QWEN_SEQUENCES)]
+    return with_advantages(collate(trajectories), GROUP_SIZE, AlgorithmConfig(), KLConfig(), length + 1)
+
+
 class BareLoop:
     """The hand-written baseline: HF model, AdamW, PPO clip against the behaviour logprobs, token mean;
     over the padded batch (what a user writes) or, packed=True, over the same packed rows as LearnerRank
     (so that the difference is the wrapper's own cost)."""
 
-    def __init__(self, path: str, device: str, packed: bool = False, lr: float = 1e-4, clip: float = 0.2):
+    def __init__(self, path: str, device: str, dtype: str = "float32", micro_batch_tokens: int = 0,
+                 packed: bool = False, lr: float = 1e-4, clip: float = 0.2):
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
-        self.device, self.packed, self.clip = device, packed, clip
+        self.device, self.packed, self.clip, self.micro_batch_tokens = device, packed, clip, micro_batch_tokens
+        self.autocast = nullcontext() if dtype == "float32" else torch.autocast(device, DTYPES[dtype])
 
     def update(self, batch) -> None:
-        ids, attention = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
-        mask, old = batch.loss_mask.to(self.device), batch.behaviour_logprobs.to(self.device)
-        advantages = batch.advantages.to(self.device)[:, None]
         self.optimizer.zero_grad(set_to_none=True)
-        if self.packed:
-            packing = pack(ids, attention)
-            logits = self.model(input_ids=packing.input_ids, position_ids=packing.position_ids, use_cache=False).logits
-            logprobs = packing.unpack(sequence_logprobs(logits, packing.input_ids, 1.0))
-        else:
-            logprobs = sequence_logprobs(self.model(input_ids=ids, attention_mask=attention).logits, ids, 1.0)
-        ratio = torch.exp((logprobs - old) * mask)
-        loss = -torch.minimum(ratio * advantages, ratio.clamp(1 - self.clip, 1 + self.clip) * advantages)
-        ((loss * mask).sum() / mask.sum()).backward()
+        tokens = batch.loss_mask.sum()
+        for start, stop in token_budget_bounds(batch.attention_mask.sum(dim=1).tolist(), self.micro_batch_tokens):
+            self._backward(trimmed(batch, start, stop), tokens)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
+
+    def _backward(self, mb, tokens) -> None:
+        ids, attention = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
+        mask, old = mb.loss_mask.to(self.device), mb.behaviour_logprobs.to(self.device)
+        advantages = mb.advantages.to(self.device)[:, None]
+        with self.autocast:
+            if self.packed:
+                packing = pack(ids, attention)
+                logits = self.model(input_ids=packing.input_ids, position_ids=packing.position_ids,
+                                    use_cache=False).logits
+                logprobs = packing.unpack(sequence_logprobs(logits, packing.input_ids, 1.0))
+            else:
+                logprobs = sequence_logprobs(self.model(input_ids=ids, attention_mask=attention).logits, ids, 1.0)
+        ratio = torch.exp((logprobs - old) * mask)
+        loss = -torch.minimum(ratio * advantages, ratio.clamp(1 - self.clip, 1 + self.clip) * advantages)
+        ((loss * mask).sum() / tokens.to(self.device)).backward()
 
 
 def rate(update, batch, updates: int, device: str) -> float:
@@ -99,35 +133,53 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default="tiny", choices=("tiny", "qwen0.5b"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = resolve_model_path("builtin:tiny")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    setup = LearnerSetup(model=ModelConfig(path=path), max_total_tokens=MAX_TOTAL_TOKENS,
-                         learner=LearnerConfig(device=args.device, torch_threads=args.threads))
-    rank = LearnerRank(setup, 0, "127.0.0.1", port)
-    updates = {"bare": BareLoop(path, args.device).update, "packed": BareLoop(path, args.device, packed=True).update,
-               "learner": rank.update}
-    batch = default_job_batch(rank.model.config.vocab_size)
-    rates = {name: [] for name in updates}
-    for _ in range(args.repeats):  # A, B, C, C, B, A
-        for name in ("bare", "packed", "learner", "learner", "packed", "bare"):
-            rates[name].append(rate(updates[name], batch, args.updates, args.device))
-    rank.shutdown()
-    table = Table(title=f"LearnerRank.update vs a bare PyTorch loop ({args.device}, {args.threads} threads, "
-                        f"{batch.size} sequences, {int(batch.loss_mask.sum())} sampled tokens)")
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.model == "tiny":
+            path, dtype, micro, max_total = resolve_model_path("builtin:tiny"), "float32", 0, MAX_TOTAL_TOKENS
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from qwen_shape import qwen_shaped_model
+
+            path, dtype, micro = qwen_shaped_model(f"{scratch}/qwen"), "bfloat16", QWEN_MICRO_BATCH_TOKENS
+            max_total = QWEN_PROMPT + QWEN_SAMPLED + 1
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        setup = LearnerSetup(model=ModelConfig(path=path, dtype=dtype), max_total_tokens=max_total,
+                             learner=LearnerConfig(device=args.device, torch_threads=args.threads,
+                                                   micro_batch_tokens=micro))
+        rank = LearnerRank(setup, 0, "127.0.0.1", port)
+        updates = {"bare": BareLoop(path, args.device, dtype, micro).update}
+        if args.model == "tiny":  # equal-length rows (qwen0.5b) pack exactly as they pad
+            updates["packed"] = BareLoop(path, args.device, dtype, micro, packed=True).update
+        updates["learner"] = rank.update
+        vocab = rank.model.config.vocab_size
+        batch = default_job_batch(vocab) if args.model == "tiny" else qwen_batch(vocab)
+        rates = {name: [] for name in updates}
+        order = list(updates)
+        for repeat in range(args.repeats):  # A, B, C, C, B, A
+            for name in order if repeat % 2 == 0 else order[::-1]:
+                rates[name].append(rate(updates[name], batch, args.updates, args.device))
+        started = time.perf_counter()
+        rank.publish_weights(rank.version)
+        publish_s = time.perf_counter() - started
+        rank.shutdown()
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {args.threads} threads"
+    table = Table(title=f"LearnerRank.update vs a bare PyTorch loop ({args.model} {dtype}, {device}, "
+                        f"{batch.size} sequences, {int(batch.loss_mask.sum())} sampled tokens; "
+                        f"publish_weights {publish_s:.2f} s)")
     for column in ("", "trained tok/s (min-max)", "median", "LearnerRank / this (range)"):
         table.add_column(column, justify="right")
     ours = rates["learner"]
-    for name, label in (("bare", "bare PyTorch loop, padded"), ("packed", "bare PyTorch loop, packed rows"),
-                        ("learner", "LearnerRank.update (FSDP2, packed)")):
-        values = rates[name]
-        table.add_row(label, f"{min(values):,.0f}-{max(values):,.0f}", f"{statistics.median(values):,.0f}",
+    labels = {"bare": "bare PyTorch loop, padded", "packed": "bare PyTorch loop, packed rows",
+              "learner": "LearnerRank.update (FSDP2, packed)"}
+    for name, values in rates.items():
+        table.add_row(labels[name], f"{min(values):,.0f}-{max(values):,.0f}", f"{statistics.median(values):,.0f}",
                       f"{min(ours) / max(values):.2f}-{max(ours) / min(values):.2f}x")
-    Console().print(table)
-
+    Console(width=200).print(table)
 
 if __name__ == "__main__":
     main()

@@ -10,7 +10,8 @@ import torch
 from nanoverl_async.algorithms import (ADVANTAGES, LossInputs, drgrpo_advantages, entropy_bonus, gae_advantages,
                                       grpo_advantages, kl_estimates, kl_per_token, kl_reward_penalty,
                                       outcome_token_rewards, overlong_penalty, policy_loss,
-                                      reinforce_pp_advantages, rloo_advantages, token_entropy, token_logprobs)
+                                      reinforce_pp_advantages, rloo_advantages, token_entropy, token_logprobs,
+                                      token_logprobs_and_entropy)
 from nanoverl_async.config import AlgorithmConfig, ClipConfig, KLConfig
 from nanoverl_async.learners.batch import collate, sequence_logprobs, shard, with_advantages
 from synthetic import episodes as synthetic_episodes
@@ -395,3 +396,14 @@ def test_sequence_logprobs_alignment():
     assert out[0, 0] == 0.0  # token 0 is never predicted
     assert out[0, 1].item() == pytest.approx(0.0, abs=1e-6) and out[0, 2].item() == pytest.approx(0.0, abs=1e-6)
     assert out[0, 3].item() < -50  # token 3 is id 1, but position 2 predicted id 8
+
+
+def test_logprobs_and_entropy_in_one_pass_equal_the_two_functions():
+    torch.manual_seed(0)
+    logits, targets = torch.randn(3, 5, 11, requires_grad=True), torch.randint(11, (3, 5))
+    for temperature in (1.0, 0.7):
+        logprobs, entropy = token_logprobs_and_entropy(logits, targets, temperature, entropy_grad=False)
+        assert torch.allclose(logprobs, token_logprobs(logits, targets, temperature), atol=1e-6)
+        assert torch.allclose(entropy, token_entropy(logits, temperature), atol=1e-6)
+        assert logprobs.requires_grad and not entropy.requires_grad  # a metric unless the loss uses it
+        assert token_logprobs_and_entropy(logits, targets, temperature, entropy_grad=True)[1].requires_grad

@@ -1,6 +1,7 @@
 """The CUDA paths, run only where a GPU is present (skipped on the CPU CI machine).
 
-The transformers engine on cuda samples with logprobs equal to a full forward pass on the GPU, and one
+The transformers engine on cuda samples with logprobs equal to a full forward pass on the GPU (with its
+decode steps replayed from CUDA graphs through joins, leaves, cache growth and a weight swap), and one
 FSDP2 learner rank on NCCL takes the same two steps as plain torch on the CPU (the checks of
 test_engine.py and test_fsdp.py, on the other device). Ran on an H200 (see README "What runs where").
 """
@@ -44,6 +45,44 @@ def test_engine_on_cuda_matches_a_full_forward(qwen_dir):
             logits = reference(input_ids=ids).logits[0, len(prompt) - 1: -1].float()
         expected = torch.log_softmax(logits / 0.7, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
         assert completion.logprobs == pytest.approx(expected.tolist(), abs=TOL)
+
+
+def test_replayed_decode_graphs_match_a_full_forward(qwen_dir):
+    """CUDA graphs under every change they must survive: rows joining and leaving (other batch buckets),
+    a row outgrowing the cache (a new cache: captured again), a weight swap in place between steps."""
+    engine = TransformersEngine(qwen_dir, device="cuda", seed=4)
+    old, new = tiny_qwen2().cuda(), tiny_qwen2(seed=1).cuda()
+    stops = tuple(range(0, 96, 5))
+    state_dict = {k: v for k, v in new.state_dict().items() if k != "lm_head.weight"}
+
+    async def late(prompt, steps):
+        while engine.decode_steps < steps:
+            await asyncio.sleep(0)
+        return await engine.generate(prompt, SamplingParams(30, 1.0, stops))
+
+    async def swap():
+        while engine.decode_steps < 40:
+            await asyncio.sleep(0)
+        engine.stage_weights(state_dict, 1)
+
+    async def main():
+        long = engine.generate([7] * 60, SamplingParams(70, 1.0))  # 60 + 70 positions: the cache grows past 64
+        short = [engine.generate([i + 1] * (i % 7 + 1), SamplingParams(25, 1.0, stops)) for i in range(9)]
+        return await asyncio.gather(long, *short, late([30, 31], 3), late([50] * 9, 10), swap())
+
+    *completions, _ = asyncio.run(main())
+    assert engine._graphs is not None and len(engine._graphs.graphs) >= 1
+    prompts = [[7] * 60] + [[i + 1] * (i % 7 + 1) for i in range(9)] + [[30, 31], [50] * 9]
+    for prompt, completion in zip(prompts, completions):
+        ids = torch.tensor([prompt + completion.token_ids], device="cuda")
+        with torch.no_grad():
+            logits = {v: model(input_ids=ids).logits[0, len(prompt) - 1: -1].float()
+                      for v, model in ((0, old), (1, new))}
+        for index, (token, logprob, version) in enumerate(zip(completion.token_ids, completion.logprobs,
+                                                              completion.versions)):
+            expected = torch.log_softmax(logits[version][index], -1)[token].item()
+            assert logprob == pytest.approx(expected, abs=TOL), (prompt, index, version)
+    assert completions[0].versions[-1] == 1  # the long row decoded across the swap
 
 
 def test_nccl_learner_rank_matches_plain_torch(tmp_path):

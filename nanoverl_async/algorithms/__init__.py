@@ -25,7 +25,7 @@ from nanoverl_async.algorithms.advantages import (ADVANTAGES, drgrpo_advantages,
 from nanoverl_async.algorithms.corrections import (CORRECTIONS, IS_LEVELS, Correction, decoupled_correction,
                                                    is_log_weights, mis_correction, no_correction, tis_correction)
 from nanoverl_async.algorithms.kl import KL_ESTIMATORS, entropy_bonus, kl_estimates, kl_per_token, kl_reward_penalty
-from nanoverl_async.algorithms.logprobs import token_entropy, token_logprobs
+from nanoverl_async.algorithms.logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
 from nanoverl_async.algorithms.losses import (AGGREGATIONS, POLICY_LOSSES, LossInputs, aggregate, cispo_loss,
                                               gspo_loss, loss_normaliser, merge_metrics, policy_loss, ppo_clip_loss,
                                               reduce_token_metrics, value_loss)
@@ -36,5 +36,6 @@ __all__ = [
     "gae_advantages", "grpo_advantages", "is_log_weights", "kl_estimates", "kl_per_token", "kl_reward_penalty",
     "loss_normaliser", "masked_whiten", "merge_metrics", "mis_correction", "no_correction", "outcome_token_rewards",
     "overlong_penalty", "policy_loss", "ppo_clip_loss", "reduce_token_metrics", "reinforce_pp_advantages",
-    "rloo_advantages", "tis_correction", "token_entropy", "token_logprobs", "value_loss",
+    "rloo_advantages", "tis_correction", "token_entropy", "token_logprobs", "token_logprobs_and_entropy",
+    "value_loss",
 ]

@@ -12,7 +12,7 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> Tenso
     Computed as gathered logit - logsumexp, in float32, without materialising a [..., V] log-softmax copy.
     Differentiable w.r.t. logits.
     """
-    scaled = logits.float() / temperature
+    scaled = _scaled(logits, temperature)
     picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(scaled, dim=-1)
 
@@ -22,5 +22,24 @@ def token_entropy(logits: Tensor, temperature: float) -> Tensor:
     logits [..., V] -> [...]. Differentiable (for an entropy bonus); costs one [..., V] softmax, so call it
     under no_grad when it is only a metric.
     """
-    scaled = logits.float() / temperature
+    scaled = _scaled(logits, temperature)
     return torch.logsumexp(scaled, dim=-1) - (torch.softmax(scaled, dim=-1) * scaled).sum(dim=-1)
+
+
+def token_logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: float,
+                               entropy_grad: bool) -> tuple[Tensor, Tensor]:
+    """token_logprobs and token_entropy of the same logits from one float32 z and one logsumexp: the
+    [..., V] tensor is a training step's largest, so each pass over it counts. The entropy joins the
+    autograd graph only if entropy_grad (an entropy bonus); otherwise it is a metric.
+    """
+    scaled = _scaled(logits, temperature)
+    lse = torch.logsumexp(scaled, dim=-1)
+    logprobs = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = lse - (torch.softmax(scaled, dim=-1) * scaled).sum(dim=-1)
+    return logprobs, entropy
+
+
+def _scaled(logits: Tensor, temperature: float) -> Tensor:
+    """z = logits / temperature in float32 (no division pass at temperature 1)."""
+    return logits.float() if temperature == 1 else logits.float() / temperature

@@ -15,6 +15,7 @@ kv_heads, positions, head_dim]: the running rows hold slots 0..R-1 (a finished r
 row), so attention reads one view with a per-row length mask, and the cache only grows (doubling) when a
 row or a length outgrows it. Lengths are not capped (as with HF, positions may pass
 max_position_embeddings). One host sync per forward: the `.tolist()` of the sampled tokens and logprobs.
+On CUDA each decode step replays a CUDA graph (decode_graphs.py; `cuda_graphs=False` runs it eagerly).
 
 Turns of one episode (`episode_id`): when a row finishes, its cache is kept (the `max_batch_size` most
 recent episodes). The episode's next turn starts with the same tokens plus the tool's, so it gets the
@@ -54,6 +55,7 @@ from typing import Callable, Optional
 import torch
 from transformers import AutoModelForCausalLM
 
+from nanoverl_async.generators.decode_graphs import DecodeGraphs
 from nanoverl_async.generators.engine import Completion, SamplingParams
 from nanoverl_async.generators.llama_forward import LlamaForward
 from nanoverl_async.models import DTYPES
@@ -102,7 +104,8 @@ class TransformersEngine:
     """The `Engine` protocol (engine.py) on a transformers causal LM, continuously batched."""
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32", seed: int = 0, *,
-                 version: int = 0, max_batch_size: int = 256, recompute_cache_on_swap: bool = True):
+                 version: int = 0, max_batch_size: int = 256, recompute_cache_on_swap: bool = True,
+                 cuda_graphs: bool = True):
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).to(self.device).eval()
         self.forward = LlamaForward(self.model, model_path)
@@ -122,6 +125,8 @@ class TransformersEngine:
         self._lens = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # cached tokens per slot
         self._next = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # last sampled, not cached
         self._temps = torch.ones(max_batch_size, 1, dtype=torch.float32, device=self.device)
+        self._graphs = DecodeGraphs(self.forward, self._next, self._lens) if (
+            cuda_graphs and self.device.type == "cuda") else None  # decode replayed from CUDA graphs
         self.decode_steps = 0  # forward passes (prefills included), for metrics and tests
         self.reused_tokens = 0  # cached tokens an episode's later turns did not compute again
         self.tokens_generated = 0
@@ -203,7 +208,10 @@ class TransformersEngine:
         else:
             count, length = len(self._rows), max(r.length() for r in self._rows)
             self._reserve(count, length)
-            logits = self.forward.extend(self._kv, self._next[:count, None], None, 0, self._lens[:count], length)
+            if self._graphs is not None:
+                logits = self._graphs.decode(self._kv, count, length)
+            else:
+                logits = self.forward.extend(self._kv, self._next[:count, None], None, 0, self._lens[:count], length)
             self._lens[:count] += 1
         self._emit(0, logits)
 

@@ -81,18 +81,16 @@ class LlamaForward:
 
         hidden = self._layers(F.embedding(ids.flatten(), self.model.get_input_embeddings().weight), n, cos, sin,
                               attend).view(n, length, -1)
-        return self._logits(hidden[torch.arange(n, device=ids.device), last])
+        return self.logits(hidden[torch.arange(n, device=ids.device), last])
 
     def extend(self, kv: torch.Tensor, ids: torch.Tensor, last: Optional[torch.Tensor], start: int,
-               offsets: torch.Tensor, length: int) -> torch.Tensor:
+               offsets: torch.Tensor, length: int, head: bool = True) -> torch.Tensor:
         """Rows start..start+n-1 whose cache holds positions [0, offsets[r]): ids [n, Q] right-padded new
         tokens at positions offsets[r].. (`length` > every one of them), `last` [n] the index of each row's
         last new token (None when Q = 1) -> its logits [n, V] float32. Decode is Q = 1 over the running
         rows; an episode's next turn is its new tokens after its cached turns (`TransformersEngine` keeps them).
-
-        CUDA-graph hook: at Q = 1 every input is a fixed-address buffer (slices of the engine's _next/_lens
-        and the cache); capturing it per bucket of n with `length` = the cache's capacity would remove the
-        per-kernel launch cost. Not done yet."""
+        head=False returns those tokens' final hidden states [n, hidden] instead (decode_graphs.py captures
+        the layers and runs the head on the live rows only). No host sync: CUDA graphs can capture it."""
         n, width = ids.shape
         slots = torch.arange(start, start + n, device=ids.device)[:, None]
         positions = offsets[:, None] + torch.arange(width, device=ids.device)  # [n, Q]
@@ -113,7 +111,7 @@ class LlamaForward:
                               attend)
         if last is not None:
             hidden = hidden.view(n, width, -1)[torch.arange(n, device=ids.device), last]
-        return self._logits(hidden)
+        return self.logits(hidden) if head else hidden
 
     def _rope(self, positions: torch.Tensor):
         """positions [B, Q] -> cos, sin [B, Q, 1, head_dim] in the model dtype (HF's formula)."""
@@ -143,6 +141,7 @@ class LlamaForward:
                              mlp.down_proj.bias)
         return x
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [n, hidden] -> float32 logits [n, V] (final norm, then the LM head)."""
         head = self.model.get_output_embeddings()  # tied or not: the HF model's own tensor
         return F.linear(_rms_norm(hidden, self.model.model.norm), head.weight, head.bias).float()

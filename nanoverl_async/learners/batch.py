@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nanoverl_async.algorithms import ADVANTAGES, kl_reward_penalty, overlong_penalty, token_logprobs
+from nanoverl_async.algorithms import (ADVANTAGES, kl_reward_penalty, overlong_penalty, token_logprobs,
+                                      token_logprobs_and_entropy)
 from nanoverl_async.config import AlgorithmConfig, KLConfig
 from nanoverl_async.trajectory import Trajectory
 
@@ -192,15 +193,36 @@ def _cut(tensor: Optional[Tensor], length: int) -> Optional[Tensor]:
 
 
 def to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    return TrainBatch(**{f.name: None if getattr(batch, f.name) is None else getattr(batch, f.name).to(device)
-                         for f in dataclasses.fields(TrainBatch)})
+    return TrainBatch(**{f.name: moved(getattr(batch, f.name), device) for f in dataclasses.fields(TrainBatch)})
+
+
+def moved(tensor: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+    """`tensor` on `device`; host to GPU from pinned memory without blocking, since a copy from pageable
+    memory waits for all the GPU work queued so far (the host could not run ahead of the GPU)."""
+    if tensor is None:
+        return None
+    if torch.device(device).type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def sequence_logprobs(logits: Tensor, input_ids: Tensor, temperature: float) -> Tensor:
     """Token-indexed logprobs [N, L] from causal-LM logits [N, L, V]: the logits at position i predict
     token i + 1, so out[:, j] = log p(input_ids[:, j] | input_ids[:, :j]) for j >= 1 and out[:, 0] = 0
     (token 0 is never predicted and is never in the loss mask). Differentiable w.r.t. logits."""
-    predicted = token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+    return _token_indexed(token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature))
+
+
+def sequence_logprobs_and_entropy(logits: Tensor, input_ids: Tensor, temperature: float,
+                                  entropy_grad: bool) -> tuple[Tensor, Tensor]:
+    """sequence_logprobs, and token-indexed the same way the entropy of the distribution that sampled each
+    token (0 at j = 0), from one pass over the logits (algorithms.token_logprobs_and_entropy)."""
+    logprobs, entropy = token_logprobs_and_entropy(logits[:, :-1], input_ids[:, 1:], temperature, entropy_grad)
+    return _token_indexed(logprobs), _token_indexed(entropy)
+
+
+def _token_indexed(predicted: Tensor) -> Tensor:
+    """Values of positions 1.. [N, L - 1] -> [N, L] with 0 at position 0 (token 0 is never predicted)."""
     return torch.cat([predicted.new_zeros(predicted.shape[0], 1), predicted], dim=1)
 
 
@@ -215,16 +237,22 @@ class Packing:
     input_ids: Tensor  # int64 [r, c]
     position_ids: Tensor  # int64 [r, c]
     index: Tensor  # int64 [tokens]: flat position in [r * c] of each real token of [n, l], row-major
-    attention_mask: Tensor  # [n, l], the micro-batch's
+    destination: Tensor  # int64 [tokens]: flat position in [n * l] of each real token, row-major
+    shape: tuple[int, int]  # [n, l], the micro-batch's
 
     def unpack(self, token_indexed: Tensor) -> Tensor:
         """A token-indexed quantity on the packed layout [r, c] -> [n, l], 0 on padding and on token 0
-        (at the start of a packed sequence it was computed from the previous sequence's last logits)."""
-        mask = self.attention_mask.bool()
-        out = token_indexed.new_zeros(mask.shape)
-        out[mask] = token_indexed.reshape(-1)[self.index]
+        (at the start of a packed sequence it was computed from the previous sequence's last logits).
+        Integer indices only: a boolean mask would make the host wait for the GPU."""
+        out = token_indexed.new_zeros(self.shape[0] * self.shape[1])
+        out[self.destination] = token_indexed.reshape(-1)[self.index]
+        out = out.view(self.shape)
         out[:, 0] = 0
         return out
+
+    def to(self, device: torch.device) -> "Packing":
+        return Packing(moved(self.input_ids, device), moved(self.position_ids, device), moved(self.index, device),
+                       moved(self.destination, device), self.shape)
 
 
 def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True) -> Packing:
@@ -257,8 +285,9 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
         positions[r, offset:] = torch.arange(capacity - offset)  # the tail: a block of its own, discarded
     index = torch.cat([torch.arange(starts[s], starts[s] + lengths[s]) for s in range(len(lengths))]) \
         if lengths else torch.zeros(0, dtype=torch.long)
+    destination = attention_mask.flatten().nonzero().squeeze(1)
     return Packing(packed_ids.to(input_ids.device), positions.to(input_ids.device), index.to(input_ids.device),
-                   attention_mask)
+                   destination.to(input_ids.device), tuple(attention_mask.shape))
 
 
 @torch.no_grad()

@@ -56,6 +56,7 @@ def load_training_state(learner, path: str) -> None:
     for name, (model, optimizer) in _modules(learner).items():
         set_state_dict(model, optimizer, model_state_dict=state[name]["model"],
                        optim_state_dict=state[name]["optimizer"])
+        model.reshard()  # a compute copy kept from an earlier forward (one rank) would be of the old weights
 
 
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:

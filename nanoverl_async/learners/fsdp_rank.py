@@ -45,12 +45,12 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from nanoverl_async.algorithms import (LossInputs, aggregate, kl_estimates, kl_per_token, loss_normaliser,
-                                      merge_metrics, policy_loss, reduce_token_metrics, token_entropy, value_loss)
+                                      merge_metrics, policy_loss, reduce_token_metrics, value_loss)
 from nanoverl_async.config import (AlgorithmConfig, CriticConfig, KLConfig, LearnerConfig, ModelConfig,
                                    ReferenceConfig, SGLangConfig)
 from nanoverl_async.learners.batch import (Packing, TrainBatch, epoch_order, keeps_packed_sequences_apart, pack,
-                                           sequence_logprobs, shard, split_to, take_rows, to_device,
-                                           token_budget_bounds, trimmed)
+                                           sequence_logprobs, sequence_logprobs_and_entropy, shard, split_to,
+                                           take_rows, to_device, token_budget_bounds, trimmed)
 from nanoverl_async.learners.checkpoint import full_state_dict, load_training_state, save_hf, save_training_state
 from nanoverl_async.models import DTYPES
 from nanoverl_async.weights import WeightPublisher
@@ -128,13 +128,26 @@ class LearnerRank:
         model.config.use_cache = False
         model.eval()  # no dropout: see the module docstring
         mp_policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+        # One rank: its shard is the whole model, so freeing the compute copy after each forward saves no
+        # memory and costs a cast of every parameter again in backward.
+        reshard = self.world_size > 1
         layer_classes = set(getattr(model, "_no_split_modules", None) or [])
         assert layer_classes, f"{type(model).__name__} names no decoder-layer class (_no_split_modules)"
         for module in list(model.modules()):
             if type(module).__name__ in layer_classes:
-                fully_shard(module, mesh=self.mesh, mp_policy=mp_policy)
-        fully_shard(model, mesh=self.mesh, mp_policy=mp_policy)
+                fully_shard(module, mesh=self.mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+        fully_shard(model, mesh=self.mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
         return model
+
+    def _accumulating(self, model: torch.nn.Module, micro_batch: int, count: int) -> None:
+        """Before micro-batch `micro_batch` of `count`: on one rank, gradients accumulate unsharded (in fp32,
+        the reduce dtype) and are reduced, a copy there, once after the last micro-batch, and the compute
+        copy of the weights stays until then, instead of both once per micro-batch and layer. Several ranks
+        reduce-scatter every micro-batch, so no rank ever holds a whole model's gradients."""
+        if self.world_size == 1:
+            last = micro_batch == count - 1
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
 
     @property
     def steps_per_batch(self) -> int:
@@ -155,16 +168,22 @@ class LearnerRank:
         model = {"policy": self.model, "reference": self.reference}[which]
         assert model is not None, "no reference model: KL is off (kl.loss_coef = kl.reward_coef = 0)"
 
-        def logprobs(mb: TrainBatch) -> torch.Tensor:
-            logits, packing = self._forward(model, mb)
+        def logprobs(packing: Packing) -> torch.Tensor:
+            logits = self._forward(model, packing)
             return packing.unpack(sequence_logprobs(logits, packing.input_ids, self.setup.temperature))
         return self._per_token(batch, logprobs)
 
-    def _forward(self, model: torch.nn.Module, mb: TrainBatch) -> tuple[torch.Tensor, Packing]:
-        """The model's output (logits, or the critic's scores) on the micro-batch's sequences packed into
-        rows (batch.pack), and the packing that maps token-indexed results back to the micro-batch's [n, l]."""
-        packing = pack(mb.input_ids, mb.attention_mask, self.packs)
-        return model(input_ids=packing.input_ids, position_ids=packing.position_ids, use_cache=False).logits, packing
+    def _micro_batch(self, local: TrainBatch, start: int, stop: int) -> tuple[TrainBatch, Packing]:
+        """Rows [start, stop) of this rank's shard and their packing into rows (batch.pack), on the device:
+        laid out on the host, then copied without blocking, so no step of a micro-batch waits for the GPU."""
+        mb = trimmed(local, start, stop)
+        return to_device(mb, self.device), pack(mb.input_ids, mb.attention_mask, self.packs).to(self.device)
+
+    @staticmethod
+    def _forward(model: torch.nn.Module, packing: Packing) -> torch.Tensor:
+        """The model's output (logits, or the critic's scores) on a micro-batch's packed rows; `packing`
+        maps token-indexed results back to the micro-batch's [n, l]."""
+        return model(input_ids=packing.input_ids, position_ids=packing.position_ids, use_cache=False).logits
 
     def compute_values(self, batch: TrainBatch) -> np.ndarray:
         """The critic's values V before this step, [rows of this rank's shard, L], token-indexed, 0 off the
@@ -174,20 +193,19 @@ class LearnerRank:
 
     @torch.no_grad()
     def _per_token(self, batch: TrainBatch, forward) -> np.ndarray:
-        """forward(micro-batch) -> [n, l] token-indexed values, over this rank's shard, padded back to L."""
+        """forward(packing) -> [n, l] token-indexed values, over this rank's shard, padded back to L."""
         local = shard(batch, self.rank, self.world_size)
         out = torch.zeros(local.input_ids.shape, dtype=torch.float32)
         for start, stop in self._micro_bounds(local):
-            mb = to_device(trimmed(local, start, stop), self.device)
-            values = forward(mb)
+            mb, packing = self._micro_batch(local, start, stop)
+            values = forward(packing)
             out[start:stop, :values.shape[1]] = torch.where(mb.loss_mask.bool(), values, 0.0).cpu()
         return out.numpy()
 
-    def _values(self, mb: TrainBatch) -> torch.Tensor:
+    def _values(self, packing: Packing) -> torch.Tensor:
         """Token-indexed V [n, l]: the head's output at position j - 1, the state in which token j is
         sampled (the same shift as sequence_logprobs); 0 at j = 0."""
-        scores, packing = self._forward(self.critic, mb)
-        scores = scores[..., 0].float()
+        scores = self._forward(self.critic, packing)[..., 0].float()
         return packing.unpack(torch.cat([scores.new_zeros(scores.shape[0], 1), scores[:, :-1]], dim=1))
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
@@ -233,8 +251,9 @@ class LearnerRank:
         normalisers, bounds = self._normalisers(local), self._micro_bounds(local)
         self.optimizer.zero_grad(set_to_none=True)
         parts = []  # each micro-batch's metrics
-        for start, stop in bounds:
-            loss, metrics = self._loss(to_device(trimmed(local, start, stop), self.device), normalisers)
+        for index, (start, stop) in enumerate(bounds):
+            self._accumulating(self.model, index, len(bounds))
+            loss, metrics = self._loss(*self._micro_batch(local, start, stop), normalisers)
             (loss * self.world_size).backward()  # FSDP2 averages gradients over ranks: undo the 1/world_size
             parts.append(metrics)
         grad_norm = _clip_grad_norm(self.model, self.cfg.grad_clip)
@@ -250,9 +269,10 @@ class LearnerRank:
         against the GAE returns, token-mean over the global sampled-token count."""
         self.critic_optimizer.zero_grad(set_to_none=True)
         parts = []
-        for start, stop in bounds:
-            mb = to_device(trimmed(local, start, stop), self.device)
-            token_loss, metrics = value_loss(self._values(mb), mb.values, mb.returns, mb.loss_mask,
+        for index, (start, stop) in enumerate(bounds):
+            self._accumulating(self.critic, index, len(bounds))
+            mb, packing = self._micro_batch(local, start, stop)
+            token_loss, metrics = value_loss(self._values(packing), mb.values, mb.returns, mb.loss_mask,
                                              self.setup.critic.value_clip)
             loss = aggregate(token_loss, mb.loss_mask, "token-mean", tokens)
             (loss * self.world_size).backward()
@@ -261,18 +281,16 @@ class LearnerRank:
         self.critic_optimizer.step()
         return {**_reduce(parts), "value_grad_norm": grad_norm}
 
-    def _loss(self, mb: TrainBatch, normalisers: dict[str, float]) -> tuple[torch.Tensor, dict]:
+    def _loss(self, mb: TrainBatch, packing: Packing, normalisers: dict[str, float]) -> tuple[torch.Tensor, dict]:
         """The loss of one micro-batch (algorithms.policy_loss: correction, policy loss, KL, entropy) and
         its metrics, every sum divided by the GLOBAL normalisers."""
         temperature, kl, tokens = self.setup.temperature, self.setup.kl, normalisers["tokens"]
-        logits, packing = self._forward(self.model, mb)
-        logprobs = packing.unpack(sequence_logprobs(logits, packing.input_ids, temperature))
+        logits = self._forward(self.model, packing)
+        # the [N, L, V] softmax of the entropy is in the autograd graph only if the loss uses it
+        logprobs, entropy = (packing.unpack(values) for values in sequence_logprobs_and_entropy(
+            logits, packing.input_ids, temperature, entropy_grad=self.algo.entropy_coef > 0))
         proximal = mb.proximal_logprobs if mb.proximal_logprobs is not None else logprobs.detach()
         mask = mb.loss_mask.bool()
-        with torch.set_grad_enabled(self.algo.entropy_coef > 0):  # the [N, L, V] softmax only in the graph if used
-            # logits[:, i] is the distribution that sampled token i + 1; token 0 is never in the mask
-            entropy = packing.unpack(torch.cat([logits.new_zeros(logits.shape[0], 1, dtype=torch.float32),
-                                                token_entropy(logits[:, :-1], temperature)], dim=1))
         inputs = LossInputs(logprobs, proximal, mb.behaviour_logprobs, mb.advantages, mb.loss_mask,
                             mb.reference_logprobs, entropy)
         loss, metrics = policy_loss(inputs, self.algo, kl, tokens, normalisers["aggregation"])
@@ -305,26 +323,31 @@ class LearnerRank:
         on rank 0's device (no CPU round trip), loaded into every server before this returns (they are
         paused only meanwhile), then a version notice tells the generators which version their servers hold."""
         if self.nccl_transport:
-            state_dict = self._gathered_on_device()
+            state_dict = self._gathered(to_host=False)
             if self.sender is not None:
                 self.sender.send(state_dict.items(), version)
                 del state_dict
                 self.publisher.publish(version, {})
             return
-        state_dict = self.full_state_dict()
+        if self.device.type == "cuda":  # cast on the GPU first: half the bytes (bfloat16) cross to the host
+            state_dict = self._gathered(to_host=True)
+        else:  # fresh copies (the publisher serialises them while the optimizer updates the parameters)
+            state_dict = {name: tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+                          for name, tensor in self.full_state_dict().items()}
         if self.publisher is not None:
-            self.publisher.publish(version, {name: tensor.to(self.dtype) if tensor.is_floating_point() else tensor
-                                             for name, tensor in state_dict.items()})
+            self.publisher.publish(version, state_dict)
 
     @torch.no_grad()
-    def _gathered_on_device(self) -> dict[str, torch.Tensor]:
-        """Collective: the full state dict on rank 0's device in the run's dtype ({} on other ranks),
-        gathered one tensor at a time, so the other ranks hold at most one unsharded tensor at once."""
+    def _gathered(self, to_host: bool) -> dict[str, torch.Tensor]:
+        """Collective: the full state dict in the run's dtype on rank 0 ({} on other ranks), on its device
+        or, to_host, copied to the host tensor by tensor; gathered one tensor at a time, so no rank holds
+        more than one unsharded tensor at once beyond what rank 0 keeps."""
         out = {}
         for name, tensor in self.model.state_dict().items():
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if self.rank == 0:
-                out[name] = full.to(self.dtype) if full.is_floating_point() else full
+                full = full.to(self.dtype) if full.is_floating_point() else full
+                out[name] = full.cpu() if to_host else full
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

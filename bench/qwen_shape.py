@@ -1,0 +1,53 @@
+"""Models of Qwen2.5-0.5B-Instruct's shape with random weights, for GPU benchmarks (no weights can be
+downloaded where the GPU is; throughput depends on the shape alone).
+
+    qwen_shaped_model(directory)          # the exact architecture: 24 layers, hidden 896, 14/2 heads,
+                                          # vocabulary 151,936, tied embeddings; saved in bfloat16
+    model.path=bench/qwen_shape.py:qwen_body_with_tiny_tokenizer
+                                          # the same body on the built-in tiny model's byte tokenizer and
+                                          # chat template, so the default job runs on it (a builder:
+                                          # models.resolve_model_path); random weights, so its rewards
+                                          # mean nothing: samples/s does
+
+Run alone: python bench/qwen_shape.py DIR   (writes the first into DIR)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+QWEN_BODY = dict(hidden_size=896, intermediate_size=4_864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+def qwen_shaped_model(directory: str) -> str:
+    """Qwen2.5-0.5B-Instruct's architecture with random weights, saved in bfloat16."""
+    config = Qwen2Config(vocab_size=151_936, max_position_embeddings=32_768, bos_token_id=151_643,
+                         eos_token_id=151_645, **QWEN_BODY)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+def qwen_body_with_tiny_tokenizer(cache_dir: str = "") -> str:
+    """The 0.5B body on the tiny model's tokenizer (~360M parameters), built once in the model cache."""
+    from nanoverl_async.model_cache import build_once
+    from nanoverl_async.tiny_model import build_tokenizer
+
+    def write(directory: Path) -> str:
+        tokenizer = build_tokenizer()
+        config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=4_096, bos_token_id=None,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **QWEN_BODY)
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        return "random weights"
+
+    return build_once("qwen-body-tiny-tokenizer", "v1", write, cache_dir)
+
+if __name__ == "__main__":
+    print(qwen_shaped_model(sys.argv[1]) if len(sys.argv) > 1 else __doc__)

@@ -1,0 +1,71 @@
+"""The decode step of `TransformersEngine` on CUDA, captured as CUDA graphs and replayed.
+
+    graphs = DecodeGraphs(forward, tokens, lens)      # the engine's fixed-address buffers
+    logits = graphs.decode(kv, count, length)          # = forward.extend(kv, tokens[:count, None], None, 0,
+                                                       #                  lens[:count], length), replayed
+
+Why: a decode step of a small model launches ~25 kernels per layer, each costing more on the host (Python
+dispatch, launch) than on the GPU, so eager decoding is host-bound well below the GPU's speed. A graph
+replays all of a step's kernels with one launch (the technique of vLLM, SGLang and gpt-fast).
+
+How: a graph fixes its shapes and addresses, so one is captured per (batch bucket, attention length
+bucket), both powers of two, lazily on first use: `count` running rows run as the next bucket of rows
+(the extra rows are free cache slots; they compute at position 0 and nothing reads them) over `length`
+rounded up to a power of two (at most the cache's capacity; the mask hides the positions past each row's).
+Inputs are read where the engine keeps them (`tokens`, `lens`, the cache), so a replay needs no copies;
+weights are swapped in place (load_state_dict), so graphs outlive swaps; a grown cache is a new tensor,
+so every graph is captured again. Only the layers are captured: the head runs on the live rows alone (its
+[rows, vocab] output is the step's largest tensor, and a graph would hold one per bucket).
+
+Run alone: nothing to run; tests/test_cuda.py checks replayed decoding against eager decoding on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoverl_async.generators.llama_forward import LlamaForward
+
+
+def bucket(n: int, limit: int) -> int:
+    """The power of two >= n, at most `limit`."""
+    return min(1 << (n - 1).bit_length(), limit)
+
+
+class DecodeGraphs:
+    """Decode steps (Q = 1) replayed from CUDA graphs, one per (rows, length) bucket of the current cache."""
+
+    def __init__(self, forward: LlamaForward, tokens: torch.Tensor, lens: torch.Tensor):
+        self.forward, self.tokens, self.lens = forward, tokens, lens  # the engine's _next and _lens
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None  # one memory pool shared by the graphs of one cache
+        self.kv = None  # the cache the graphs were captured on
+
+    def decode(self, kv: torch.Tensor, count: int, length: int) -> torch.Tensor:
+        """Logits [count, V] float32 of the next token of rows 0..count-1 (their caches in slots 0..count-1)."""
+        if kv is not self.kv:  # a pool whose graphs are all gone is freed: the next graphs need a new one
+            self.graphs.clear()
+            self.pool, self.kv = torch.cuda.graph_pool_handle(), kv
+        key = (bucket(count, kv.shape[2]), bucket(max(length, 64), kv.shape[4]))  # >= 64: fewer captures
+        self.lens[count:key[0]] = 0  # free slots: position 0 is always inside the cache
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(kv, *key)
+        graph, hidden = self.graphs[key]
+        graph.replay()
+        return self.forward.logits(hidden[:count])
+
+    def _capture(self, kv: torch.Tensor, rows: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        def step() -> torch.Tensor:
+            return self.forward.extend(kv, self.tokens[:rows, None], None, 0, self.lens[:rows], length, head=False)
+
+        # One eager run on a side stream first, as CUDA graphs need (library handles and workspaces are
+        # created outside the capture); it writes the same keys and values the replay will write.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = step()
+        return graph, hidden
