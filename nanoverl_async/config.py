@@ -254,7 +254,7 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
     merged = OmegaConf.structured(Config)
     try:
         if path is not None:
-            merged = OmegaConf.merge(merged, _paths_as_lists(_read_yaml(path)))
+            merged = OmegaConf.merge(merged, _paths_as_lists(read_yaml(path)))
     except OmegaConfBaseException as error:
         raise ConfigError(_describe(error)) from None
     for item in overrides:
@@ -280,7 +280,9 @@ def _paths_as_lists(update: Any) -> Any:
     return update
 
 
-def _read_yaml(path: str) -> Any:
+def read_yaml(path: str) -> Any:
+    """A YAML file of config sections -> DictConfig; a missing file, bad YAML (with line and column) or
+    a non-mapping is one ConfigError line naming the file."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"config file '{path}' does not exist")

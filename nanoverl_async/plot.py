@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import yaml
+from omegaconf import OmegaConf
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from nanoverl_async.checkpoint import changed_keys
-from nanoverl_async.config import ConfigError
+from nanoverl_async.config import ConfigError, read_yaml
 
 # keys that say where and how a run was started, not what it trained: they never label a run
 UNLABELLED_KEYS = {"run.output_dir", "run.resume", "run.overwrite", "run.progress"}
@@ -97,16 +97,11 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def read_config(path: Path) -> dict:
-    """config.yaml as a plain nested dict; a ConfigError naming the file when it is missing or not YAML."""
+    """config.yaml as a plain nested dict; a ConfigError naming the file when it is missing or not YAML
+    (config.read_yaml, which reads every config file)."""
     if not path.is_file():
         raise ConfigError(f"{path}: no such file (a run directory holds the config.yaml a launch writes)")
-    try:
-        config = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not YAML ({' '.join(str(error).split())})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path}: not a config (a YAML mapping)")
-    return config
+    return OmegaConf.to_container(read_yaml(str(path)))
 
 
 def run_labels(configs: list[dict], names: list[str]) -> list[str]:

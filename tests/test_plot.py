@@ -69,7 +69,7 @@ def test_the_row_a_live_run_is_writing_is_left_out(tmp_path):
     (lambda run: (run / "metrics.jsonl").write_text(""), "metrics.jsonl: no steps logged"),
     (lambda run: (run / "metrics.jsonl").write_text('{"step": 0}\n[1, 2]\n'), "metrics.jsonl:2: not a metrics row"),
     (lambda run: (run / "config.yaml").unlink(), "config.yaml: no such file"),
-    (lambda run: (run / "config.yaml").write_text("a: [1,\n"), "config.yaml: not YAML"),
+    (lambda run: (run / "config.yaml").write_text("a: [1,\n"), "config.yaml' is not valid YAML"),
 ], ids=["no-metrics", "empty-metrics", "bad-row", "no-config", "bad-config"])
 def test_a_bad_run_directory_is_one_line_naming_the_file(tmp_path, capsys, breakage, named):
     run = write_run(tmp_path / "run", [row(0)])

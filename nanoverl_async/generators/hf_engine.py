@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM
 
 from nanoverl_async.generators.decode_graphs import DecodeGraphs
@@ -61,6 +62,9 @@ from nanoverl_async.generators.llama_forward import LlamaForward
 from nanoverl_async.models import DTYPES
 
 LOCKSTEP_POLL_S = 0.001  # how often a lockstep engine checks whether every episode is waiting
+# cuDNN's attention, which torch prefers on Hopper GPUs, builds a new plan for each new sequence length
+# (pytorch/pytorch#155958), and the engine meets new lengths at every eager step: it uses the others.
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator):
@@ -176,7 +180,7 @@ class TransformersEngine:
                 if self.lockstep is not None and not self._rows and len(self._pending) < self.lockstep():
                     await asyncio.sleep(LOCKSTEP_POLL_S)  # some episode is still in a tool call
                     continue
-                with torch.inference_mode():
+                with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS):
                     self._guarded(self._decode_step, 0)
                     if self._pending and len(self._rows) < self.max_batch_size and not (
                             self.lockstep is not None and self._rows):
