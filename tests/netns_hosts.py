@@ -10,7 +10,7 @@ address, a Ray head node in one and a Ray worker node in the other. Never a real
 
 Run as a script it is the wire probe of tests/test_two_hosts.py, one end per host:
     python netns_hosts.py serve HOST     # a BufferService bound on HOST with fresh run keys; prints them
-    python netns_hosts.py lease ENDPOINT [KEYS_JSON]   # one lease request, with or without the keys
+    python netns_hosts.py lease ENDPOINT KEYS_JSON...  # one lease request per KEYS_JSON ("": plain)
 """
 
 from __future__ import annotations
@@ -159,14 +159,15 @@ def _serve(host: str) -> None:
     service.close()
 
 
-def _lease(endpoint: str, keys_json: str = "") -> None:
-    """One lease request to `endpoint`, CURVE with the given keys or plain: prints the reply or null."""
+def _lease(endpoint: str, *keys_jsons: str) -> None:
+    """One lease request to `endpoint` per keys, each from a fresh socket, CURVE with those keys or plain
+    (""): prints the replies (null: none), in one process since its imports take seconds."""
     from test_wire_auth import lease_request  # beside this file: the same request as the one-host test
 
     from nanoverl_async.wire_auth import CurveKeys
 
-    keys = CurveKeys(**{k: v.encode() for k, v in json.loads(keys_json).items()}) if keys_json else None
-    print(json.dumps(lease_request(endpoint, keys)), flush=True)
+    keys = [CurveKeys(**{k: v.encode() for k, v in json.loads(j).items()}) if j else None for j in keys_jsons]
+    print(json.dumps([lease_request(endpoint, k) for k in keys]), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""The real CLI, in a subprocess, for a few steps: the tier that catches wiring mistakes."""
+"""The real CLI for a few steps: the tier that catches wiring mistakes. conftest.py's observed run and the bad
+config go through `python -m nanoverl_async.cli` in a subprocess; the other launches call the same `main` in
+this process, on the session's Ray instance (no new Python and Ray per launch: ~15 s each on 2 cores)."""
 
 import json
 import os
@@ -7,6 +9,8 @@ import subprocess
 import sys
 
 import pytest
+
+from nanoverl_async.cli import main
 
 pytestmark = pytest.mark.slow
 
@@ -23,17 +27,17 @@ def run_cli(tmp_path, *overrides, timeout=600, config="configs/agent_grpo.yaml")
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def launch_in_process(tmp_path, *overrides, config="configs/agent_grpo.yaml") -> int:
+    """`nanoverl-async launch` as run_cli gives it, through the CLI's `main`; needs the ray_session fixture."""
+    return main(["launch", config, f"run.output_dir={tmp_path}", "run.progress=false", *overrides])
+
+
 def read_metrics(path):
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_cli_runs_two_ranks_two_generators_synchronously_with_drain(tmp_path):
-    result = run_cli(tmp_path, "run.total_steps=3", "staleness.max=0", "learner.world_size=2", "generator.replicas=2",
-                     "weight_sync.mode=drain", "data.prompts_per_step=4")
-    assert result.returncode == 0, result.stderr[-3000:]
-    check_run(tmp_path, 3)
-
-
+# First in the suite's order: conftest.py's run then starts before the session's Ray instance, which would slow
+# it (~25% beside an idle one) and the simulator's self-prediction in test_simulate.py reads its timings.
 def test_a_run_with_every_observation_key_on(observed_run):
     """conftest.py's run (4 steps, staleness.max=1, two generators, run.log_samples=3 and more)."""
     steps = 4
@@ -42,6 +46,12 @@ def test_a_run_with_every_observation_key_on(observed_run):
     assert [s["step"] for s in samples] == [step for step in range(steps) for _ in range(3)]
     assert all(s["messages"][0]["role"] == "user" and s["versions"] for s in samples)
     assert any(m["role"] == "tool" for s in samples for m in s["messages"])  # the warm start calls tools
+
+
+def test_cli_runs_two_ranks_two_generators_synchronously_with_drain(ray_session, tmp_path):
+    assert launch_in_process(tmp_path, "run.total_steps=3", "staleness.max=0", "learner.world_size=2",
+                             "generator.replicas=2", "weight_sync.mode=drain", "data.prompts_per_step=4") == 0
+    check_run(tmp_path, 3)
 
 
 def check_run(path, steps: int) -> None:
@@ -65,20 +75,20 @@ def test_cli_bad_config_fails_before_starting(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_cli_saves_and_resumes_the_whole_async_state(tmp_path):
+def test_cli_saves_and_resumes_the_whole_async_state(ray_session, tmp_path, capsys):
     """4 steps saving every 2, then the same command resumed to 6 steps: each step logged once, the learner
     continues at version 4, and no prompt is trained on twice across the two runs."""
     common = ("run.save_every=2", "staleness.max=1", "data.prompts_per_step=4", "data.samples_per_prompt=4")
-    first = run_cli(tmp_path, "run.total_steps=4", *common)
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert launch_in_process(tmp_path, "run.total_steps=4", *common) == 0
     shutil.rmtree(tmp_path / "final")  # as if it had crashed after its last checkpoint, before final/
-    finish = run_cli(tmp_path, "run.total_steps=4", "run.resume=auto", *common)
-    assert finish.returncode == 0 and (tmp_path / "final" / "config.json").is_file(), finish.stderr[-3000:]
-    again = run_cli(tmp_path, "run.total_steps=6", *common)  # a fresh launch must not reuse the directory
-    assert again.returncode == 2 and "run.resume=auto" in again.stderr and "Traceback" not in again.stderr
-    second = run_cli(tmp_path, "run.total_steps=6", "run.resume=auto", *common)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "changed config keys" not in second.stderr  # only run.* changed, which resuming allows
+    assert launch_in_process(tmp_path, "run.total_steps=4", "run.resume=auto", *common) == 0
+    assert (tmp_path / "final" / "config.json").is_file()
+    capsys.readouterr()  # only the next launch's stderr below
+    again = launch_in_process(tmp_path, "run.total_steps=6", *common)  # a fresh launch must not reuse the directory
+    stderr = capsys.readouterr().err
+    assert again == 2 and "run.resume=auto" in stderr and "Traceback" not in stderr
+    assert launch_in_process(tmp_path, "run.total_steps=6", "run.resume=auto", *common) == 0
+    assert "changed config keys" not in capsys.readouterr().err  # only run.* changed, which resuming allows
     rows = read_metrics(tmp_path)
     assert [row["step"] for row in rows] == list(range(6))
     assert rows[4]["learner/version"] == 5  # the restored weights were version 4, trained once more

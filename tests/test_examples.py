@@ -5,35 +5,26 @@
    the evaluation hook (run.eval_every on data.val_files).
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from test_cli_run import launch_in_process, read_metrics
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
-SMALL = ["run.total_steps=2", "data.prompts_per_step=2", "data.samples_per_prompt=4", "run.progress=false"]
+SMALL = ["run.total_steps=2", "data.prompts_per_step=2", "data.samples_per_prompt=4"]
 
 
 def launch(config, tmp_path, *overrides):
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    command = [sys.executable, "-m", "nanoverl_async.cli", "launch", config, f"run.output_dir={tmp_path / 'out'}",
-               *SMALL, *overrides]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    """The CLI's launch in this process, on the session's Ray instance (test_cli_run.py)."""
+    assert launch_in_process(tmp_path / "out", *SMALL, *overrides, config=config) == 0
+    return read_metrics(tmp_path / "out")
 
 
-def test_example_environment_runs(tmp_path):
+def test_example_environment_runs(ray_session, tmp_path):
     rows = launch("examples/arithmetic_env.yaml", tmp_path)
     assert [r["step"] for r in rows] == [0, 1]
     assert all(0 <= r["reward/mean"] <= 1 and 0 <= r["episodes/tool_error_rate"] <= 1 for r in rows)
 
 
-def test_verl_parquet_with_custom_reward_trains(tmp_path):
+def test_verl_parquet_with_custom_reward_trains(ray_session, tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 

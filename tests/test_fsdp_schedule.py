@@ -61,17 +61,23 @@ def train(rank, world_size, port, model_dir, out_dir, micro_batch_tokens):
     learner.shutdown()
 
 
-def two_then_one(rank, fn, ports, model_dir, out_dir):
-    fn(rank, 2, ports[0], model_dir, out_dir, micro_batch_tokens=20)
-    if rank == 0:
-        fn(0, 1, ports[1], model_dir, out_dir, micro_batch_tokens=0)
+def two_then_one(rank, fns, ports, model_dir, out_dirs):
+    for fn, (two, one), out_dir in zip(fns, ports, out_dirs):
+        fn(rank, 2, two, model_dir, out_dir, micro_batch_tokens=20)
+        if rank == 0:
+            fn(0, 1, one, model_dir, out_dir, micro_batch_tokens=0)
 
 
-def spawn_two_then_one(fn, model_dir, out_dir):
-    """fn(rank, world_size, port, model_dir, out_dir, micro_batch_tokens) on 2 ranks with a budget of 20
-    tokens, then on 1 rank with none; rank 0 saves `<world_size>.pt`; returns (the 1-rank, the 2-rank) saves."""
-    mp.spawn(two_then_one, args=(fn, (free_port(), free_port()), model_dir, str(out_dir)), nprocs=2, join=True)
-    return torch.load(out_dir / "1.pt"), torch.load(out_dir / "2.pt")
+@pytest.fixture(scope="module")
+def saves(model_dir, tmp_path_factory):
+    """Each fn(rank, world_size, port, model_dir, out_dir, micro_batch_tokens) below on 2 ranks with a budget
+    of 20 tokens, then on 1 rank with none, rank 0 saving `<world_size>.pt`: {fn name: (the 1-rank save, the
+    2-rank save, out_dir)}. Both fns in one spawn: each spawned process spends seconds importing torch."""
+    fns = (train, train_critic)
+    out_dirs = [tmp_path_factory.mktemp(fn.__name__) for fn in fns]
+    ports = [(free_port(), free_port()) for _ in fns]
+    mp.spawn(two_then_one, args=(fns, ports, model_dir, [str(d) for d in out_dirs]), nprocs=2, join=True)
+    return {fn.__name__: (torch.load(d / "1.pt"), torch.load(d / "2.pt"), d) for fn, d in zip(fns, out_dirs)}
 
 
 def plain_reference(model_dir, batch):
@@ -105,8 +111,8 @@ def plain_reference(model_dir, batch):
     return losses, model.state_dict()
 
 
-def test_epochs_minibatches_and_unequal_micro_batches_match_plain_torch(model_dir, tmp_path):
-    one, two = spawn_two_then_one(train, model_dir, tmp_path)
+def test_epochs_minibatches_and_unequal_micro_batches_match_plain_torch(model_dir, saves):
+    one, two, _ = saves["train"]
     batch = make_batch()
     assert batch.advantages.shape == batch.loss_mask.shape  # per-token advantages went through trimming
     losses, weights = plain_reference(model_dir, batch)
@@ -151,8 +157,8 @@ def train_critic(rank, world_size, port, model_dir, out_dir, micro_batch_tokens)
     learner.shutdown()
 
 
-def test_critic_learns_the_returns_and_two_ranks_match_one(model_dir, tmp_path):
-    one, two = spawn_two_then_one(train_critic, model_dir, tmp_path)
+def test_critic_learns_the_returns_and_two_ranks_match_one(saves):
+    one, two, out_dir = saves["train_critic"]
     for key in ("value_loss", "vf_clip_fraction", "loss", "grad_norm", "value_grad_norm"):
         for step in range(2):
             assert two["runs"][step][key] == pytest.approx(one["runs"][step][key], abs=1e-5), key
@@ -166,8 +172,8 @@ def test_critic_learns_the_returns_and_two_ranks_match_one(model_dir, tmp_path):
     assert second["explained_variance"] > first["explained_variance"]
     assert first["version"] == 1 and second["version"] == 2
     # final/ holds the policy and, in final/critic, the critic, each loadable by transformers as trained
-    saved = AutoModelForTokenClassification.from_pretrained(tmp_path / "final2" / "critic", dtype=torch.float32)
+    saved = AutoModelForTokenClassification.from_pretrained(out_dir / "final2" / "critic", dtype=torch.float32)
     for name, tensor in saved.state_dict().items():
         assert torch.allclose(tensor, two["critic"][name]), name
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "final2", dtype=torch.float32)
+    saved = AutoModelForCausalLM.from_pretrained(out_dir / "final2", dtype=torch.float32)
     assert all(torch.allclose(tensor, two["policy"][name]) for name, tensor in saved.state_dict().items())

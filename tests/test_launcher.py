@@ -54,22 +54,25 @@ def kill_and_wait(actor, timeout_s: float = 30.0) -> None:
     raise AssertionError("killed actor still answers")
 
 
-@pytest.mark.parametrize("victim", ["generator", "buffer", "learner"])
+def assert_a_dead_role_fails_the_run_naming_it(roles, victim: str, step: int) -> None:
+    """Kill `victim` of a healthy run: the next step fails within seconds, naming it, never hangs."""
+    actor = {"generator": roles.generators[0], "buffer": roles.buffer, "learner": roles.learners.ranks[0]}[victim]
+    kill_and_wait(actor)
+    started = time.monotonic()
+    with pytest.raises(RunFailed, match={"generator": "generator 0", "buffer": "buffer", "learner": "learner"}[victim]):
+        train_batch = roles.next_batch(step)
+        with role_failures("learner pool"):
+            roles.learners.update(roles.learners.prepare(train_batch))
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("victim", ["generator", "buffer"])  # the learner: at the end of the hostile-lease test
 def test_dead_role_fails_the_run_naming_it(ray_session, random_tiny_model, tmp_path, victim):
     roles = make_roles(random_tiny_model, tmp_path)
     try:
         batch = roles.next_batch(0)  # everything is up and streaming
         assert len(batch.trajectories) == 4
-        actor = {"generator": roles.generators[0], "buffer": roles.buffer,
-                 "learner": roles.learners.ranks[0]}[victim]
-        kill_and_wait(actor)
-        started = time.monotonic()
-        with pytest.raises(RunFailed, match={"generator": "generator 0", "buffer": "buffer",
-                                             "learner": "learner"}[victim]):
-            train_batch = roles.next_batch(1)
-            with role_failures("learner pool"):
-                roles.learners.update(roles.learners.prepare(train_batch))
-        assert time.monotonic() - started < 30
+        assert_a_dead_role_fails_the_run_naming_it(roles, victim, step=1)
     finally:
         roles.shutdown()
 
@@ -78,7 +81,8 @@ def test_a_hostile_lease_request_during_a_run_is_refused_and_the_run_goes_on(ray
                                                                              tmp_path):
     """A peer on the wire claims weights from the future and 400 groups (once it starved the generator
     until the gate timed out), and another claims a generator id the run does not have; both are refused
-    and counted while the run's own generator keeps the batches coming."""
+    and counted while the run's own generator keeps the batches coming. Then its learner dies: the dead-role
+    test's third case, on this run instead of a run of its own (placing the roles takes ~10 s)."""
     roles = make_roles(random_tiny_model, tmp_path)
     context = zmq.Context()
     try:
@@ -98,6 +102,7 @@ def test_a_hostile_lease_request_during_a_run_is_refused_and_the_run_goes_on(ray
         stats = batch.stats
         assert stats["malformed_requests"] == 2 and set(stats["generator_versions"]) == {0}
         assert stats["staleness_max"] >= 0 and len(batch.trajectories) == 4
+        assert_a_dead_role_fails_the_run_naming_it(roles, "learner", step=3)
     finally:
         context.destroy(linger=0)
         roles.shutdown()

@@ -1,18 +1,16 @@
 """Reproducible runs (docs/design.md "Reproducible runs"): two seeded synchronous runs with
 run.deterministic log the same rewards and losses step by step, and `nanoverl-async replay` on an
 asynchronous run recorded with run.record reproduces its final weights bit for bit. Fast tests cover
-the record files and the weight comparison; the runs are slow-marked (the real CLI, a few steps)."""
+the record files and the weight comparison; the runs are slow-marked (a few real steps each)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import msgpack
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from nanoverl_async.cli import main
 from nanoverl_async.config import ConfigError, load_config
 from nanoverl_async.launcher import launch
 from nanoverl_async.record import compare_weights, read_batches, record_dir, write_batch
@@ -21,12 +19,6 @@ from tests.synthetic import episodes
 SMALL = ("data.prompts_per_step=4", "data.samples_per_prompt=4", "run.progress=false")
 LOGGED = ("reward/mean", "reward/std", "learner/loss", "learner/grad_norm", "episodes/length_mean",
           "batch/prompt_indices")
-
-
-def cli(*args, timeout=600):
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    return subprocess.run([sys.executable, "-m", "nanoverl_async.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
 
 
 def logged(run_dir):
@@ -78,12 +70,12 @@ def test_two_seeded_synchronous_runs_log_the_same_metrics(ray_session, tmp_path)
 
 
 @pytest.mark.slow
-def test_replay_of_a_recorded_async_run_gives_its_final_weights(observed_run):
-    """conftest.py's run: 4 steps at staleness.max=1 on two generators, run.record=true."""
+def test_replay_of_a_recorded_async_run_gives_its_final_weights(observed_run, ray_session, capsys):
+    """conftest.py's run: 4 steps at staleness.max=1 on two generators, run.record=true. The CLI's replay in
+    this process, on the session's Ray instance."""
     staleness = [json.loads(line)["staleness/max"] for line in (observed_run / "metrics.jsonl").read_text().splitlines()]
     assert max(staleness) >= 1  # the stream really was off-policy
-    replay = cli("replay", str(observed_run))
-    assert replay.returncode == 0, replay.stdout + replay.stderr[-2000:]
-    assert "bit for bit" in replay.stdout
+    assert main(["replay", str(observed_run)]) == 0
+    assert "bit for bit" in capsys.readouterr().out
     result = compare_weights(observed_run / "final", observed_run / "replay" / "final")
     assert result["identical"] == result["tensors"] > 0

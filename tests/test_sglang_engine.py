@@ -35,6 +35,7 @@ from nanoverl_async.sglang_client import SGLangError
 from nanoverl_async.learners.sglang_nccl import SGLangWeightSender, buckets, server_handles
 from sglang_helpers import (PROMPT, assert_close, model_dirs, reference_logprobs, server,  # noqa: F401
                             shared_server)
+from test_cli_run import launch_in_process, read_metrics
 
 FAKE = str(Path(__file__).with_name("fake_sglang_server.py"))
 
@@ -263,26 +264,20 @@ def test_real_sglang_server(tmp_path):
 
 
 def run_cli_on_fake_servers(tmp_path, *overrides: str) -> list[dict]:
-    """The real CLI for 3 steps with generator.engine=sglang on two fake server processes; metrics rows."""
-    import json
-    import subprocess
-
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    command = [sys.executable, "-m", "nanoverl_async.cli", "launch", "configs/agent_grpo.yaml",
-               f"run.output_dir={tmp_path}", "run.progress=false", "run.total_steps=3", "staleness.max=1",
-               "data.prompts_per_step=4", "generator.engine=sglang", "generator.sglang.servers=2",
-               f"generator.sglang.port_base={free_port_base(2)}", f"generator.sglang.weights_dir={tmp_path / 'w'}",
-               f"generator.sglang.server_command=[{sys.executable},{FAKE}]", *overrides]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env,
-                            cwd=Path(__file__).resolve().parent.parent)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    """The CLI's launch (in this process, on the ray_session instance) for 3 steps with generator.engine=sglang
+    on two fake server processes; metrics rows."""
+    assert launch_in_process(tmp_path, "run.total_steps=3", "staleness.max=1", "data.prompts_per_step=4",
+                             "generator.engine=sglang", "generator.sglang.servers=2",
+                             f"generator.sglang.port_base={free_port_base(2)}",
+                             f"generator.sglang.weights_dir={tmp_path / 'w'}",
+                             f"generator.sglang.server_command=[{sys.executable},{FAKE}]", *overrides) == 0
+    rows = read_metrics(tmp_path)
     assert [row["step"] for row in rows] == [0, 1, 2]
     return rows
 
 
 @pytest.mark.slow
-def test_cli_runs_with_sglang_engine_on_fake_servers(tmp_path):
+def test_cli_runs_with_sglang_engine_on_fake_servers(ray_session, tmp_path):
     """The whole loop with generator.engine=sglang: the worker launches two fake server processes, routes
     episodes over them, and loads each new version with update_weights_from_disk between pause/continue."""
     rows = run_cli_on_fake_servers(tmp_path)

@@ -135,7 +135,7 @@ def test_sender_loads_a_fake_server_process_over_a_real_group(model_dirs, tmp_pa
 
 
 @pytest.mark.slow
-def test_cli_runs_with_nccl_transport_on_fake_servers(tmp_path):
+def test_cli_runs_with_nccl_transport_on_fake_servers(ray_session, tmp_path):
     """The whole loop with weight_transport=nccl: learner rank 0 joins a gloo group with two fake server
     processes and loads each version into them; the generator learns versions from notices only."""
     events = tmp_path / "events.jsonl"

@@ -13,7 +13,7 @@ import importlib.util
 
 import pytest
 import torch
-from test_cli_run import read_metrics, run_cli
+from test_cli_run import launch_in_process, read_metrics
 from transformers import AutoModelForCausalLM
 
 from nanoverl_async import smollm2
@@ -103,11 +103,10 @@ def test_the_engine_runs_the_real_model(path):
 
 @needs_package
 @pytest.mark.slow
-def test_the_config_launches_for_two_steps(path, tmp_path):
+def test_the_config_launches_for_two_steps(path, ray_session, tmp_path):
     """`nanoverl-async launch configs/smollm2_tools.yaml run.total_steps=2`, made as cheap as it gets."""
-    result = run_cli(tmp_path, "run.total_steps=2", "data.prompts_per_step=1", "data.samples_per_prompt=2",
-                     "agent.max_new_tokens=24", "agent.max_turns=2", timeout=300, config="configs/smollm2_tools.yaml")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert launch_in_process(tmp_path, "run.total_steps=2", "data.prompts_per_step=1", "data.samples_per_prompt=2",
+                             "agent.max_new_tokens=24", "agent.max_turns=2", config="configs/smollm2_tools.yaml") == 0
     rows = read_metrics(tmp_path)
     assert [row["step"] for row in rows] == [0, 1] and rows[-1]["samples/trained"] == 4
     assert (tmp_path / "final" / "model.safetensors").is_file()

@@ -48,15 +48,14 @@ def test_a_socket_on_one_host_is_reached_from_the_other_only_with_the_runs_keys(
     offer = json.loads(server.stdout.readline())
     assert offer["endpoint"].startswith(f"tcp://{hosts.worker.address}:")
 
-    def lease(*keys: str):
-        probe = [sys.executable, str(HERE / "netns_hosts.py"), "lease", offer["endpoint"], *keys]
-        return json.loads(hosts.run(hosts.head, probe, 60, **ENV).stdout)
-
     intruder = {**offer["keys"], **dict(zip(("client_public", "client_secret"), map(bytes.decode,
                                                                                     zmq.curve_keypair())))}
-    assert lease() is None  # plain ZeroMQ from the other host: no handshake, no reply
-    assert lease(json.dumps(intruder)) is None  # knows the server's key, but not the run's client key
-    assert len(lease(json.dumps(offer["keys"]))["leases"]) == 1  # the run's keys: leased across the veth pair
+    probe = [sys.executable, str(HERE / "netns_hosts.py"), "lease", offer["endpoint"], "", json.dumps(intruder),
+             json.dumps(offer["keys"])]
+    plain, unkeyed, keyed = json.loads(hosts.run(hosts.head, probe, 60, **ENV).stdout)
+    assert plain is None  # plain ZeroMQ from the other host: no handshake, no reply
+    assert unkeyed is None  # knows the server's key, but not the run's client key
+    assert len(keyed["leases"]) == 1  # the run's keys: leased across the veth pair
     server.stdin.close()
     assert json.loads(server.stdout.readline()) == 1  # the buffer saw exactly one lease: the keyed one
     server.wait(timeout=30)
