@@ -250,6 +250,10 @@ class Packing:
         out[:, 0] = 0
         return out
 
+    def forward(self, model: torch.nn.Module) -> Tensor:
+        """The model's output (logits, or a critic's scores) on the packed rows [r, c, ...]."""
+        return model(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=False).logits
+
     def to(self, device: torch.device) -> "Packing":
         return Packing(moved(self.input_ids, device), moved(self.position_ids, device), moved(self.index, device),
                        moved(self.destination, device), self.shape)

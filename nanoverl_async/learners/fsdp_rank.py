@@ -123,13 +123,12 @@ class LearnerRank:
     def _sharded_model(self, path: str, model_class=AutoModelForCausalLM, **kwargs) -> torch.nn.Module:
         """A causal LM (or, for the critic, its backbone with a token-level head) with fp32 master weights,
         sharded per decoder layer and at the root; bfloat16 only for compute when asked (FSDP2 mixed
-        precision), gradients reduced in fp32."""
+        precision), gradients reduced in fp32. On one rank the shard is the whole model: freeing the compute
+        copy after each forward would save no memory and cost a second cast of every weight in backward."""
         model = model_class.from_pretrained(path, dtype=torch.float32, **kwargs).to(self.device)
         model.config.use_cache = False
         model.eval()  # no dropout: see the module docstring
         mp_policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
-        # One rank: its shard is the whole model, so freeing the compute copy after each forward saves no
-        # memory and costs a cast of every parameter again in backward.
         reshard = self.world_size > 1
         layer_classes = set(getattr(model, "_no_split_modules", None) or [])
         assert layer_classes, f"{type(model).__name__} names no decoder-layer class (_no_split_modules)"
@@ -140,10 +139,9 @@ class LearnerRank:
         return model
 
     def _accumulating(self, model: torch.nn.Module, micro_batch: int, count: int) -> None:
-        """Before micro-batch `micro_batch` of `count`: on one rank, gradients accumulate unsharded (in fp32,
-        the reduce dtype) and are reduced, a copy there, once after the last micro-batch, and the compute
-        copy of the weights stays until then, instead of both once per micro-batch and layer. Several ranks
-        reduce-scatter every micro-batch, so no rank ever holds a whole model's gradients."""
+        """Before micro-batch `micro_batch` of `count`: one rank accumulates gradients unsharded (in fp32) and
+        keeps the compute copy of the weights until the last, instead of a reduce (a copy) and a cast per
+        micro-batch and layer. Several ranks reduce-scatter each micro-batch: no rank holds all gradients."""
         if self.world_size == 1:
             last = micro_batch == count - 1
             model.set_requires_gradient_sync(last)
@@ -169,7 +167,7 @@ class LearnerRank:
         assert model is not None, "no reference model: KL is off (kl.loss_coef = kl.reward_coef = 0)"
 
         def logprobs(packing: Packing) -> torch.Tensor:
-            logits = self._forward(model, packing)
+            logits = packing.forward(model)
             return packing.unpack(sequence_logprobs(logits, packing.input_ids, self.setup.temperature))
         return self._per_token(batch, logprobs)
 
@@ -178,12 +176,6 @@ class LearnerRank:
         laid out on the host, then copied without blocking, so no step of a micro-batch waits for the GPU."""
         mb = trimmed(local, start, stop)
         return to_device(mb, self.device), pack(mb.input_ids, mb.attention_mask, self.packs).to(self.device)
-
-    @staticmethod
-    def _forward(model: torch.nn.Module, packing: Packing) -> torch.Tensor:
-        """The model's output (logits, or the critic's scores) on a micro-batch's packed rows; `packing`
-        maps token-indexed results back to the micro-batch's [n, l]."""
-        return model(input_ids=packing.input_ids, position_ids=packing.position_ids, use_cache=False).logits
 
     def compute_values(self, batch: TrainBatch) -> np.ndarray:
         """The critic's values V before this step, [rows of this rank's shard, L], token-indexed, 0 off the
@@ -205,7 +197,7 @@ class LearnerRank:
     def _values(self, packing: Packing) -> torch.Tensor:
         """Token-indexed V [n, l]: the head's output at position j - 1, the state in which token j is
         sampled (the same shift as sequence_logprobs); 0 at j = 0."""
-        scores = self._forward(self.critic, packing)[..., 0].float()
+        scores = packing.forward(self.critic)[..., 0].float()
         return packing.unpack(torch.cat([scores.new_zeros(scores.shape[0], 1), scores[:, :-1]], dim=1))
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
@@ -285,7 +277,7 @@ class LearnerRank:
         """The loss of one micro-batch (algorithms.policy_loss: correction, policy loss, KL, entropy) and
         its metrics, every sum divided by the GLOBAL normalisers."""
         temperature, kl, tokens = self.setup.temperature, self.setup.kl, normalisers["tokens"]
-        logits = self._forward(self.model, packing)
+        logits = packing.forward(self.model)
         # the [N, L, V] softmax of the entropy is in the autograd graph only if the loss uses it
         logprobs, entropy = (packing.unpack(values) for values in sequence_logprobs_and_entropy(
             logits, packing.input_ids, temperature, entropy_grad=self.algo.entropy_coef > 0))
@@ -329,25 +321,21 @@ class LearnerRank:
                 del state_dict
                 self.publisher.publish(version, {})
             return
-        if self.device.type == "cuda":  # cast on the GPU first: half the bytes (bfloat16) cross to the host
-            state_dict = self._gathered(to_host=True)
-        else:  # fresh copies (the publisher serialises them while the optimizer updates the parameters)
-            state_dict = {name: tensor.to(self.dtype) if tensor.is_floating_point() else tensor
-                          for name, tensor in self.full_state_dict().items()}
+        state_dict = self._gathered(to_host=True)
         if self.publisher is not None:
             self.publisher.publish(version, state_dict)
 
     @torch.no_grad()
     def _gathered(self, to_host: bool) -> dict[str, torch.Tensor]:
-        """Collective: the full state dict in the run's dtype on rank 0 ({} on other ranks), on its device
-        or, to_host, copied to the host tensor by tensor; gathered one tensor at a time, so no rank holds
-        more than one unsharded tensor at once beyond what rank 0 keeps."""
+        """Collective: the full state dict in the run's dtype on rank 0 ({} elsewhere), one tensor gathered at
+        a time: on its device, or (to_host) fresh host copies the publisher may serialise while the optimizer
+        steps, each cast before it crosses (from a GPU half the bytes, for bfloat16)."""
         out = {}
         for name, tensor in self.model.state_dict().items():
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if self.rank == 0:
                 full = full.to(self.dtype) if full.is_floating_point() else full
-                out[name] = full.cpu() if to_host else full
+                out[name] = full.to("cpu", copy=True) if to_host else full
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
