@@ -23,7 +23,7 @@ def token_entropy(logits: Tensor, temperature: float) -> Tensor:
     under no_grad when it is only a metric.
     """
     scaled = _scaled(logits, temperature)
-    return torch.logsumexp(scaled, dim=-1) - (torch.softmax(scaled, dim=-1) * scaled).sum(dim=-1)
+    return _entropy(scaled, torch.logsumexp(scaled, dim=-1))
 
 
 def token_logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: float,
@@ -36,8 +36,13 @@ def token_logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: flo
     lse = torch.logsumexp(scaled, dim=-1)
     logprobs = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = lse - (torch.softmax(scaled, dim=-1) * scaled).sum(dim=-1)
+        entropy = _entropy(scaled, lse)
     return logprobs, entropy
+
+
+def _entropy(scaled: Tensor, lse: Tensor) -> Tensor:
+    """H = logsumexp(z) - sum softmax(z) * z, given z and its logsumexp."""
+    return lse - (torch.softmax(scaled, dim=-1) * scaled).sum(dim=-1)
 
 
 def _scaled(logits: Tensor, temperature: float) -> Tensor:
