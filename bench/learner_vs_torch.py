@@ -104,9 +104,7 @@ class BareLoop:
         with self.autocast:
             if self.packed:
                 packing = pack(ids, attention)
-                logits = self.model(input_ids=packing.input_ids, position_ids=packing.position_ids,
-                                    use_cache=False).logits
-                logprobs = packing.unpack(sequence_logprobs(logits, packing.input_ids, 1.0))
+                logprobs = packing.unpack(sequence_logprobs(packing.forward(self.model), packing.input_ids, 1.0))
             else:
                 logprobs = sequence_logprobs(self.model(input_ids=ids, attention_mask=attention).logits, ids, 1.0)
         ratio = torch.exp((logprobs - old) * mask)

@@ -4,9 +4,10 @@
 
 Generators stream trajectories into the buffer on their own; this loop only pulls staleness-bounded
 batches, trains, and publishes weights (docs/design.md "Processes and data flow"). Every role is a plain
-class (buffer/, generators/, learners/); Ray appears here only to place them in processes. A role
-that dies ends the run with `RunFailed` naming it, never a hang: the loop waits on the buffer and on
-every generator at once, and every wait has a timeout.
+class (buffer/, generators/, learners/); Ray appears here to place them in processes, and in the actor
+classes it runs them in (role_actors.py, learners/pool.py). A role that dies ends the run with `RunFailed`
+naming it, never a hang: the loop waits on the buffer and on every generator at once, and every wait has
+a timeout.
 
 Checkpoints (run.save_every, run.resume; layout in checkpoint.py): after publishing version t + 1 the
 loop saves the whole async state (learner ranks collectively, the buffer its own file, the controller
@@ -28,16 +29,16 @@ from typing import Optional
 import ray
 
 from nanoverl_async import checkpoint, record
-from nanoverl_async.buffer.service import Batch, BufferService
+from nanoverl_async.buffer.service import Batch
 from nanoverl_async.config import Config, ConfigError, RayConfig, load_config, to_dict, to_yaml
-from nanoverl_async.data import load_samples, prompt_source
-from nanoverl_async.generators.worker import GeneratorWorker
+from nanoverl_async.data import load_samples
 from nanoverl_async.learners.pool import LearnerPool
 from nanoverl_async.metrics import MetricsLogger, step_metrics
-from nanoverl_async.models import load_tokenizer, require_model_dir, resolve_model_path, vocab_size
+from nanoverl_async.models import load_tokenizer, resolve_model_path, vocab_size
 from nanoverl_async.preflight import prepare
+from nanoverl_async.role_actors import BufferRole, GeneratorRole
 from nanoverl_async.trace import PipelineTrace, TracedRole
-from nanoverl_async.wire_auth import CurveKeys, bind_host, run_keys
+from nanoverl_async.wire_auth import CurveKeys, run_keys
 
 
 class RunFailed(RuntimeError):
@@ -267,75 +268,6 @@ class Roles:
             ray.kill(actor)
 
 
-class BufferRole:
-    """The buffer service in its own process (methods, not properties, so Ray can call them)."""
-
-    def __init__(self, cfg: Config, vocab_size: int, curve: Optional[CurveKeys] = None, state: bytes = b""):
-        host = bind_host(cfg.wire.host, ray.util.get_node_ip_address())  # this node's address on a cluster
-        self.service = BufferService(cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max,
-                                     cfg.buffer, host, cfg.generator, vocab_size,
-                                     prompt_source(cfg.data, cfg.run.seed), cfg.algorithm.group_filter, curve,
-                                     trace=cfg.run.trace)
-        if state:  # a checkpoint's buffer.msgpack, before any generator connects (Roles starts them afterwards)
-            self.service.restore(state)
-
-    def state(self, version: int) -> tuple[bytes, dict]:
-        """buffer.msgpack's bytes for the controller to write, and the gate's counters for meta.json."""
-        state, stats = self.service.state_bytes(version), self.service.stats()
-        return state, {key: stats[key] for key in ("leased", "consumed", "released", "expired", "reissued",
-                                                   "groups_in_flight", "groups_ready")}
-
-    def endpoints(self) -> dict:
-        return self.service.endpoints
-
-    def node(self) -> str:
-        return ray.util.get_node_ip_address()
-
-    def next_batch(self, step: int, timeout_s: float):
-        return self.service.next_batch(step, timeout_s)
-
-    def publishing(self, version: int) -> None:
-        self.service.publishing(version)
-
-    def trace_events(self) -> tuple[float, list]:
-        """run.trace: this process's clock (for the controller's offset) and the spans closed since the last call."""
-        return time.time(), self.service.trace.take()
-
-
-class GeneratorRole:
-    """A generator worker in its own process; `run` lives until `stop` (or dies, which Roles sees)."""
-
-    def __init__(self, **kwargs):
-        require_model_dir(kwargs["model_path"], f"node {ray.util.get_node_ip_address()}")
-        self.worker = GeneratorWorker(**kwargs)
-
-    async def run(self, buffer_endpoints: dict, weights_endpoint: str, curve: Optional[CurveKeys] = None) -> None:
-        try:
-            await self.worker.run(buffer_endpoints, weights_endpoint, curve)
-        finally:
-            close = getattr(self.worker.engine, "close", None)  # an SGLang engine stops its server processes
-            if close is not None:
-                close()
-
-    async def stop(self) -> None:
-        self.worker.stop()
-
-    async def node(self) -> str:
-        return ray.util.get_node_ip_address()
-
-    async def trace_events(self) -> tuple[float, list]:
-        """run.trace: this process's clock (for the controller's offset) and the spans closed since the last call."""
-        return time.time(), self.worker.trace.take()
-
-    async def evaluate(self, samples: list, min_version: int) -> dict:
-        return await self.worker.evaluate(samples, min_version)
-
-    async def sglang_endpoints(self) -> list[dict]:
-        """This generator's SGLang servers (url, tp_size, server_version, legacy_protocol), for learner rank 0
-        to load weights into them (generator.sglang.weight_transport=nccl)."""
-        return self.worker.engine.endpoints(node_ip=ray.util.get_node_ip_address())
-
-
 def generator_gpus(cfg: Config) -> float:
     """GPUs Ray reserves for one generator replica: an SGLang replica's servers run on the GPUs its actor
     is given (servers x tp_size); a transformers engine on cuda takes generator.gpus_per_replica."""
@@ -385,11 +317,11 @@ def start_ray(cfg: RayConfig) -> bool:
     quiet = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     os.environ.update(quiet)
     package = Path(__file__).resolve().parent
-    runtime_env = {"env_vars": dict(quiet)}
+    runtime_env = None
     if cfg.address:
-        runtime_env["py_modules"] = [str(package)]
-    else:
-        runtime_env["env_vars"]["PYTHONPATH"] = os.pathsep.join(
+        runtime_env = {"env_vars": quiet, "py_modules": [str(package)]}
+    else:  # workers inherit this environment; a runtime_env would bar them from Ray's prestarted ones (~1.3 s)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
             path for path in (str(package.parent), os.environ.get("PYTHONPATH", "")) if path)
     ray.init(address=cfg.address or None, num_cpus=cfg.num_cpus or None, include_dashboard=False,
              logging_level="WARNING", runtime_env=runtime_env)

@@ -3,7 +3,9 @@ combinations that cannot work together. `load_config` runs `validate`; each fail
 naming the offending key. Kept apart from config.py so the tree of keys reads on its own.
 
 Pure: it looks at values only. Files, checkpoints and user code are checked at launch (preflight.py).
-It imports no other module of the package but the algorithms' name tables, so config.py can import it.
+It imports no other module of the package but the algorithms' name tables, so config.py can import it;
+those only when validating (`choices`), so that a process that merely reads a Config (the buffer's) never
+imports torch.
 """
 
 from __future__ import annotations
@@ -11,9 +13,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any
-
-from nanoverl_async.algorithms import (ADVANTAGES, AGGREGATIONS, CORRECTIONS, IS_LEVELS, KL_ESTIMATORS,
-                                       POLICY_LOSSES)
 
 # `Config` in the annotations below is config.py's, not imported: config.py imports this module.
 
@@ -44,27 +43,32 @@ def get_key(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
-CHOICES = {
-    "model.dtype": ("float32", "bfloat16"),
-    "generator.engine": ("transformers", "sglang"),
-    "generator.device": ("cpu", "cuda"),
-    "learner.device": ("cpu", "cuda"),
-    "algorithm.advantage": ADVANTAGES,  # the algorithm modules' own tables: a new estimator is valid at once
-    "algorithm.loss": POLICY_LOSSES,
-    "algorithm.correction": CORRECTIONS,
-    "algorithm.is_level": IS_LEVELS,
-    "algorithm.loss_agg": AGGREGATIONS,
-    "kl.estimator": KL_ESTIMATORS,
-    "weight_sync.mode": ("interrupt", "drain"),
-    "generator.sglang.weight_transport": ("disk", "nccl"),
-    "generator.sglang.pause_mode": ("abort", "retract"),
-}
+def choices() -> dict[str, Any]:
+    """Every key with a fixed set of values -> those values; the algorithm keys read the algorithm modules'
+    own tables, so a new estimator is valid at once."""
+    from nanoverl_async import algorithms  # here, not above: see the module docstring
+
+    return {
+        "model.dtype": ("float32", "bfloat16"),
+        "generator.engine": ("transformers", "sglang"),
+        "generator.device": ("cpu", "cuda"),
+        "learner.device": ("cpu", "cuda"),
+        "algorithm.advantage": algorithms.ADVANTAGES,
+        "algorithm.loss": algorithms.POLICY_LOSSES,
+        "algorithm.correction": algorithms.CORRECTIONS,
+        "algorithm.is_level": algorithms.IS_LEVELS,
+        "algorithm.loss_agg": algorithms.AGGREGATIONS,
+        "kl.estimator": algorithms.KL_ESTIMATORS,
+        "weight_sync.mode": ("interrupt", "drain"),
+        "generator.sglang.weight_transport": ("disk", "nccl"),
+        "generator.sglang.pause_mode": ("abort", "retract"),
+    }
 
 
 def validate(cfg: Config) -> None:
     """Value checks that types cannot express; raises ConfigError naming the key."""
     _check_numbers(cfg)
-    for key, allowed in CHOICES.items():
+    for key, allowed in choices().items():
         value = get_key(cfg, key)
         if value not in allowed:
             raise ConfigError(f"config key '{key}': '{value}' is not one of {', '.join(allowed)}")

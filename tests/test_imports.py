@@ -1,7 +1,10 @@
 """The package's import graph: no cycles (lazy imports inside functions count too), and the value checker
-stays pure (it reaches nothing that opens a socket or runs user code). Static: reads the source only."""
+stays pure (it reaches nothing that opens a socket or runs user code); static, from the source. And what one
+process really imports: the buffer's stays light."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nanoverl_async"
@@ -52,3 +55,12 @@ def test_the_value_checker_opens_no_socket_and_runs_no_user_code():
     reached = reachable(graph, "nanoverl_async.validation")
     assert not reached & SOCKETS_OR_USER_CODE, sorted(reached & SOCKETS_OR_USER_CODE)
     assert "nanoverl_async.validation" in reachable(graph, "nanoverl_async.config")  # the graph is real
+
+
+def test_the_buffers_process_imports_no_torch():
+    """Ray imports an actor's class module in the actor's process: the buffer's (role_actors.py, unpickling a
+    Config) must start without torch or transformers, seconds of CPU beside the roles that need them."""
+    probe = ("import sys\nimport nanoverl_async.config, nanoverl_async.role_actors\n"
+             "print(','.join(sorted({'torch', 'transformers'} & set(sys.modules))))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"the buffer's process would import {out.stdout.strip()}"

@@ -239,6 +239,7 @@ class Packing:
     index: Tensor  # int64 [tokens]: flat position in [r * c] of each real token of [n, l], row-major
     destination: Tensor  # int64 [tokens]: flat position in [n * l] of each real token, row-major
     shape: tuple[int, int]  # [n, l], the micro-batch's
+    shared_rows: bool  # some row holds several sequences
 
     def unpack(self, token_indexed: Tensor) -> Tensor:
         """A token-indexed quantity on the packed layout [r, c] -> [n, l], 0 on padding and on token 0
@@ -251,12 +252,15 @@ class Packing:
         return out
 
     def forward(self, model: torch.nn.Module) -> Tensor:
-        """The model's output (logits, or a critic's scores) on the packed rows [r, c, ...]."""
-        return model(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=False).logits
+        """The model's output (logits, or a critic's scores) on the packed rows [r, c, ...]. Position ids only
+        where rows are shared: from them transformers derives the blocks of its mask, and checks on the host
+        whether there are any (a wait for the GPU), while rows of one sequence need the plain causal mask."""
+        position_ids = self.position_ids if self.shared_rows else None
+        return model(input_ids=self.input_ids, position_ids=position_ids, use_cache=False).logits
 
     def to(self, device: torch.device) -> "Packing":
         return Packing(moved(self.input_ids, device), moved(self.position_ids, device), moved(self.index, device),
-                       moved(self.destination, device), self.shape)
+                       moved(self.destination, device), self.shape, self.shared_rows)
 
 
 def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True) -> Packing:
@@ -291,7 +295,7 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
         if lengths else torch.zeros(0, dtype=torch.long)
     destination = attention_mask.flatten().nonzero().squeeze(1)
     return Packing(packed_ids.to(input_ids.device), positions.to(input_ids.device), index.to(input_ids.device),
-                   destination.to(input_ids.device), tuple(attention_mask.shape))
+                   destination.to(input_ids.device), tuple(attention_mask.shape), len(rows) < len(lengths))
 
 
 @torch.no_grad()

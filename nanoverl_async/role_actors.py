@@ -1,0 +1,92 @@
+"""The processes Ray runs the buffer and each generator in (the learner ranks': learners/pool.py): thin
+classes around BufferService and GeneratorWorker, whose methods the controller (launcher.py) calls.
+
+Ray imports an actor's class from its module in the actor's process, so this module imports nothing heavy:
+the buffer's process starts without torch (seconds of start-up on a small machine, beside the roles that
+need it), and a generator imports its engine in its own constructor.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import ray
+
+from nanoverl_async.buffer.service import BufferService
+from nanoverl_async.config import Config
+from nanoverl_async.data import prompt_source
+from nanoverl_async.wire_auth import CurveKeys, bind_host
+
+
+class BufferRole:
+    """The buffer service in its own process (methods, not properties, so Ray can call them)."""
+
+    def __init__(self, cfg: Config, vocab_size: int, curve: Optional[CurveKeys] = None, state: bytes = b""):
+        host = bind_host(cfg.wire.host, ray.util.get_node_ip_address())  # this node's address on a cluster
+        self.service = BufferService(cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max,
+                                     cfg.buffer, host, cfg.generator, vocab_size,
+                                     prompt_source(cfg.data, cfg.run.seed), cfg.algorithm.group_filter, curve,
+                                     trace=cfg.run.trace)
+        if state:  # a checkpoint's buffer.msgpack, before any generator connects (Roles starts them afterwards)
+            self.service.restore(state)
+
+    def state(self, version: int) -> tuple[bytes, dict]:
+        """buffer.msgpack's bytes for the controller to write, and the gate's counters for meta.json."""
+        state, stats = self.service.state_bytes(version), self.service.stats()
+        return state, {key: stats[key] for key in ("leased", "consumed", "released", "expired", "reissued",
+                                                   "groups_in_flight", "groups_ready")}
+
+    def endpoints(self) -> dict:
+        return self.service.endpoints
+
+    def node(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def next_batch(self, step: int, timeout_s: float):
+        return self.service.next_batch(step, timeout_s)
+
+    def publishing(self, version: int) -> None:
+        self.service.publishing(version)
+
+    def trace_events(self) -> tuple[float, list]:
+        """run.trace: this process's clock (for the controller's offset) and the spans closed since the last call."""
+        return time.time(), self.service.trace.take()
+
+
+class GeneratorRole:
+    """A generator worker in its own process; `run` lives until `stop` (or dies, which Roles sees)."""
+
+    def __init__(self, **kwargs):
+        # in the generator's own process: the engine's imports (torch, transformers) stay out of this module
+        from nanoverl_async.generators.worker import GeneratorWorker
+        from nanoverl_async.models import require_model_dir
+
+        require_model_dir(kwargs["model_path"], f"node {ray.util.get_node_ip_address()}")
+        self.worker = GeneratorWorker(**kwargs)
+
+    async def run(self, buffer_endpoints: dict, weights_endpoint: str, curve: Optional[CurveKeys] = None) -> None:
+        try:
+            await self.worker.run(buffer_endpoints, weights_endpoint, curve)
+        finally:
+            close = getattr(self.worker.engine, "close", None)  # an SGLang engine stops its server processes
+            if close is not None:
+                close()
+
+    async def stop(self) -> None:
+        self.worker.stop()
+
+    async def node(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    async def trace_events(self) -> tuple[float, list]:
+        """run.trace: this process's clock (for the controller's offset) and the spans closed since the last call."""
+        return time.time(), self.worker.trace.take()
+
+    async def evaluate(self, samples: list, min_version: int) -> dict:
+        return await self.worker.evaluate(samples, min_version)
+
+    async def sglang_endpoints(self) -> list[dict]:
+        """This generator's SGLang servers (url, tp_size, server_version, legacy_protocol), for learner rank 0
+        to load weights into them (generator.sglang.weight_transport=nccl)."""
+        return self.worker.engine.endpoints(node_ip=ray.util.get_node_ip_address())
