@@ -3,7 +3,7 @@
 The transformers engine on cuda samples with logprobs equal to a full forward pass on the GPU (with its
 decode steps replayed from CUDA graphs through joins, leaves, cache growth and a weight swap), and one
 FSDP2 learner rank on NCCL takes the same two steps as plain torch on the CPU (the checks of
-test_engine.py and test_fsdp.py, on the other device). Ran on an H200 (see README "What runs where").
+test_engine.py and test_fsdp.py, on the other device) and publishes exactly the weights it holds. Ran on an H200 (see README "What runs where").
 """
 
 import asyncio
@@ -15,6 +15,7 @@ import torch
 from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
 from nanoverl_async.learners.fsdp_rank import LearnerRank
+from nanoverl_async.weights import WeightSubscriber
 from test_engine import tiny_qwen2
 from test_fsdp import LEARNER, free_port, make_batch, plain_reference, setup, write_model_dir
 from weight_waits import wait_newest
@@ -89,16 +90,23 @@ def test_nccl_learner_rank_matches_plain_torch(tmp_path):
     model_dir = write_model_dir(tmp_path)
     learner = LearnerRank(setup(model_dir, learner=dataclasses.replace(LEARNER, device="cuda")), 0, "127.0.0.1",
                           free_port())
+    subscriber = WeightSubscriber(learner.weights_endpoint())
     try:
         batch = make_batch()
         first, second = learner.update(batch), learner.update(batch)
         weights = learner.full_state_dict()
+        learner.publish_weights(version=2)  # copied to pinned host memory without blocking, one wait for all
+        version, published = wait_newest(subscriber, current_version=0, timeout_s=60)
     finally:
+        subscriber.close()
         learner.shutdown()
     _, losses, reference_weights = plain_reference(model_dir, batch)
     assert [first["loss"], second["loss"]] == pytest.approx(losses, abs=TOL)
     for name, tensor in reference_weights.items():
         assert torch.allclose(weights[name].cpu(), tensor, atol=TOL), name
+    assert version == 2 and published.keys() == weights.keys()
+    for name, tensor in weights.items():  # float32 run: what crossed is exactly what the learner holds
+        assert torch.equal(published[name], tensor), name
 
 
 def test_nccl_weight_group_beside_the_learners_nccl_world(tmp_path):
@@ -106,7 +114,6 @@ def test_nccl_weight_group_beside_the_learners_nccl_world(tmp_path):
     (bound to its device, which once made torch split the new group from it and hang). One GPU cannot
     hold two NCCL ranks, so the weight group here has rank 0 alone: no SGLang server joins."""
     from nanoverl_async.config import SGLangConfig
-    from nanoverl_async.weights import WeightSubscriber
 
     ports = [free_port(), free_port()]
     learner = LearnerRank(setup(write_model_dir(tmp_path), learner=dataclasses.replace(LEARNER, device="cuda")), 0,

@@ -329,13 +329,18 @@ class LearnerRank:
     def _gathered(self, to_host: bool) -> dict[str, torch.Tensor]:
         """Collective: the full state dict in the run's dtype on rank 0 ({} elsewhere), one tensor gathered at
         a time: on its device, or (to_host) fresh host copies the publisher may serialise while the optimizer
-        steps, each cast before it crosses (from a GPU half the bytes, for bfloat16)."""
+        steps, each cast before it crosses (from a GPU half the bytes, for bfloat16). From a GPU the copies
+        land in pinned memory without blocking, and the host waits once for all of them: a copy into
+        pageable memory waits for each tensor in turn (freed copies return to torch's pinned-memory cache,
+        so later versions reuse it)."""
         out = {}
         for name, tensor in self.model.state_dict().items():
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if self.rank == 0:
                 full = full.to(self.dtype) if full.is_floating_point() else full
-                out[name] = full.to("cpu", copy=True) if to_host else full
+                out[name] = _host_copy(full) if to_host else full
+        if to_host and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -379,6 +384,14 @@ def _device(kind: str, rank: int) -> torch.device:
     index = rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A fresh host copy of `tensor`; from a GPU, pinned and not yet waited for (see `_gathered`)."""
+    if tensor.device.type != "cuda":
+        return tensor.to("cpu", copy=True)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
