@@ -4,9 +4,10 @@
 # 1. tests/test_cuda.py: the engine (CUDA graphs included) and one NCCL learner rank against references;
 # 2. the engine vs bare model.generate on the Qwen2.5-0.5B shape (C = 64, 256, multi-turn), with and
 #    without CUDA graphs;
-# 3. LearnerRank.update vs the bare loop on the same shape (64 x 1,024 tokens, bf16 over fp32 weights);
+# 3. LearnerRank.update vs the bare loop on the same shape (64 x 1,024 tokens, bf16 over fp32 weights),
+#    with one profiled update of each (GPU busy time, host waits);
 # 4. async vs sync on the default job with the 0.5B body on the tiny model's tokenizer (random weights:
-#    samples/s counts, rewards do not), generator and learner sharing the GPU.
+#    samples/s counts, rewards do not), generator and learner sharing the GPU; each run's metrics.jsonl.
 # About 8 minutes on one H200. Python output is unbuffered so that a step cut by its limit still logs.
 set -u
 out=${1:-outputs/bench/gpu}
@@ -21,7 +22,7 @@ step engine
 timeout 200 python3 bench/engine_vs_generate.py --device cuda --model qwen0.5b --concurrency 64,256 --repeats 2 \
     --old-ref '' --max-wait 0 2>&1 | grep -v -E "$quiet" | tee "$out/engine.log"
 step learner
-timeout 100 python3 bench/learner_vs_torch.py --device cuda --model qwen0.5b --repeats 2 --updates 3 2>&1 \
+timeout 120 python3 bench/learner_vs_torch.py --device cuda --model qwen0.5b --repeats 2 --updates 3 --profile 2>&1 \
     | grep -v -E "$quiet" | tee "$out/learner.log"
 step async
 timeout 300 python3 bench/async_vs_sync.py model.path=bench/qwen_shape.py:qwen_body_with_tiny_tokenizer \
@@ -29,4 +30,7 @@ timeout 300 python3 bench/async_vs_sync.py model.path=bench/qwen_shape.py:qwen_b
     generator.gpus_per_replica=0.5 run.total_steps=10 agent.max_new_tokens=48 \
     agent.max_total_tokens=192 > "$out/async.log" 2>&1
 grep -v -E "$quiet|logging.cc" "$out/async.log" | tail -25
+for run in outputs/bench/async_vs_sync/*/; do  # each run's per-step timings (not its weights)
+    mkdir -p "$out/async_runs/$(basename "$run")" && cp "$run/metrics.jsonl" "$out/async_runs/$(basename "$run")/"
+done
 step done

@@ -1,7 +1,7 @@
 """`LearnerRank.update` against the bare PyTorch loop it wraps, on the same batches, side by side.
 
     python bench/learner_vs_torch.py [--threads 2] [--repeats 2] [--updates 5] [--device cpu|cuda]
-                                     [--model tiny|qwen0.5b]
+                                     [--model tiny|qwen0.5b] [--profile]
 
 tiny (the default): the batch is shaped like the default job's (configs/agent_grpo.yaml): 16 groups x 8
 episodes of the built-in `A*B?` task, lengths as measured in its runs: a prompt of 10 tokens, then a sampled
@@ -16,6 +16,9 @@ logprobs (token mean), backward, gradient clipping, step; for tiny also over the
 uses (batch.pack), which isolates the wrapper's own cost. `LearnerRank` runs the project's default
 algorithm on the same rows (world size 1). Interleaved A, B, C, C, B, A; trained tokens/s as ranges,
 and the seconds of LearnerRank.publish_weights (the full state dict gathered and handed to the publisher).
+--profile adds a table of one more update of each under torch.profiler: its wall time, the time the GPU was
+busy (kernels and copies), and the host's waits for the GPU (synchronising calls: count and seconds), which
+is where a wrapper loses to the bare loop when its GPU work is no larger.
 """
 
 from __future__ import annotations
@@ -125,6 +128,26 @@ def rate(update, batch, updates: int, device: str) -> float:
     return updates * int(batch.loss_mask.sum()) / (time.perf_counter() - started)
 
 
+SYNCING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def profiled(update, batch, device: str) -> tuple[float, float, int, float]:
+    """One update under torch.profiler: (wall s, GPU busy s, synchronising host calls, their s)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        update(batch)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    busy = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA) / 1e6
+    waits = [e for e in prof.key_averages() if e.key.startswith(SYNCING_CALLS)]
+    return wall, busy, sum(e.count for e in waits), sum(e.self_cpu_time_total for e in waits) / 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -132,6 +155,7 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default="tiny", choices=("tiny", "qwen0.5b"))
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
@@ -161,6 +185,8 @@ def main() -> None:
         for repeat in range(args.repeats):  # A, B, C, C, B, A
             for name in order if repeat % 2 == 0 else order[::-1]:
                 rates[name].append(rate(updates[name], batch, args.updates, args.device))
+        profiles = {name: profiled(update, batch, args.device) for name, update in updates.items()} \
+            if args.profile else {}
         publish_s = []  # the first call also allocates the pinned host copies (GPU) that later calls reuse,
         for sent in range(2):  # once the publisher has sent (and freed) the previous version, as in a run
             while rank.publisher.counts["sent"] < sent:
@@ -182,6 +208,13 @@ def main() -> None:
         table.add_row(labels[name], f"{min(values):,.0f}-{max(values):,.0f}", f"{statistics.median(values):,.0f}",
                       f"{min(ours) / max(values):.2f}-{max(ours) / min(values):.2f}x")
     Console(width=200).print(table)
+    if profiles:
+        table = Table(title="one more update of each under torch.profiler")
+        for column in ("", "wall s", "GPU busy s", "host waits for the GPU", "their s"):
+            table.add_column(column, justify="right")
+        for name, (wall, busy, waits, waited) in profiles.items():
+            table.add_row(labels[name], f"{wall:.3f}", f"{busy:.3f}", str(waits), f"{waited:.3f}")
+        Console(width=200).print(table)
 
 if __name__ == "__main__":
     main()
