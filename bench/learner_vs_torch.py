@@ -41,7 +41,8 @@ from transformers import AutoModelForCausalLM
 from nanoverl_async.config import AlgorithmConfig, KLConfig, LearnerConfig, ModelConfig
 from nanoverl_async.learners.batch import (collate, pack, sequence_logprobs, token_budget_bounds, trimmed,
                                            with_advantages)
-from nanoverl_async.learners.fsdp_rank import LearnerRank, LearnerSetup
+from nanoverl_async.learners.fsdp_rank import LearnerRank
+from nanoverl_async.learners.setup import LearnerSetup
 from nanoverl_async.models import DTYPES, resolve_model_path
 from nanoverl_async.trajectory import Trajectory
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2Config
 
 from nanoverl_async import multiply_task
 from nanoverl_async.model_cache import build_once
@@ -150,6 +150,8 @@ def build_model(tokenizer: PreTrainedTokenizerFast, recipe: TinyRecipe) -> Qwen2
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    from transformers import Qwen2ForCausalLM  # here: modeling code costs every importer of models.py a second
+
     torch.manual_seed(recipe.seed)
     model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2
 from nanoverl_async.algorithms import LossInputs, policy_loss
 from nanoverl_async.config import AlgorithmConfig, KLConfig, LearnerConfig, ModelConfig
 from nanoverl_async.learners.batch import collate, sequence_logprobs, with_advantages
-from nanoverl_async.learners.fsdp_rank import LearnerRank, LearnerSetup
+from nanoverl_async.learners.fsdp_rank import LearnerRank
+from nanoverl_async.learners.setup import LearnerSetup
 from nanoverl_async.tiny_model import build_tokenizer
 from synthetic import episodes
 from nanoverl_async.weights import WeightSubscriber

@@ -1,11 +1,13 @@
 """The package's import graph: no cycles (lazy imports inside functions count too), and the value checker
 stays pure (it reaches nothing that opens a socket or runs user code); static, from the source. And what one
-process really imports: the buffer's stays light."""
+process really imports: the buffer's and the controller's stay light."""
 
 import ast
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nanoverl_async"
 SOCKETS_OR_USER_CODE = {"zmq", "ray", "httpx", "nanoverl_async.user_code", "nanoverl_async.env",
@@ -57,10 +59,14 @@ def test_the_value_checker_opens_no_socket_and_runs_no_user_code():
     assert "nanoverl_async.validation" in reachable(graph, "nanoverl_async.config")  # the graph is real
 
 
-def test_the_buffers_process_imports_no_torch():
-    """Ray imports an actor's class module in the actor's process: the buffer's (role_actors.py, unpickling a
-    Config) must start without torch or transformers, seconds of CPU beside the roles that need them."""
-    probe = ("import sys\nimport nanoverl_async.config, nanoverl_async.role_actors\n"
-             "print(','.join(sorted({'torch', 'transformers'} & set(sys.modules))))")
+@pytest.mark.parametrize("process, modules, heavy", [
+    ("the buffer's", "nanoverl_async.config, nanoverl_async.role_actors", ("torch", "transformers")),
+    ("the controller's", "nanoverl_async.launcher", ("torch.distributed.fsdp", "transformers.modeling_utils")),
+])
+def test_processes_import_only_what_their_role_needs(process, modules, heavy):
+    """Ray imports an actor's class module in the actor's process (the buffer's: role_actors.py, unpickling
+    a Config), and the controller imports the launcher: neither may pull in what only the generators and
+    learner ranks need, seconds of CPU at start-up beside the roles that do."""
+    probe = f"import sys\nimport {modules}\nprint(','.join(sorted({set(heavy)!r} & set(sys.modules))))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "", f"the buffer's process would import {out.stdout.strip()}"
+    assert out.stdout.strip() == "", f"{process} process would import {out.stdout.strip()}"

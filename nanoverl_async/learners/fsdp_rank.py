@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 import torch
@@ -46,36 +44,16 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from nanoverl_async.algorithms import (LossInputs, aggregate, kl_estimates, kl_per_token, loss_normaliser,
                                       merge_metrics, policy_loss, reduce_token_metrics, value_loss)
-from nanoverl_async.config import (AlgorithmConfig, CriticConfig, KLConfig, LearnerConfig, ModelConfig,
-                                   ReferenceConfig, SGLangConfig)
+from nanoverl_async.config import SGLangConfig
 from nanoverl_async.learners.batch import (Packing, TrainBatch, epoch_order, keeps_packed_sequences_apart, pack,
                                            sequence_logprobs, sequence_logprobs_and_entropy, shard, split_to,
                                            take_rows, to_device, token_budget_bounds, trimmed)
 from nanoverl_async.learners.checkpoint import full_state_dict, load_training_state, save_hf, save_training_state
+from nanoverl_async.learners.setup import PROCESS_GROUP_TIMEOUT_S, LearnerSetup
 from nanoverl_async.models import DTYPES
 from nanoverl_async.weights import WeightPublisher
-from nanoverl_async.wire_auth import CurveKeys
 
 log = logging.getLogger(__name__)
-
-PROCESS_GROUP_TIMEOUT_S = 600  # a collective that waits longer than this fails loudly instead of hanging
-
-
-@dataclass(frozen=True)
-class LearnerSetup:
-    """What every learner rank is built from: the config sections it reads, and three values from others."""
-
-    model: ModelConfig  # path: a Hugging Face directory (builtin: names resolved); dtype: compute and publish
-    learner: LearnerConfig = field(default_factory=LearnerConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    kl: KLConfig = field(default_factory=KLConfig)
-    reference: ReferenceConfig = field(default_factory=ReferenceConfig)  # KL's frozen policy; "" = model.path
-    critic: CriticConfig = field(default_factory=CriticConfig)  # algorithm.advantage=gae only
-    wire_host: str = "127.0.0.1"  # where rank 0's weight publisher binds (wire.host as placed, wire_auth.py)
-    temperature: float = 1.0  # generator.temperature: logprobs of the distribution the generators sample
-    seed: int = 0  # run.seed
-    max_total_tokens: int = 0  # agent.max_total_tokens: overlong limit, seq-mean-token-sum-norm's constant
-    curve: Optional[CurveKeys] = None  # the run's keys when wire.host is not loopback (wire_auth.py)
 
 
 class LearnerRank:

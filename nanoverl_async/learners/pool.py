@@ -22,19 +22,17 @@ import torch
 
 from nanoverl_async.config import Config, SGLangConfig
 from nanoverl_async.learners.batch import TrainBatch, collate, explained_variance, group_size_of, with_advantages
-from nanoverl_async.learners.fsdp_rank import PROCESS_GROUP_TIMEOUT_S, LearnerRank, LearnerSetup
+from nanoverl_async.learners.setup import PROCESS_GROUP_TIMEOUT_S, LearnerSetup
 from nanoverl_async.learners.sglang_nccl import check_reachable
-from nanoverl_async.models import require_model_dir
 from nanoverl_async.wire_auth import CurveKeys, bind_host
 
 TIMEOUT_S = PROCESS_GROUP_TIMEOUT_S + 60  # a rank stuck in a collective fails first, with its own error
 
 
-class _DeferredRank(LearnerRank):
-    """A LearnerRank whose construction waits until rank 0 has told everyone where to meet."""
-
-    def __init__(self):  # the real __init__ runs in `start`
-        pass
+class _RankProcess:
+    """One learner rank's process. It starts empty, so that rank 0 can first pick where the ranks meet;
+    `start` then builds the LearnerRank, imported only here, in the rank's own process (the controller
+    needs none of FSDP or a model class), and `call` runs one of its methods."""
 
     def rendezvous_address(self) -> tuple[str, int]:
         with socket.socket() as probe:
@@ -45,10 +43,16 @@ class _DeferredRank(LearnerRank):
         return ray.util.get_node_ip_address()
 
     def start(self, setup: LearnerSetup, rank: int, master_addr: str, master_port: int) -> None:
+        from nanoverl_async.learners.fsdp_rank import LearnerRank
+        from nanoverl_async.models import require_model_dir
+
         node = ray.util.get_node_ip_address()
         require_model_dir(setup.model.path, f"node {node}")
         setup = dataclasses.replace(setup, wire_host=bind_host(setup.wire_host, node))
-        LearnerRank.__init__(self, setup, rank, master_addr, master_port)
+        self.rank = LearnerRank(setup, rank, master_addr, master_port)
+
+    def call(self, method: str, *args):
+        return getattr(self.rank, method)(*args)
 
 
 class LearnerPool:
@@ -65,18 +69,18 @@ class LearnerPool:
         self.needs_reference = cfg.kl.loss_coef > 0 or cfg.kl.reward_coef > 0
         self.needs_values = cfg.algorithm.advantage == "gae"
         gpus = learner.gpus_per_rank if learner.device == "cuda" else 0
-        actor = ray.remote(num_cpus=0, num_gpus=gpus, resources=cfg.ray.resources("learner"))(_DeferredRank)
+        actor = ray.remote(num_cpus=0, num_gpus=gpus, resources=cfg.ray.resources("learner"))(_RankProcess)
         self.ranks = [actor.remote() for _ in range(learner.world_size)]
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=TIMEOUT_S)
         ray.get([actor_rank.start.remote(setup, rank, master_addr, master_port)
                  for rank, actor_rank in enumerate(self.ranks)], timeout=TIMEOUT_S)
-        self.weights_endpoint: str = ray.get(self.ranks[0].weights_endpoint.remote(), timeout=TIMEOUT_S)
+        self.weights_endpoint: str = ray.get(self.ranks[0].call.remote("weights_endpoint"), timeout=TIMEOUT_S)
         self.nodes: list[str] = ray.get([rank.node.remote() for rank in self.ranks], timeout=TIMEOUT_S)  # per rank
 
     def _all(self, method: str, *args) -> list:
         """Call `method(*args)` on every rank at once (they run collectives together); one result per rank.
         The first rank to fail raises at once: its peers would otherwise sit in a collective until timeout."""
-        refs = [getattr(rank, method).remote(*args) for rank in self.ranks]
+        refs = [rank.call.remote(method, *args) for rank in self.ranks]
         pending, deadline = list(refs), time.monotonic() + TIMEOUT_S
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
@@ -144,7 +148,7 @@ class LearnerPool:
 
     def shutdown(self) -> None:
         """Close the publisher and process groups, then end the actors; never hangs."""
-        refs = [rank.shutdown.remote() for rank in self.ranks]
+        refs = [rank.call.remote("shutdown") for rank in self.ranks]
         ray.wait(refs, num_returns=len(refs), timeout=30)
         for rank in self.ranks:
             ray.kill(rank)
