@@ -321,8 +321,8 @@ def start_ray(cfg: RayConfig) -> bool:
     if cfg.address:
         runtime_env = {"env_vars": quiet, "py_modules": [str(package)]}
     else:  # workers inherit this environment; a runtime_env would bar them from Ray's prestarted ones (~1.3 s)
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            path for path in (str(package.parent), os.environ.get("PYTHONPATH", "")) if path)
+        paths = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+        os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(package.parent), *paths]))
     ray.init(address=cfg.address or None, num_cpus=cfg.num_cpus or None, include_dashboard=False,
              logging_level="WARNING", runtime_env=runtime_env)
     return True
