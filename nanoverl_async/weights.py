@@ -4,6 +4,7 @@ Wire (one multipart message per version):
     frame 0: msgpack {"version": int, "nbytes": int, "checksum": str}
     frame 1: safetensors.torch.save(full_state_dict)
     checksum = hashlib.blake2b(frame 1, digest_size=16).hexdigest()
+The receiver's tensors view the received frame (`deserialise`): no copy of a whole model on the way in.
 
 Invariants:
   - `WeightPublisher.publish` never blocks the training loop: serialisation and sending happen on one
@@ -21,14 +22,15 @@ Run alone: `python -m pytest tests/test_weights.py -q`.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import math
 import threading
 from typing import Optional
 
 import msgpack
 import torch
 import zmq
-from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from nanoverl_async.wire_auth import CurveKeys, admit_run_clients, connect, serve
@@ -54,6 +56,37 @@ def serialise(state_dict: dict[str, torch.Tensor]) -> bytes:
         tensors[name] = tensor.clone() if storage in seen else tensor
         seen.add(storage)
     return safetensors_save(tensors)
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def deserialise(payload: memoryview) -> dict[str, torch.Tensor]:
+    """`serialise`'s bytes -> tensors that view `payload` (and keep it alive). safetensors' own loader takes
+    `bytes`, a copy of the whole payload, then copies each tensor again: for a 0.5B model two copies of a
+    gigabyte, with the generator's event loop waiting on the GIL. The layout (safetensors' documented
+    format): an 8-byte little-endian header size, a JSON header {name: {dtype, shape, data_offsets}}, the
+    data. Raises ValueError on a header that does not fit the payload."""
+    size = int.from_bytes(payload[:8], "little")
+    if not 0 < size <= len(payload) - 8:
+        raise ValueError(f"header of {size} bytes in a payload of {len(payload)}")
+    header = json.loads(bytes(payload[8:8 + size]))
+    data = payload[8 + size:]
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, (start, stop) = SAFETENSORS_DTYPES.get(entry["dtype"]), entry["shape"], entry["data_offsets"]
+        if dtype is None:
+            raise ValueError(f"tensor {name!r}: dtype {entry['dtype']!r} is not one of {', '.join(SAFETENSORS_DTYPES)}")
+        count = math.prod(shape)
+        if not 0 <= start <= stop <= len(data) or stop - start != count * dtype.itemsize:
+            raise ValueError(f"tensor {name!r}: bytes {start}-{stop} of {len(data)} for {count} x {dtype}")
+        tensors[name] = torch.frombuffer(data, dtype=dtype, count=count, offset=start).view(shape) if count \
+            else torch.empty(shape, dtype=dtype)
+    return tensors
 
 
 class WeightPublisher:
@@ -172,7 +205,7 @@ class WeightSubscriber:
         if best is None:
             return None
         try:
-            return best[0], safetensors_load(bytes(best[1]))
+            return best[0], deserialise(best[1])
         except Exception as error:  # a checksummed payload that is not safetensors: a sender bug
             self.counts["dropped"] += 1
             log.warning("dropped weights version %d from %s: not safetensors (%s)", best[0], self.endpoint, error)

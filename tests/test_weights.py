@@ -8,7 +8,7 @@ import torch
 import zmq
 from safetensors.torch import save as safetensors_save
 
-from nanoverl_async.weights import WeightPublisher, WeightSubscriber, serialise
+from nanoverl_async.weights import WeightPublisher, WeightSubscriber, deserialise, serialise
 from weight_waits import wait_newest, wait_sent
 
 TIMEOUT_S = 10.0
@@ -72,6 +72,25 @@ def test_tied_tensors_serialise():
     shared = torch.randn(5, 2)
     payload = serialise({"embed.weight": shared, "lm_head.weight": shared})
     assert len(payload) > 2 * shared.numel() * 4
+
+
+def test_deserialise_views_the_payload_and_refuses_headers_that_do_not_fit():
+    sent = {"w": torch.randn(3, 5, dtype=torch.bfloat16), "b": torch.randn(7), "ids": torch.arange(4),
+            "flags": torch.tensor([True, False]), "empty": torch.zeros(0, 3)}
+    payload = bytearray(serialise(sent))
+    received = deserialise(memoryview(payload))
+    assert received.keys() == sent.keys()
+    for name, tensor in sent.items():
+        assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+    start = torch.frombuffer(payload, dtype=torch.uint8).data_ptr()
+    assert start <= received["w"].data_ptr() < start + len(payload)  # a view: nothing was copied
+    size = int.from_bytes(payload[:8], "little")
+    header = payload[8:8 + size].decode()
+    for bad in (payload[:8 + size + 10],  # data cut short
+                (10 ** 9).to_bytes(8, "little") + payload[8:],  # header size past the end
+                payload[:8] + header.replace('"BF16"', '"XX99"').encode() + payload[8 + size:]):  # unknown dtype
+        with pytest.raises(ValueError):
+            deserialise(memoryview(bytearray(bad)))
 
 
 def test_corrupt_and_mismatched_payloads_are_dropped_and_counted():
