@@ -6,6 +6,7 @@ import msgpack
 import pytest
 import torch
 import zmq
+from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from nanoverl_async.weights import WeightPublisher, WeightSubscriber, deserialise, serialise
@@ -68,20 +69,16 @@ def test_late_subscriber_gets_the_latest_version(pair):
         late.close()
 
 
-def test_tied_tensors_serialise():
-    shared = torch.randn(5, 2)
-    payload = serialise({"embed.weight": shared, "lm_head.weight": shared})
-    assert len(payload) > 2 * shared.numel() * 4
-
-
-def test_deserialise_views_the_payload_and_refuses_headers_that_do_not_fit():
+def test_the_payload_is_safetensors_received_as_views_and_a_header_that_does_not_fit_is_refused():
+    tied = torch.randn(2, 2)
     sent = {"w": torch.randn(3, 5, dtype=torch.bfloat16), "b": torch.randn(7), "ids": torch.arange(4),
-            "flags": torch.tensor([True, False]), "empty": torch.zeros(0, 3)}
+            "flags": torch.tensor([True, False]), "empty": torch.zeros(0, 3), "embed": tied, "head": tied}
     payload = bytearray(serialise(sent))
+    for received in (deserialise(memoryview(payload)), safetensors_load(bytes(payload))):  # ours and theirs
+        assert received.keys() == sent.keys()
+        for name, tensor in sent.items():
+            assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
     received = deserialise(memoryview(payload))
-    assert received.keys() == sent.keys()
-    for name, tensor in sent.items():
-        assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
     start = torch.frombuffer(payload, dtype=torch.uint8).data_ptr()
     assert start <= received["w"].data_ptr() < start + len(payload)  # a view: nothing was copied
     size = int.from_bytes(payload[:8], "little")
