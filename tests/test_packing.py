@@ -20,8 +20,7 @@ def padded_and_packed(model, batch):
     padded = sequence_logprobs(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits,
                                batch.input_ids, 0.8)
     packing = pack(batch.input_ids, batch.attention_mask)
-    logits = model(input_ids=packing.input_ids, position_ids=packing.position_ids, use_cache=False).logits
-    return padded, packing.unpack(sequence_logprobs(logits, packing.input_ids, 0.8)), packing
+    return padded, packing.unpack(sequence_logprobs(packing.forward(model), packing.input_ids, 0.8)), packing
 
 
 def test_packing_fills_rows_and_matches_the_padded_layout(model_dir):
@@ -50,6 +49,7 @@ def test_one_sequence_per_row_is_the_padded_layout():
     assert packing.input_ids.shape == batch.input_ids.shape
     order = batch.attention_mask.sum(dim=1).argsort(descending=True, stable=True)
     assert torch.equal(packing.input_ids, batch.input_ids[order])
+    assert packing.position_ids is None  # rows of one sequence from position 0: the plain causal mask
 
 
 class DropsPositions(torch.nn.Module):

@@ -235,11 +235,10 @@ class Packing:
     the longest sequence (verl's remove-padding, TRL's padding-free training)."""
 
     input_ids: Tensor  # int64 [r, c]
-    position_ids: Tensor  # int64 [r, c]
+    position_ids: Optional[Tensor]  # int64 [r, c]; None when no row holds several sequences (see forward)
     index: Tensor  # int64 [tokens]: flat position in [r * c] of each real token of [n, l], row-major
     destination: Tensor  # int64 [tokens]: flat position in [n * l] of each real token, row-major
     shape: tuple[int, int]  # [n, l], the micro-batch's
-    shared_rows: bool  # some row holds several sequences
 
     def unpack(self, token_indexed: Tensor) -> Tensor:
         """A token-indexed quantity on the packed layout [r, c] -> [n, l], 0 on padding and on token 0
@@ -255,12 +254,11 @@ class Packing:
         """The model's output (logits, or a critic's scores) on the packed rows [r, c, ...]. Position ids only
         where rows are shared: from them transformers derives the blocks of its mask, and checks on the host
         whether there are any (a wait for the GPU), while rows of one sequence need the plain causal mask."""
-        position_ids = self.position_ids if self.shared_rows else None
-        return model(input_ids=self.input_ids, position_ids=position_ids, use_cache=False).logits
+        return model(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=False).logits
 
     def to(self, device: torch.device) -> "Packing":
         return Packing(moved(self.input_ids, device), moved(self.position_ids, device), moved(self.index, device),
-                       moved(self.destination, device), self.shape, self.shared_rows)
+                       moved(self.destination, device), self.shape)
 
 
 def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True) -> Packing:
@@ -294,8 +292,9 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
     index = torch.cat([torch.arange(starts[s], starts[s] + lengths[s]) for s in range(len(lengths))]) \
         if lengths else torch.zeros(0, dtype=torch.long)
     destination = attention_mask.flatten().nonzero().squeeze(1)
-    return Packing(packed_ids.to(input_ids.device), positions.to(input_ids.device), index.to(input_ids.device),
-                   destination.to(input_ids.device), tuple(attention_mask.shape), len(rows) < len(lengths))
+    shared = len(rows) < len(lengths)  # else each row is one sequence from position 0: no ids needed
+    return Packing(packed_ids.to(input_ids.device), positions.to(input_ids.device) if shared else None,
+                   index.to(input_ids.device), destination.to(input_ids.device), tuple(attention_mask.shape))
 
 
 @torch.no_grad()
