@@ -4,7 +4,10 @@ Wire (one multipart message per version):
     frame 0: msgpack {"version": int, "nbytes": int, "checksum": str}
     frame 1: the full state dict in safetensors' layout (`serialise`; safetensors.torch.load reads it too):
              an 8-byte little-endian header size, a JSON header {name: {dtype, shape, data_offsets}}, data
-    checksum = hashlib.blake2b(frame 1, digest_size=16).hexdigest()
+    checksum = xxhash.xxh3_128(frame 1).hexdigest()
+The checksum catches a payload damaged or mis-framed on its way (CURVE, when on, authenticates the sender):
+xxh3 hashes a 360M-parameter bfloat16 model in about 0.07 s on one core, where blake2b took 1.2 s, at each
+end, of a 3.4 s publish-to-received latency (bench/weights_latency.py).
 Both ends are written here rather than with safetensors' own functions, which hold the GIL while they copy
 a whole model (about 1 s each way for 360M bfloat16 parameters on 2 cores), stalling the learner's
 training thread beside the publisher's and the generator's event loop. Here torch copies each tensor into
@@ -25,7 +28,6 @@ Run alone: `python -m pytest tests/test_weights.py -q`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -35,6 +37,7 @@ from typing import Optional
 import msgpack
 import numpy as np
 import torch
+import xxhash
 import zmq
 
 from nanoverl_async.wire_auth import CurveKeys, admit_run_clients, connect, serve
@@ -46,7 +49,7 @@ POLL_INTERVAL_S = 0.02  # how often the send thread checks for new work and new 
 
 
 def checksum(payload: bytes | memoryview | np.ndarray) -> str:
-    return hashlib.blake2b(payload, digest_size=16).hexdigest()
+    return xxhash.xxh3_128(payload).hexdigest()
 
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
@@ -75,7 +78,7 @@ def serialise(state_dict: dict[str, torch.Tensor]) -> np.ndarray:
         start, stop = entry["data_offsets"]
         if stop > start:
             payload[len(prefix) + start:len(prefix) + stop].copy_(tensors[name].reshape(-1).view(torch.uint8))
-    return payload.numpy()  # bytes to zmq and hashlib without a copy
+    return payload.numpy()  # bytes to zmq and xxhash without a copy
 
 
 def deserialise(payload: memoryview) -> dict[str, torch.Tensor]:
