@@ -1,13 +1,16 @@
-"""How long a weight version takes from `WeightPublisher.publish` to `WeightSubscriber.poll_newest` on one
-host, and where the time goes, for a model the size of the GPU benches' (bench/qwen_shape.py).
+"""How long a weight version takes from the learner to a generator on one host, and where the time goes,
+for a model the size of the GPU benches' (bench/qwen_shape.py), through the real classes.
 
     python bench/weights_latency.py [--model qwen-body|tiny] [--versions 4]
 
-qwen-body (the default): the Qwen2.5-0.5B body on the tiny tokenizer, ~358M parameters in bfloat16 (716 MB on
-the wire); tiny: the built-in model. Prints one table: each stage alone (the payload's layout, its
-checksum, blake2b's checksum for comparison, reading the payload back as tensors), then the whole path
-publish -> received (serialise, checksum, ZMQ over TCP loopback, checksum, views), min-max over --versions
-versions, each published once the previous one was received, as the learner publishes one per step.
+qwen-body (the default): the Qwen2.5-0.5B body on the tiny tokenizer, ~358M parameters, float32 master
+weights in a one-rank `LearnerRank` (FSDP2), published in bfloat16 (717 MB on the wire); tiny: the built-in
+model in float32. Prints one table: `LearnerRank.publish_weights` (rank 0 gathers each tensor, casts it and
+copies it into the wire payload; it returns once the payload is queued), then the whole path from calling
+it to a `WeightSubscriber.poll_newest` returning the version (the publisher's checksum and send, ZeroMQ
+over TCP loopback, the subscriber's checksum, tensors viewing the frame), min-max (median) over
+--versions versions, each published once the previous one was received, as the learner publishes one per
+step; and the checksum alone, xxh3-128 against blake2b-128, on the same payload.
 """
 
 from __future__ import annotations
@@ -15,30 +18,32 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import socket
+import statistics
 import sys
 import time
 
 import torch
 from rich.console import Console
 from rich.table import Table
-from safetensors.torch import load_file
 
+from nanoverl_async.config import LearnerConfig, ModelConfig
+from nanoverl_async.learners.fsdp_rank import LearnerRank
+from nanoverl_async.learners.setup import LearnerSetup
 from nanoverl_async.models import resolve_model_path
-from nanoverl_async.weights import WeightPublisher, WeightSubscriber, checksum, deserialise, serialise
+from nanoverl_async.weights import WeightSubscriber, checksum, serialise
 
 TIMEOUT_S = 120
 
 
-def state_dict(model: str) -> dict[str, torch.Tensor]:
-    if model == "tiny":
-        path = resolve_model_path("builtin:tiny")
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from qwen_shape import qwen_body_with_tiny_tokenizer
+def model(name: str) -> tuple[str, str]:
+    """(model directory, the run's dtype)."""
+    if name == "tiny":
+        return resolve_model_path("builtin:tiny"), "float32"
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from qwen_shape import qwen_body_with_tiny_tokenizer
 
-        path = qwen_body_with_tiny_tokenizer()
-    return {name: tensor for file in sorted(os.listdir(path)) if file.endswith(".safetensors")
-            for name, tensor in load_file(os.path.join(path, file)).items()}
+    return qwen_body_with_tiny_tokenizer(), "bfloat16"
 
 
 def seconds(work) -> float:
@@ -47,24 +52,22 @@ def seconds(work) -> float:
     return time.perf_counter() - started
 
 
-def publish_to_received(weights: dict[str, torch.Tensor], versions: int) -> list[float]:
-    publisher = WeightPublisher()
-    subscriber = WeightSubscriber(publisher.endpoint)
-    latencies = []
+def learner_to_generator(rank: LearnerRank, versions: int) -> tuple[list[float], list[float]]:
+    """([publish_weights s], [publish_weights called -> poll_newest returned s]) per version."""
+    subscriber = WeightSubscriber(rank.weights_endpoint())
+    publishing, received = [], []
     try:
         for version in range(1, versions + 1):
-            copies = {name: tensor.clone() for name, tensor in weights.items()}  # the learner's fresh copies
             started = time.perf_counter()
-            publisher.publish(version, copies)
-            del copies
+            rank.publish_weights(version)
+            publishing.append(time.perf_counter() - started)
             while subscriber.poll_newest(version - 1) is None:
                 assert time.perf_counter() - started < TIMEOUT_S, f"version {version} not received"
                 time.sleep(0.002)
-            latencies.append(time.perf_counter() - started)
+            received.append(time.perf_counter() - started)
     finally:
         subscriber.close()
-        publisher.close()
-    return latencies
+    return publishing, received
 
 
 def main() -> None:
@@ -72,24 +75,29 @@ def main() -> None:
     parser.add_argument("--model", default="qwen-body", choices=("qwen-body", "tiny"))
     parser.add_argument("--versions", type=int, default=4)
     args = parser.parse_args()
-    weights = state_dict(args.model)
-    payload = serialise(weights)
-    stages = {
-        "serialise (safetensors layout, torch copies)": seconds(lambda: serialise(weights)),
-        "checksum (xxh3-128)": seconds(lambda: checksum(payload)),
-        "checksum blake2b-128, for comparison": seconds(lambda: hashlib.blake2b(payload, digest_size=16).digest()),
-        "deserialise (views of the frame)": seconds(lambda: deserialise(memoryview(payload))),
-    }
-    latencies = publish_to_received(weights, args.versions)
-    parameters = sum(tensor.numel() for tensor in weights.values())
-    table = Table(title=f"Weights, one host: {args.model}, {parameters / 1e6:.0f}M parameters, "
-                        f"{payload.nbytes / 1e6:,.0f} MB a version, torch threads {torch.get_num_threads()}")
-    table.add_column("stage")
+    path, dtype = model(args.model)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    rank = LearnerRank(LearnerSetup(model=ModelConfig(path=path, dtype=dtype), learner=LearnerConfig(torch_threads=2)),
+                       0, "127.0.0.1", port)
+    try:
+        publishing, received = learner_to_generator(rank, args.versions)
+        payload = serialise(rank.model.state_dict() if dtype == "float32" else
+                            {name: tensor.full_tensor().to(torch.bfloat16) for name, tensor in rank.model.state_dict().items()})
+    finally:
+        rank.shutdown()
+    table = Table(title=f"Weights from the learner to a generator, one host: {args.model}, "
+                        f"{sum(p.numel() for p in rank.model.parameters()) / 1e6:.0f}M parameters, {dtype} on the wire "
+                        f"({payload.nbytes / 1e6:,.0f} MB a version), 2 torch threads")
+    table.add_column("")
     table.add_column("seconds", justify="right")
-    for stage, value in stages.items():
-        table.add_row(stage, f"{value:.3f}")
-    table.add_row(f"publish -> received, {args.versions} versions (min-max)",
-                  f"{min(latencies):.2f}-{max(latencies):.2f}")
+    span = lambda values: f"{min(values):.2f}-{max(values):.2f} ({statistics.median(values):.2f})"  # noqa: E731
+    table.add_row(f"LearnerRank.publish_weights, {args.versions} versions: min-max (median)", span(publishing))
+    table.add_row("publish_weights called -> the generator's poll_newest returns it", span(received))
+    table.add_row("checksum alone: xxh3-128 (the wire's)", f"{seconds(lambda: checksum(payload)):.3f}")
+    table.add_row("checksum alone: blake2b-128, for comparison",
+                  f"{seconds(lambda: hashlib.blake2b(payload, digest_size=16).digest()):.3f}")
     Console(width=160).print(table)
 
 

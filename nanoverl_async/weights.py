@@ -10,15 +10,19 @@ xxh3 hashes a 360M-parameter bfloat16 model in about 0.07 s on one core, where b
 end, of a 3.4 s publish-to-received latency (bench/weights_latency.py).
 Both ends are written here rather than with safetensors' own functions, which hold the GIL while they copy
 a whole model (about 1 s each way for 360M bfloat16 parameters on 2 cores), stalling the learner's
-training thread beside the publisher's and the generator's event loop. Here torch copies each tensor into
-the payload with the GIL released, and the receiver's tensors view the received frame: no copy at all.
+training thread beside the publisher's and the generator's event loop. Here the learner copies each tensor
+straight into its slot of the payload (`empty_payload`; torch copies, GIL released, from a GPU into pinned
+memory), and the receiver's tensors view the received frame: one copy on the host in all.
 
 Invariants:
-  - `WeightPublisher.publish` never blocks the training loop: serialisation and sending happen on one
+  - `WeightPublisher.publish` never blocks the training loop: the checksum and sending happen on one
     background thread, which alone owns the socket. If publishing falls behind, only the newest pending
     version is sent (older pending ones are counted as superseded, never sent out of order).
   - A subscriber that joins late is sent the latest version when its subscription arrives (the publisher
     is an XPUB socket), so it never waits a whole training step for its first weights.
+  - A payload handed to `publish` is the publisher's until `take_spare` hands it back, which it does only
+    once a newer version was sent after it and ZeroMQ is done with every send of it (tracked): no version
+    is overwritten on its way.
   - `WeightSubscriber.poll_newest` never blocks: it drains what is queued, drops (counts and logs) any
     message whose framing, nbytes or checksum is wrong, and returns only the newest version greater than
     the caller's. Every wait that can block (`close`) has a timeout.
@@ -46,6 +50,7 @@ log = logging.getLogger(__name__)
 
 HIGH_WATER_MARK = 4  # queued messages per peer; each may be a whole model, so keep few
 POLL_INTERVAL_S = 0.02  # how often the send thread checks for new work and new subscribers
+SPARE_PAYLOADS = 2  # sent payloads kept for the publisher's caller to write later versions into
 
 
 def checksum(payload: bytes | memoryview | np.ndarray) -> str:
@@ -58,27 +63,36 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch
 DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
-def serialise(state_dict: dict[str, torch.Tensor]) -> np.ndarray:
-    """The state dict in safetensors' layout, every key its own bytes (tied tensors too), widest dtypes first
-    so that every tensor starts aligned to its element size."""
-    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in state_dict.items()}
+def empty_payload(entries: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                  pin_memory: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A payload in safetensors' layout for tensors of these dtypes and shapes, header written, data not yet,
+    and each tensor's slot in it, a view to copy that tensor into (`serialise`; the learner copies straight
+    from its device, so a version is copied once on the host). Every key gets its own bytes (tied tensors
+    too), widest dtypes first, so that every slot starts aligned to its element size."""
     header, offset = {}, 0
-    for name in sorted(tensors, key=lambda name: -tensors[name].element_size()):
-        tensor = tensors[name]
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + nbytes]}
+    for name in sorted(entries, key=lambda name: -entries[name][0].itemsize):
+        dtype, shape = entries[name]
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     prefix = bytearray(len(encoded).to_bytes(8, "little") + encoded)
-    payload = torch.empty(len(prefix) + offset, dtype=torch.uint8)  # not zero-filled, unlike a bytearray
+    payload = torch.empty(len(prefix) + offset, dtype=torch.uint8, pin_memory=pin_memory)  # not zero-filled
     payload[:len(prefix)] = torch.frombuffer(prefix, dtype=torch.uint8)
-    for name, entry in header.items():
-        start, stop = entry["data_offsets"]
-        if stop > start:
-            payload[len(prefix) + start:len(prefix) + stop].copy_(tensors[name].reshape(-1).view(torch.uint8))
-    return payload.numpy()  # bytes to zmq and xxhash without a copy
+    data, slots = payload[len(prefix):], {}
+    for name, (dtype, shape) in entries.items():
+        start, stop = header[name]["data_offsets"]
+        slots[name] = data[start:stop].view(dtype).view(shape)
+    return payload, slots
+
+
+def serialise(state_dict: dict[str, torch.Tensor]) -> np.ndarray:
+    """The state dict as a payload (`empty_payload`), as a numpy array: bytes to zmq and xxhash, no copy."""
+    payload, slots = empty_payload({name: (tensor.dtype, tuple(tensor.shape)) for name, tensor in state_dict.items()})
+    for name, tensor in state_dict.items():
+        slots[name].copy_(tensor.detach())
+    return payload.numpy()
 
 
 def deserialise(payload: memoryview) -> dict[str, torch.Tensor]:
@@ -111,7 +125,8 @@ class WeightPublisher:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._bound = threading.Event()
-        self._pending: Optional[tuple[int, dict]] = None
+        self._pending: Optional[tuple[int, np.ndarray]] = None
+        self._retired: list[tuple[list[zmq.MessageTracker], np.ndarray]] = []  # for `take_spare`
         self._closing = False
         self.endpoint = ""
         self.error: Optional[BaseException] = None
@@ -122,17 +137,34 @@ class WeightPublisher:
         if not self._bound.wait(timeout=30) or not self.endpoint:
             raise RuntimeError(f"weight publisher could not bind on {host}: {self.error!r}")
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
-        """Queue `version` for sending and return at once. The publisher owns `state_dict` from now on:
-        pass tensors nobody will modify (e.g. the fresh copies of get_model_state_dict)."""
+    def publish(self, version: int, payload: np.ndarray) -> None:
+        """Queue `version` (its state dict as `serialise` or `empty_payload` lays it out) for sending and
+        return at once. The publisher owns `payload` from now on, until `take_spare` hands it back."""
         if self.error is not None:
             raise RuntimeError("weight publisher thread failed") from self.error
         with self._lock:
             if self._pending is not None:
                 self.counts["superseded"] += 1
-            self._pending = (version, state_dict)
+                self._retire([], self._pending[1])
+            self._pending = (version, payload)
             self.counts["published"] += 1
         self._wake.set()
+
+    def take_spare(self) -> Optional[np.ndarray]:
+        """A payload published earlier that is no longer needed (a newer version was sent after it, and
+        ZeroMQ has let go of it), to write the next version into: a fresh one of a large model spends as long
+        in page faults as in the copy. None if there is none yet."""
+        with self._lock:
+            for index, (sends, payload) in enumerate(self._retired):
+                if all(send.done for send in sends):
+                    del self._retired[index]
+                    return payload
+        return None
+
+    def _retire(self, sends: list[zmq.MessageTracker], payload: np.ndarray) -> None:
+        """Under the lock: `payload` is no longer the newest version (`sends`: its sends, which ZeroMQ may still
+        be reading it for); keep a few for take_spare."""
+        self._retired = [*self._retired, (sends, payload)][-SPARE_PAYLOADS:]
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Send what is pending, then stop the thread (never waits longer than timeout_s)."""
@@ -150,6 +182,7 @@ class WeightPublisher:
         socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
         socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # see every subscription, not only the first per topic
         latest: Optional[list] = None  # the frames of the newest version sent, for late subscribers
+        sends: list[zmq.MessageTracker] = []  # latest's sends: to every subscriber, then to each late one
         try:
             port = socket.bind_to_random_port(f"tcp://{host}")
             self.endpoint = f"tcp://{host}:{port}"
@@ -161,17 +194,19 @@ class WeightPublisher:
                 with self._lock:
                     pending, self._pending = self._pending, None
                 if pending is not None:
-                    version, state_dict = pending
-                    payload = serialise(state_dict)
-                    del state_dict, pending  # free the tensors before the next version arrives
+                    version, payload = pending
+                    del pending
                     header = msgpack.packb({"version": version, "nbytes": len(payload),
                                             "checksum": checksum(payload)})
+                    if latest is not None:
+                        with self._lock:
+                            self._retire(sends, latest[1])
                     latest = [header, payload]
-                    socket.send_multipart(latest, copy=False)
+                    sends = [socket.send_multipart(latest, copy=False, track=True)]
                     self.sent_version = version
                     self.counts["sent"] += 1
                 elif new_subscriber and latest is not None:
-                    socket.send_multipart(latest, copy=False)
+                    sends.append(socket.send_multipart(latest, copy=False, track=True))
                     self.counts["resent_to_new_subscribers"] += 1
                 if self._closing and self._pending is None:
                     break

@@ -1,4 +1,7 @@
-"""Weights wire protocol: round trip, newest wins, late joiners, corrupt payloads dropped (fast, CPU)."""
+"""Weights wire protocol: round trip, newest wins, late joiners, spare payloads, corrupt payloads dropped (fast,
+CPU)."""
+
+import time
 
 import msgpack
 import pytest
@@ -31,7 +34,7 @@ def pair():
 def test_round_trip(pair):
     publisher, subscriber = pair
     assert publisher.endpoint.startswith("tcp://127.0.0.1:")
-    publisher.publish(1, state(1.0))
+    publisher.publish(1, serialise(state(1.0)))
     version, received = wait_newest(subscriber, current_version=0, timeout_s=TIMEOUT_S)
     assert version == 1 and received.keys() == state(1.0).keys()
     for name, tensor in state(1.0).items():
@@ -41,10 +44,10 @@ def test_round_trip(pair):
 
 def test_newest_wins_and_older_versions_are_ignored(pair):
     publisher, subscriber = pair
-    publisher.publish(1, state(1.0))
+    publisher.publish(1, serialise(state(1.0)))
     wait_newest(subscriber, 0, TIMEOUT_S)
     for version in (2, 3, 4):
-        publisher.publish(version, state(float(version)))
+        publisher.publish(version, serialise(state(float(version))))
     wait_sent(publisher, 4, TIMEOUT_S)
     version, seen = 1, []
     while version < 4:  # sent is not yet delivered: a drain may stop before the newest arrives
@@ -58,7 +61,7 @@ def test_newest_wins_and_older_versions_are_ignored(pair):
 
 def test_late_subscriber_gets_the_latest_version(pair):
     publisher, _ = pair
-    publisher.publish(5, state(5.0))
+    publisher.publish(5, serialise(state(5.0)))
     wait_sent(publisher, 5, TIMEOUT_S)
     late = WeightSubscriber(publisher.endpoint)
     try:
@@ -66,6 +69,30 @@ def test_late_subscriber_gets_the_latest_version(pair):
         assert version == 5 and torch.equal(received["layer.weight"], torch.full((3, 4), 5.0))
     finally:
         late.close()
+
+
+def test_a_payload_comes_back_as_a_spare_only_once_a_newer_version_was_sent_and_zeromq_let_go_of_it(pair):
+    publisher, subscriber = pair
+    first, second, third = (serialise(state(float(v))) for v in (1, 2, 3))
+    publisher.publish(1, first)
+    wait_newest(subscriber, 0, TIMEOUT_S)
+    assert publisher.take_spare() is None  # version 1 is the newest: a late subscriber would be sent it
+    publisher.publish(2, second)
+    wait_newest(subscriber, 1, TIMEOUT_S)
+    deadline = time.monotonic() + TIMEOUT_S
+    while (spare := publisher.take_spare()) is None:  # once ZeroMQ's send of version 1 is done
+        assert time.monotonic() < deadline, "version 1's payload never came back"
+        time.sleep(0.005)
+    assert spare is first and publisher.take_spare() is None  # handed back once; version 2 is the newest
+    publisher.publish(3, third)
+    publisher.publish(4, spare)  # 3 is sent, or superseded before it was: a spare either way, as is 2
+    wait_newest(subscriber, 2, TIMEOUT_S)
+    spares = []
+    while len(spares) < 2:
+        assert time.monotonic() < deadline + TIMEOUT_S, f"spares {spares}"
+        spares += [payload for payload in [publisher.take_spare()] if payload is not None]
+        time.sleep(0.005)
+    assert sorted(map(id, spares)) == sorted(map(id, (second, third))) and publisher.take_spare() is None
 
 
 def test_the_payload_is_safetensors_received_as_views_and_a_header_that_does_not_fit_is_refused():

@@ -13,7 +13,7 @@ import zmq
 
 from nanoverl_async.buffer.service import BufferService
 from nanoverl_async.config import BufferConfig, GeneratorConfig
-from nanoverl_async.weights import WeightPublisher, WeightSubscriber
+from nanoverl_async.weights import WeightPublisher, WeightSubscriber, serialise
 from nanoverl_async.wire_auth import CurveKeys, connect, run_keys
 from weight_waits import wait_newest
 
@@ -58,7 +58,7 @@ def test_only_the_runs_generators_receive_the_weights():
     publisher = WeightPublisher("0.0.0.0", keys)
     ours, theirs = WeightSubscriber(publisher.endpoint, keys), WeightSubscriber(publisher.endpoint)
     try:
-        publisher.publish(1, {"w": torch.ones(3)})
+        publisher.publish(1, serialise({"w": torch.ones(3)}))
         version, state = wait_newest(ours, current_version=0, timeout_s=20)
         assert version == 1 and torch.equal(state["w"], torch.ones(3))
         time.sleep(REFUSED_WAIT_MS / 1000)  # time enough for a subscriber that could connect to get it too

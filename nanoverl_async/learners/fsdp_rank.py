@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -51,7 +52,7 @@ from nanoverl_async.learners.batch import (Packing, TrainBatch, epoch_order, kee
 from nanoverl_async.learners.checkpoint import full_state_dict, load_training_state, save_hf, save_training_state
 from nanoverl_async.learners.setup import PROCESS_GROUP_TIMEOUT_S, LearnerSetup
 from nanoverl_async.models import DTYPES
-from nanoverl_async.weights import WeightPublisher
+from nanoverl_async.weights import WeightPublisher, deserialise, empty_payload, serialise
 
 log = logging.getLogger(__name__)
 
@@ -287,39 +288,55 @@ class LearnerRank:
                                              pause_mode=cfg.pause_mode, timeout_s=cfg.control_timeout_s)
             self.sender.init_group(self.device)
 
+    @torch.no_grad()
     def publish_weights(self, version: int) -> None:
         """Collective: gather the full state dict to rank 0 in the run's dtype (what the generators compute
-        in; a no-op for float32). Disk transport: to rank 0's CPU, published without blocking. NCCL transport:
-        on rank 0's device (no CPU round trip), loaded into every server before this returns (they are
-        paused only meanwhile), then a version notice tells the generators which version their servers hold."""
+        in; a no-op for float32). ZeroMQ transport: into a payload in rank 0's host memory, published without
+        blocking. NCCL transport: on rank 0's device (no CPU round trip), loaded into every server before this
+        returns (they are paused only meanwhile), then a version notice tells the generators which version
+        their servers hold."""
+        state = self.model.state_dict()
         if self.nccl_transport:
-            state_dict = self._gathered(to_host=False)
+            gathered = dict(self._full_tensors(state))
             if self.sender is not None:
-                self.sender.send(state_dict.items(), version)
-                del state_dict
-                self.publisher.publish(version, {})
+                self.sender.send(gathered.items(), version)
+                del gathered
+                self.publisher.publish(version, serialise({}))
             return
-        state_dict = self._gathered(to_host=True)
+        payload = self._host_payload(state)
         if self.publisher is not None:
-            self.publisher.publish(version, state_dict)
+            self.publisher.publish(version, payload)
 
-    @torch.no_grad()
-    def _gathered(self, to_host: bool) -> dict[str, torch.Tensor]:
-        """Collective: the full state dict in the run's dtype on rank 0 ({} elsewhere), one tensor gathered at
-        a time: on its device, or (to_host) fresh host copies the publisher may serialise while the optimizer
-        steps, each cast before it crosses (from a GPU half the bytes, for bfloat16). From a GPU the copies
-        land in pinned memory without blocking, and the host waits once for all of them: a copy into
-        pageable memory waits for each tensor in turn (freed copies return to torch's pinned-memory cache,
-        so later versions reuse it)."""
-        out = {}
-        for name, tensor in self.model.state_dict().items():
+    def _full_tensors(self, state: dict) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective, one tensor gathered at a time: on rank 0, (name, the full tensor in the run's dtype on
+        this rank's device); nothing on the others."""
+        for name, tensor in state.items():
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if self.rank == 0:
-                full = full.to(self.dtype) if full.is_floating_point() else full
-                out[name] = _host_copy(full) if to_host else full
-        if to_host and self.device.type == "cuda":
+                yield name, full.to(self.dtype) if full.is_floating_point() else full
+
+    def _host_payload(self, state: dict) -> Optional[np.ndarray]:
+        """Collective: rank 0 copies each full tensor straight into its slot of a wire payload (None on the
+        other ranks), which the publisher sends while the optimizer steps: one it sent before and no longer
+        needs (`take_spare`; every version has the same layout), else a new one (weights.empty_payload). Each
+        tensor is cast before it crosses (from a GPU half the bytes, for bfloat16). From a GPU the payload is
+        pinned, the copies do not block, and the host waits once for all of them (into pageable memory each
+        copy would wait in turn)."""
+        cuda = self.device.type == "cuda"
+        payload, slots = None, {}
+        if self.rank == 0:
+            layout = {name: (self.dtype if tensor.is_floating_point() else tensor.dtype, tuple(tensor.shape))
+                      for name, tensor in state.items()}
+            payload = self.publisher.take_spare()
+            slots = deserialise(memoryview(payload)) if payload is not None else {}
+            if {name: (slot.dtype, tuple(slot.shape)) for name, slot in slots.items()} != layout:
+                fresh, slots = empty_payload(layout, pin_memory=cuda)
+                payload = fresh.numpy()
+        for name, full in self._full_tensors(state):
+            slots[name].copy_(full, non_blocking=cuda)
+        if cuda:
             torch.cuda.current_stream(self.device).synchronize()
-        return out
+        return payload
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the full (unsharded) fp32 state dict on rank 0's CPU; {} on other ranks."""
@@ -362,14 +379,6 @@ def _device(kind: str, rank: int) -> torch.device:
     index = rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
-
-
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A fresh host copy of `tensor`; from a GPU, pinned and not yet waited for (see `_gathered`)."""
-    if tensor.device.type != "cuda":
-        return tensor.to("cpu", copy=True)
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return host.copy_(tensor, non_blocking=True)
 
 
 def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
