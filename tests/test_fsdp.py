@@ -153,3 +153,37 @@ def test_two_ranks_match_one_rank_and_plain_torch(model_dir, tmp_path):
     for name, tensor in saved.state_dict().items():
         assert torch.allclose(tensor, weights[name], atol=1e-5), name
     assert AutoTokenizer.from_pretrained(tmp_path / "two" / "final").get_vocab() == build_tokenizer().get_vocab()
+
+
+def published_versions_equal_held(learner: LearnerRank, versions: int = 4) -> list:
+    """Update, then publish, `versions` times: each version received is exactly the weights the learner held
+    then (a float32 run: no cast). Returns what the publisher's take_spare handed rank 0 each time."""
+    subscriber = WeightSubscriber(learner.weights_endpoint())
+    take_spare, spares = learner.publisher.take_spare, []
+
+    def recorded_take_spare():
+        spares.append(take_spare())
+        return spares[-1]
+
+    learner.publisher.take_spare = recorded_take_spare
+    try:
+        for version in range(1, versions + 1):
+            learner.update(make_batch())
+            held = learner.full_state_dict()
+            learner.publish_weights(version)
+            received, published = wait_newest(subscriber, current_version=version - 1, timeout_s=30)
+            assert received == version and published.keys() == held.keys()
+            for name, tensor in held.items():
+                assert torch.equal(published[name], tensor.cpu()), (version, name)
+    finally:
+        subscriber.close()
+    return spares
+
+
+def test_each_published_version_is_the_weights_held_also_written_into_a_reused_payload(model_dir):
+    learner = LearnerRank(setup(model_dir), 0, "127.0.0.1", free_port())
+    try:
+        spares = published_versions_equal_held(learner)
+    finally:
+        learner.shutdown()
+    assert spares[:2] == [None, None] and any(spare is not None for spare in spares[2:])
