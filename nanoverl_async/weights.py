@@ -6,8 +6,8 @@ Wire (one multipart message per version):
              an 8-byte little-endian header size, a JSON header {name: {dtype, shape, data_offsets}}, data
     checksum = xxhash.xxh3_128(frame 1).hexdigest()
 The checksum catches a payload damaged or mis-framed on its way (CURVE, when on, authenticates the sender):
-xxh3 hashes a 360M-parameter bfloat16 model in about 0.07 s on one core, where blake2b took 1.2 s, at each
-end, of a 3.4 s publish-to-received latency (bench/weights_latency.py).
+xxh3 hashes a 358M-parameter bfloat16 version in about 0.05 s on one core, where blake2b took 1.0-1.2 s at
+each end of a 3.2-5.1 s learner-to-generator latency, now about 1.1 s (bench/weights_latency.py).
 Both ends are written here rather than with safetensors' own functions, which hold the GIL while they copy
 a whole model (about 1 s each way for 360M bfloat16 parameters on 2 cores), stalling the learner's
 training thread beside the publisher's and the generator's event loop. Here the learner copies each tensor
