@@ -64,9 +64,9 @@ DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
 def empty_payload(entries: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                  pin_memory: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """A payload in safetensors' layout for tensors of these dtypes and shapes, header written, data not yet,
-    and each tensor's slot in it, a view to copy that tensor into (`serialise`; the learner copies straight
+                  pin_memory: bool = False) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
+    """A payload in safetensors' layout for tensors of these dtypes and shapes, header written, data not yet
+    (a numpy array: bytes to zmq and xxhash without a copy), and each tensor's slot in it, a view to copy that tensor into (`serialise`; the learner copies straight
     from its device, so a version is copied once on the host). Every key gets its own bytes (tied tensors
     too), widest dtypes first, so that every slot starts aligned to its element size."""
     header, offset = {}, 0
@@ -84,15 +84,15 @@ def empty_payload(entries: dict[str, tuple[torch.dtype, tuple[int, ...]]],
     for name, (dtype, shape) in entries.items():
         start, stop = header[name]["data_offsets"]
         slots[name] = data[start:stop].view(dtype).view(shape)
-    return payload, slots
+    return payload.numpy(), slots
 
 
 def serialise(state_dict: dict[str, torch.Tensor]) -> np.ndarray:
-    """The state dict as a payload (`empty_payload`), as a numpy array: bytes to zmq and xxhash, no copy."""
+    """The state dict as a payload (`empty_payload`)."""
     payload, slots = empty_payload({name: (tensor.dtype, tuple(tensor.shape)) for name, tensor in state_dict.items()})
     for name, tensor in state_dict.items():
         slots[name].copy_(tensor.detach())
-    return payload.numpy()
+    return payload
 
 
 def deserialise(payload: memoryview) -> dict[str, torch.Tensor]:

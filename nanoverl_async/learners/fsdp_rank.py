@@ -330,8 +330,7 @@ class LearnerRank:
             payload = self.publisher.take_spare()
             slots = deserialise(memoryview(payload)) if payload is not None else {}
             if {name: (slot.dtype, tuple(slot.shape)) for name, slot in slots.items()} != layout:
-                fresh, slots = empty_payload(layout, pin_memory=cuda)
-                payload = fresh.numpy()
+                payload, slots = empty_payload(layout, pin_memory=cuda)
         for name, full in self._full_tensors(state):
             slots[name].copy_(full, non_blocking=cuda)
         if cuda:
