@@ -30,7 +30,7 @@ from rich.table import Table
 from nanoverl_async.config import LearnerConfig, ModelConfig
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.learners.setup import LearnerSetup
-from nanoverl_async.models import resolve_model_path
+from nanoverl_async.models import DTYPES, resolve_model_path
 from nanoverl_async.weights import WeightSubscriber, checksum, serialise
 
 TIMEOUT_S = 120
@@ -83,8 +83,8 @@ def main() -> None:
                        0, "127.0.0.1", port)
     try:
         publishing, received = learner_to_generator(rank, args.versions)
-        payload = serialise(rank.model.state_dict() if dtype == "float32" else
-                            {name: tensor.full_tensor().to(torch.bfloat16) for name, tensor in rank.model.state_dict().items()})
+        payload = serialise({name: tensor.full_tensor().to(DTYPES[dtype])
+                             for name, tensor in rank.model.state_dict().items()})
     finally:
         rank.shutdown()
     table = Table(title=f"Weights from the learner to a generator, one host: {args.model}, "
