@@ -39,8 +39,8 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM
 
 from nanoverl_async.config import AlgorithmConfig, KLConfig, LearnerConfig, ModelConfig
-from nanoverl_async.learners.batch import (collate, pack, sequence_logprobs, token_budget_bounds, trimmed,
-                                           with_advantages)
+from nanoverl_async.learners.batch import (collate, pack, prompt_lengths, sequence_logprobs, token_budget_bounds,
+                                           trimmed, with_advantages)
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.learners.setup import LearnerSetup
 from nanoverl_async.models import DTYPES, resolve_model_path
@@ -51,17 +51,21 @@ QWEN_SEQUENCES, QWEN_PROMPT, QWEN_SAMPLED, QWEN_MICRO_BATCH_TOKENS = 64, 128, 89
 
 
 def default_job_batch(vocab: int, seed: int = 0):
-    """128 trajectories shaped like the default job's episodes, with GRPO advantages."""
+    """128 trajectories shaped like the default job's episodes, with GRPO advantages; the samples of a group
+    share their 10-token prompt."""
     rng = np.random.default_rng(seed)
+    prompts = np.random.default_rng(seed + 1).integers(10, vocab, (GROUPS, 10))
     trajectories = []
     for i in range(GROUPS * GROUP_SIZE):
         call, answer, shape = int(rng.integers(5, 10)), int(rng.integers(3, 7)), rng.random()
         turns = 0 if shape < 0.4 else 1 if shape < 0.92 else 3  # tool calls; 8% use every turn (16-token turns)
         mask = [0] * 10 + ([1] * call + [0] * 5) * min(turns, 1) + ([1] * 16 + [0] * 5) * max(turns - 1, 0)
         mask = np.array(mask + [1] * answer, np.uint8)
+        token_ids = rng.integers(10, vocab, len(mask)).astype(np.int32)
+        token_ids[:10] = prompts[i // GROUP_SIZE]
         trajectories.append(Trajectory(
             id=str(i), group_id=i // GROUP_SIZE, prompt_index=i // GROUP_SIZE, sample_index=i % GROUP_SIZE,
-            token_ids=rng.integers(10, vocab, len(mask)).astype(np.int32), loss_mask=mask,
+            token_ids=token_ids, loss_mask=mask,
             behaviour_logprobs=np.where(mask == 1, -rng.uniform(0.05, 2.0, len(mask)), 0).astype(np.float32),
             versions=np.where(mask == 1, 0, -1).astype(np.int32), reward=float(rng.random() < 0.5)))
     return with_advantages(collate(trajectories), GROUP_SIZE, AlgorithmConfig(), KLConfig(), MAX_TOTAL_TOKENS)
@@ -107,8 +111,8 @@ class BareLoop:
         advantages = mb.advantages.to(self.device)[:, None]
         with self.autocast:
             if self.packed:
-                packing = pack(ids, attention)
-                logprobs = packing.unpack(sequence_logprobs(packing.forward(self.model), packing.input_ids, 1.0))
+                packing = pack(mb.input_ids, mb.attention_mask, prompts=prompt_lengths(mb.loss_mask)).to(self.device)
+                logprobs = packing.logprobs(packing.forward(self.model), 1.0)
             else:
                 logprobs = sequence_logprobs(self.model(input_ids=ids, attention_mask=attention).logits, ids, 1.0)
         ratio = torch.exp((logprobs - old) * mask)

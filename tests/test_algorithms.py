@@ -407,3 +407,9 @@ def test_logprobs_and_entropy_in_one_pass_equal_the_two_functions():
         assert torch.allclose(entropy, token_entropy(logits, temperature), atol=1e-6)
         assert logprobs.requires_grad and not entropy.requires_grad  # a metric unless the loss uses it
         assert token_logprobs_and_entropy(logits, targets, temperature, entropy_grad=True)[1].requires_grad
+    # with rows: logits [P, V], row rows[i] predicts targets[i], and a row may predict several tokens
+    flat, rows, picked = logits.detach().flatten(0, 1), torch.tensor([0, 0, 3, 7, 7, 14]), torch.randint(11, (6,))
+    want = torch.log_softmax(flat / 0.7, -1)[rows, picked]
+    assert torch.allclose(token_logprobs(flat, picked, 0.7, rows), want, atol=1e-6)
+    logprobs, entropy = token_logprobs_and_entropy(flat, picked, 0.7, False, rows)
+    assert torch.allclose(logprobs, want, atol=1e-6) and torch.allclose(entropy, token_entropy(flat, 0.7)[rows])

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2
 
 from nanoverl_async.algorithms import LossInputs, policy_loss
 from nanoverl_async.config import AlgorithmConfig, KLConfig, LearnerConfig, ModelConfig
-from nanoverl_async.learners.batch import collate, sequence_logprobs, with_advantages
+from nanoverl_async.learners.batch import collate, pack, prompt_lengths, sequence_logprobs, with_advantages
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.learners.setup import LearnerSetup
 from nanoverl_async.tiny_model import build_tokenizer
@@ -49,8 +49,10 @@ def write_model_dir(path) -> str:
 
 
 def make_batch():
-    """4 episodes in 2 groups: prompt, sampled tokens, a tool result (mask 0), more sampled tokens."""
-    batch = collate(episodes([(3, [4, 2], 1.0), (3, [5], 0.0), (4, [2, 3], 0.0), (4, [6], 1.0)], seed=0))
+    """4 episodes in 2 groups, each sharing its prompt: prompt, sampled tokens, a tool result (mask 0), more
+    sampled tokens. In one micro-batch the second group's prompt is packed once (batch.pack)."""
+    batch = collate(episodes([(3, [4, 2], 1.0), (3, [5], 0.0), (4, [2], 0.0), (4, [1], 1.0)], seed=0,
+                             shared_prompts=True))
     return with_advantages(batch, 2, ALGO, KLConfig(), max_total_tokens=16)
 
 
@@ -78,7 +80,8 @@ def train_and_report(rank, world_size, port, model_dir, out_dir, micro_batch_tok
         version, published = wait_newest(subscriber, current_version=0, timeout_s=30)
         subscriber.close()
         torch.save({"logprobs": torch.from_numpy(np.concatenate(parts)), "first": first, "second": second,
-                    "version": version, "published": published}, f"{out_dir}/result.pt")
+                    "version": version, "published": published, "shares_prompts": learner.shares_prompts},
+                   f"{out_dir}/result.pt")
     learner.shutdown()
 
 
@@ -123,6 +126,9 @@ def test_two_ranks_match_one_rank_and_plain_torch(model_dir, tmp_path):
     batch = make_batch()
     initial_logprobs, losses, weights = plain_reference(model_dir, batch)
     mask = batch.loss_mask.bool()
+    # one rank trains the whole batch in one micro-batch, the second group's prompt packed once
+    assert one["shares_prompts"] and pack(batch.input_ids, batch.attention_mask,
+                                          prompts=prompt_lengths(batch.loss_mask)).attention_mask is not None
 
     # proximal logprobs: learner (1 and 2 ranks) == a plain forward of the initial weights, 0 off the mask
     plain_initial = torch.where(mask, initial_logprobs, 0.0)

@@ -1,73 +1,138 @@
 """Sequence packing in the learner (batch.pack): several sequences per row, kept apart by restarting
-position ids, give the same logprobs and gradients as the padded layout, and a model whose attention
-would mix them is detected (the learner then pads one sequence per row).
+position ids, and the samples of a group sharing their prompt under an explicit mask, give the same
+logprobs, entropies, values and gradients as the padded layout; a model whose attention would mix them is
+detected (the learner then pads one sequence per row).
 
 Run alone: `python -m pytest tests/test_packing.py -q` (~5 s).
 """
 
+import pytest
 import torch
 from test_fsdp import model_dir  # noqa: F401 (a fixture)
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from nanoverl_async.learners.batch import collate, keeps_packed_sequences_apart, pack, sequence_logprobs
+from nanoverl_async.algorithms import token_entropy
+from nanoverl_async.learners.batch import (attends_to_whole_context, collate, keeps_packed_sequences_apart, pack,
+                                           prompt_lengths, sequence_logprobs)
 from synthetic import episodes
 
 # lengths 11, 8, 10, 5, 23, 7: the 23-token row sets the padded width, the others share rows
 SHAPES = [(3, [4, 2], 1.0), (3, [5], 0.0), (4, [6], 1.0), (2, [3], 0.0), (5, [6, 5, 3], 1.0), (3, [4], 0.0)]
+# groups of 4: two with 6-token prompts (lengths 8-14), one with a 4-token prompt whose 30-token sequence sets
+# the row length
+GROUPS = [(6, turns, 1.0) for turns in ([2], [3, 2], [4], [2, 4])] + [(6, turns, 0.0) for turns in (
+    [3], [2], [2], [2])] + [(4, turns, 1.0) for turns in ([12, 12], [3], [2], [5])]
 
 
-def padded_and_packed(model, batch):
-    padded = sequence_logprobs(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits,
-                               batch.input_ids, 0.8)
-    packing = pack(batch.input_ids, batch.attention_mask)
-    return padded, packing.unpack(sequence_logprobs(packing.forward(model), packing.input_ids, 0.8)), packing
+def grouped_batch():
+    return collate(episodes(GROUPS, seed=1, group_size=4, shared_prompts=True))
 
 
-def test_packing_fills_rows_and_matches_the_padded_layout(model_dir):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    batch = collate(episodes(SHAPES, seed=0))
-    padded, packed, packing = padded_and_packed(model, batch)
-    assert packing.input_ids.shape == (3, 23)  # 23 | 11 + 10 | 8 + 7 + 5: 69 slots for 64 tokens, not 6 x 23
-    scored = batch.attention_mask.bool().clone()
-    scored[:, 0] = False  # token 0 has no logits to predict it
-    assert torch.allclose(packed[scored], padded[scored], atol=1e-5)
-    assert packed[~scored].abs().sum() == 0
+def padded_and_packed(model, batch, prompts=None):
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    packing = pack(batch.input_ids, batch.attention_mask, prompts=prompts)
+    return sequence_logprobs(logits, batch.input_ids, 0.8), packing.logprobs(packing.forward(model), 0.8), packing
 
-    # the gradients of a loss on the logprobs agree too
+
+def scored(batch):
+    """Where a token-indexed quantity is defined: real tokens after token 0 (no logits predict token 0)."""
+    where = batch.attention_mask.bool().clone()
+    where[:, 0] = False
+    return where
+
+
+def assert_same_logprobs_and_gradients(model, batch, prompts=None):
+    padded, packed, _ = padded_and_packed(model, batch, prompts)
+    assert torch.allclose(packed[scored(batch)], padded[scored(batch)], atol=1e-5)
+    assert packed[~scored(batch)].abs().sum() == 0
     weights = batch.loss_mask * torch.linspace(-1, 1, batch.size)[:, None]
     grads = []
-    for logprobs in padded_and_packed(model, batch)[:2]:
+    for logprobs in padded_and_packed(model, batch, prompts)[:2]:
         model.zero_grad()
         (logprobs * weights).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-5)
 
 
+def test_packing_fills_rows_and_matches_the_padded_layout(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    batch = collate(episodes(SHAPES, seed=0))
+    packing = padded_and_packed(model, batch)[2]
+    assert packing.input_ids.shape == (3, 23)  # 23 | 11 + 10 | 8 + 7 + 5: 69 slots for 64 tokens, not 6 x 23
+    assert packing.attention_mask is None  # restarting position ids keep the sequences apart
+    assert_same_logprobs_and_gradients(model, batch)
+
+
+def test_a_shared_prompt_is_computed_once_per_row_and_changes_nothing(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    batch = grouped_batch()
+    prompts = prompt_lengths(batch.loss_mask)
+    assert prompts.tolist() == [6] * 8 + [4] * 4
+    alone, shared = pack(batch.input_ids, batch.attention_mask), pack(batch.input_ids, batch.attention_mask,
+                                                                     prompts=prompts)
+    # 130 tokens; each group's prompt once per row: 6 + 8 + 7 + 4 + 2 | 6 + 3 + 2 + 2 + 2 and 4 + 5 + 3 + 2 |
+    # the 30-token sequence alone: 86 tokens in 3 rows of 30, against 5 rows without sharing
+    assert int(batch.attention_mask.sum()) == 130 and alone.input_ids.shape == (5, 30)
+    assert shared.input_ids.shape == (3, 30) and shared.attention_mask.shape == (3, 1, 30, 30)
+    assert_same_logprobs_and_gradients(model, batch, prompts)
+
+    # the entropy and a per-position value (a critic's) are read at the same predicting positions
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    packed_logits = shared.forward(model)
+    _, entropy = shared.logprobs_and_entropy(packed_logits, 0.8, entropy_grad=False)
+    want = torch.cat([torch.zeros(batch.size, 1), token_entropy(logits[:, :-1], 0.8)], dim=1)
+    assert torch.allclose(entropy[scored(batch)], want[scored(batch)], atol=1e-5)
+    values = shared.predicted(packed_logits[..., 0])
+    want = torch.cat([torch.zeros(batch.size, 1), logits[:, :-1, 0]], dim=1)
+    assert torch.allclose(values[scored(batch)], want[scored(batch)], atol=1e-5)
+
+
+def test_only_identical_prompts_are_shared():
+    batch = grouped_batch()
+    batch.input_ids[1, 5] = (batch.input_ids[1, 5] + 1) % 100  # sample 1's prompt now differs in its last token
+    packing = pack(batch.input_ids, batch.attention_mask, prompts=prompt_lengths(batch.loss_mask))
+    # sample 1's own first token is predicted inside its own block, not at the shared prompt's last position
+    first_of = {int(d) // batch.input_ids.shape[1]: int(p) for d, p in
+                zip(packing.destination.flip(0), packing.predictor.flip(0)) if int(d) % batch.input_ids.shape[1] == 6}
+    assert first_of[0] == first_of[2] == first_of[3] and first_of[1] != first_of[0]
+
+
 def test_one_sequence_per_row_is_the_padded_layout():
     batch = collate(episodes(SHAPES, seed=0))
-    packing = pack(batch.input_ids, batch.attention_mask, several_per_row=False)
+    packing = pack(batch.input_ids, batch.attention_mask, several_per_row=False,
+                   prompts=prompt_lengths(batch.loss_mask))
     assert packing.input_ids.shape == batch.input_ids.shape
     order = batch.attention_mask.sum(dim=1).argsort(descending=True, stable=True)
     assert torch.equal(packing.input_ids, batch.input_ids[order])
-    assert packing.position_ids is None  # rows of one sequence from position 0: the plain causal mask
+    assert packing.position_ids is None and packing.attention_mask is None  # the plain causal mask
 
 
-class DropsPositions(torch.nn.Module):
-    """A model whose attention ignores restarting position ids (so packed sequences see each other)."""
+class Drops(torch.nn.Module):
+    """A model whose attention ignores one of the inputs that keep packed sequences apart."""
 
-    def __init__(self, model):
+    def __init__(self, model, ignored: str):
         super().__init__()
-        self.inner, self.config = model, model.config
+        self.inner, self.config, self.ignored = model, model.config, ignored
 
-    def forward(self, input_ids, position_ids=None, **kwargs):
-        return self.inner(input_ids=input_ids, **kwargs)
+    def forward(self, **kwargs):
+        return self.inner(**{key: value for key, value in kwargs.items() if key != self.ignored})
 
     def reshard(self):  # what FSDP2 modules offer; nothing to do here
         pass
 
 
-def test_a_model_that_mixes_packed_sequences_is_detected(model_dir):
+@pytest.mark.parametrize("ignored", ["position_ids", "attention_mask"])
+def test_a_model_that_mixes_packed_sequences_is_detected(model_dir, ignored):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.reshard = lambda: None
     assert keeps_packed_sequences_apart(model, torch.device("cpu"))
-    assert not keeps_packed_sequences_apart(DropsPositions(model), torch.device("cpu"))
+    assert not keeps_packed_sequences_apart(Drops(model, ignored), torch.device("cpu"))
+
+
+def test_only_models_attending_to_the_whole_context_share_prompts(model_dir):
+    config = AutoConfig.from_pretrained(model_dir)
+    assert attends_to_whole_context(config)
+    config.sliding_window = 4
+    assert not attends_to_whole_context(config)
+    config.sliding_window, config.layer_types = None, ["full_attention", "sliding_attention"]
+    assert not attends_to_whole_context(config)

@@ -4,7 +4,8 @@ optionally a frozen reference (KL) and a critic (advantage=gae) sharded the same
 Every rank receives the WHOLE TrainBatch. `update` runs learner.ppo_epochs x learner.minibatches optimizer
 steps: minibatch k is the k-th contiguous block of the batch's rows, of which each rank trains its own
 contiguous shard, in micro-batches of at most learner.micro_batch_tokens padded tokens, each run with its
-sequences packed several to a row (batch.pack; one per row for a model whose attention would mix them).
+sequences packed several to a row, the samples of a group sharing their prompt (batch.pack; one per row for
+a model whose attention would mix them).
 Invariants:
   - every loss and metric is a sum over this rank's micro-batch divided by a GLOBAL normaliser (counts
     of the whole minibatch, all-reduced over ranks), and FSDP2 averages gradients over ranks, so each
@@ -46,8 +47,8 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from nanoverl_async.algorithms import (LossInputs, aggregate, kl_estimates, kl_per_token, loss_normaliser,
                                       merge_metrics, policy_loss, reduce_token_metrics, value_loss)
 from nanoverl_async.config import SGLangConfig
-from nanoverl_async.learners.batch import (Packing, TrainBatch, epoch_order, keeps_packed_sequences_apart, pack,
-                                           sequence_logprobs, sequence_logprobs_and_entropy, shard, split_to,
+from nanoverl_async.learners.batch import (Packing, TrainBatch, attends_to_whole_context, epoch_order,
+                                           keeps_packed_sequences_apart, pack, prompt_lengths, shard, split_to,
                                            take_rows, to_device, token_budget_bounds, trimmed)
 from nanoverl_async.learners.checkpoint import full_state_dict, load_training_state, save_hf, save_training_state
 from nanoverl_async.learners.setup import PROCESS_GROUP_TIMEOUT_S, LearnerSetup
@@ -92,6 +93,8 @@ class LearnerRank:
         mixing = [name for name, model in models.items()
                   if model is not None and not keeps_packed_sequences_apart(model, self.device)]
         self.packs = not mixing  # else every forward pads one sequence per row
+        self.shares_prompts = self.packs and all(attends_to_whole_context(model.config)
+                                                 for model in models.values() if model is not None)
         if mixing:
             log.warning("the %s model mixes packed sequences in attention: the learner pads one sequence per "
                         "row (slower)", " and ".join(mixing))
@@ -146,15 +149,15 @@ class LearnerRank:
         assert model is not None, "no reference model: KL is off (kl.loss_coef = kl.reward_coef = 0)"
 
         def logprobs(packing: Packing) -> torch.Tensor:
-            logits = packing.forward(model)
-            return packing.unpack(sequence_logprobs(logits, packing.input_ids, self.setup.temperature))
+            return packing.logprobs(packing.forward(model), self.setup.temperature)
         return self._per_token(batch, logprobs)
 
     def _micro_batch(self, local: TrainBatch, start: int, stop: int) -> tuple[TrainBatch, Packing]:
         """Rows [start, stop) of this rank's shard and their packing into rows (batch.pack), on the device:
         laid out on the host, then copied without blocking, so no step of a micro-batch waits for the GPU."""
         mb = trimmed(local, start, stop)
-        return to_device(mb, self.device), pack(mb.input_ids, mb.attention_mask, self.packs).to(self.device)
+        prompts = prompt_lengths(mb.loss_mask) if self.shares_prompts else None
+        return to_device(mb, self.device), pack(mb.input_ids, mb.attention_mask, self.packs, prompts).to(self.device)
 
     def compute_values(self, batch: TrainBatch) -> np.ndarray:
         """The critic's values V before this step, [rows of this rank's shard, L], token-indexed, 0 off the
@@ -174,10 +177,9 @@ class LearnerRank:
         return out.numpy()
 
     def _values(self, packing: Packing) -> torch.Tensor:
-        """Token-indexed V [n, l]: the head's output at position j - 1, the state in which token j is
-        sampled (the same shift as sequence_logprobs); 0 at j = 0."""
-        scores = packing.forward(self.critic)[..., 0].float()
-        return packing.unpack(torch.cat([scores.new_zeros(scores.shape[0], 1), scores[:, :-1]], dim=1))
+        """Token-indexed V [n, l]: the head's output at the position that predicts token j (that of token
+        j - 1: the state in which token j is sampled, the same shift as the logprobs); 0 at j = 0."""
+        return packing.predicted(packing.forward(self.critic)[..., 0].float())
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """ppo_epochs x minibatches optimizer steps on the batch, then version += 1: ONE new version per
@@ -258,8 +260,7 @@ class LearnerRank:
         temperature, kl, tokens = self.setup.temperature, self.setup.kl, normalisers["tokens"]
         logits = packing.forward(self.model)
         # the [N, L, V] softmax of the entropy is in the autograd graph only if the loss uses it
-        logprobs, entropy = (packing.unpack(values) for values in sequence_logprobs_and_entropy(
-            logits, packing.input_ids, temperature, entropy_grad=self.algo.entropy_coef > 0))
+        logprobs, entropy = packing.logprobs_and_entropy(logits, temperature, entropy_grad=self.algo.entropy_coef > 0)
         proximal = mb.proximal_logprobs if mb.proximal_logprobs is not None else logprobs.detach()
         mask = mb.loss_mask.bool()
         inputs = LossInputs(logprobs, proximal, mb.behaviour_logprobs, mb.advantages, mb.loss_mask,
