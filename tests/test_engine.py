@@ -69,6 +69,23 @@ def test_concurrent_requests_match_a_full_forward(model_dir):
     assert engine.in_flight() == 0
 
 
+def test_a_groups_shared_prompt_is_computed_once_and_its_samples_differ(model_dir):
+    engine = TransformersEngine(model_dir, seed=4)
+    reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+    group, other = [5, 6, 7, 8, 9, 10], [20, 21, 22]
+
+    async def main():
+        return await asyncio.gather(*(engine.generate(p, SamplingParams(8, 1.0)) for p in [group, other] + [group] * 5))
+
+    completions = asyncio.run(main())
+    assert engine.reused_tokens == 5 * len(group)  # 5 copies of the first sample's prompt cache
+    for prompt, completion in zip([group, other] + [group] * 5, completions):
+        assert completion.logprobs == pytest.approx(reference_logprobs(reference, prompt, completion.token_ids, 1.0),
+                                                    abs=TOL)
+    samples = [tuple(c.token_ids) for c in completions[:1] + completions[2:]]
+    assert len(set(samples)) == len(samples)  # each sample draws its own tokens from the shared logits
+
+
 def test_stop_tokens_and_late_requests(model_dir):
     engine = TransformersEngine(model_dir, seed=2)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()

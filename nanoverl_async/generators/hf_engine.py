@@ -21,6 +21,8 @@ Turns of one episode (`episode_id`): when a row finishes, its cache is kept (the
 recent episodes). The episode's next turn starts with the same tokens plus the tool's, so it gets the
 kept cache back and computes only its new tokens, instead of its whole history again. The kept cache
 must be of the current weights (unless `recompute_cache_on_swap=False`, which reuses any cache anyway).
+The samples of one group arrive together with the same prompt: it is computed once per admission, and the
+others get its cache and logits, then sample on their own (`_copies_last`).
 
 Sampling (the behaviour policy mu of the loss): p = softmax(logits / temperature), one draw from p with
 a `torch.Generator` seeded from the config seed; logprob = log p[token], in float32.
@@ -50,7 +52,7 @@ import hashlib
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -79,6 +81,23 @@ def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, generator: t
     clocks = torch.rand(logprobs.shape, generator=generator, device=logprobs.device).log_().neg_()
     tokens = (logprobs.exp() / clocks).argmax(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _copies_last(requests: list, kept: list) -> tuple[list, list, list[int]]:
+    """Requests that repeat an earlier request's prompt without a kept cache (the samples of one group arrive
+    together) move after the others, with, for each, the row among the others whose prompt it repeats: the
+    prompt is computed once (`_prefill`), as SGLang's radix cache would share it. -> (requests, kept, sources)."""
+    firsts, copies, row_of = [], [], {}
+    for request, reuse in zip(requests, kept):
+        prompt = tuple(request.input_ids) if reuse is None else None
+        if prompt is not None and prompt in row_of:
+            copies.append((request, reuse, row_of[prompt]))
+            continue
+        if prompt is not None:
+            row_of[prompt] = len(firsts)
+        firsts.append((request, reuse, None))
+    ordered = firsts + copies
+    return [r for r, _, _ in ordered], [k for _, k, _ in ordered], [source for _, _, source in copies]
 
 
 @dataclass
@@ -230,8 +249,9 @@ class TransformersEngine:
         new = [r for r in self._pending[: self.max_batch_size - start] if not r.future.done()]
         del self._pending[: self.max_batch_size - start]
         if new:
+            new, kept, sources = _copies_last(new, [self._reusable(r) for r in new])
             self._rows += new
-            self._emit(start, self._prefill(start, [r.input_ids for r in new], [self._reusable(r) for r in new]))
+            self._emit(start, self._prefill(start, [r.input_ids for r in new], kept, sources))
 
     def _reusable(self, request: _Request) -> Optional[_Kept]:
         """The kept cache of the request's episode, if the request continues exactly those tokens."""
@@ -241,10 +261,13 @@ class TransformersEngine:
         cached = len(kept.tokens)
         return kept if cached < len(request.input_ids) and request.input_ids[:cached] == kept.tokens else None
 
-    def _prefill(self, start: int, seqs: list[list[int]], kept: Optional[list[Optional[_Kept]]] = None) -> torch.Tensor:
+    def _prefill(self, start: int, seqs: list[list[int]], kept: Optional[list[Optional[_Kept]]] = None,
+                 sources: Sequence[int] = ()) -> torch.Tensor:
         """Cache `seqs` in slots start.. (one right-padded batch) -> their last logits. A row with a kept
-        cache gets it back and computes only the tokens after it."""
-        offsets = [len(k.tokens) if k else 0 for k in kept] if kept else [0] * len(seqs)
+        cache gets it back and computes only the tokens after it. The last len(sources) rows repeat the
+        prompts of rows `sources` (`_copies_last`): they get those rows' cache and logits, not a forward."""
+        computed = len(seqs) - len(sources)
+        offsets = [len(k.tokens) if k else 0 for k in kept[:computed]] if kept else [0] * computed
         width = max(len(s) - offset for s, offset in zip(seqs, offsets))
         self._reserve(start + len(seqs), max(map(len, seqs)))
         ids = torch.tensor([s[offset:] + [0] * (width - len(s) + offset) for s, offset in zip(seqs, offsets)],
@@ -254,13 +277,21 @@ class TransformersEngine:
         self._lens[start:start + len(seqs)] = lens
         self._temps[start:start + len(seqs), 0] = torch.tensor(temps, dtype=torch.float32).to(self.device)
         if not any(offsets):
-            return self.forward.prefill(self._kv, ids, lens - 1, start)
-        for row, (reused, offset) in enumerate(zip(kept, offsets)):
-            if offset:
-                self._kv[:, :, start + row, :, :offset] = reused.kv
-        self.reused_tokens += sum(offsets)
-        offsets = torch.tensor(offsets, dtype=torch.long).to(self.device)
-        return self.forward.extend(self._kv, ids, lens - offsets - 1, start, offsets, max(map(len, seqs)))
+            logits = self.forward.prefill(self._kv, ids, lens[:computed] - 1, start)
+        else:
+            for row, (reused, offset) in enumerate(zip(kept, offsets)):
+                if offset:
+                    self._kv[:, :, start + row, :, :offset] = reused.kv
+            self.reused_tokens += sum(offsets)
+            offsets = torch.tensor(offsets, dtype=torch.long).to(self.device)
+            logits = self.forward.extend(self._kv, ids, lens[:computed] - offsets - 1, start, offsets,
+                                         max(map(len, seqs[:computed])))
+        if not sources:
+            return logits
+        for row, source in enumerate(sources, start=start + computed):
+            self._kv[:, :, row, :, :len(seqs[source])] = self._kv[:, :, start + source, :, :len(seqs[source])]
+        self.reused_tokens += sum(len(seqs[source]) for source in sources)
+        return torch.cat([logits, logits[list(sources)]])
 
     def _reserve(self, rows: int, length: int) -> None:
         """Grow the slot cache, doubling, to at least `rows` slots of `length` positions."""
