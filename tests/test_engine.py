@@ -226,7 +226,7 @@ STAGGERED = [(0, [5, 6, 7, 8, 9, 10, 11], 30), (0, [3], 4), (2, list(range(20, 6
 
 
 def test_rows_joining_at_different_steps_match_a_full_forward(model_dir):
-    engine = TransformersEngine(model_dir, seed=5)
+    engine = TransformersEngine(model_dir, seed=5, admit_after_steps=0)  # each joins at its arrival step
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     completions = staggered(engine, STAGGERED)
     assert engine._kv.shape[2] >= 12 and engine._kv.shape[4] > 64  # the cache grew while rows were running
@@ -235,6 +235,23 @@ def test_rows_joining_at_different_steps_match_a_full_forward(model_dir):
         expected = reference_logprobs(reference, prompt, completion.token_ids, 0.9)
         assert completion.logprobs == pytest.approx(expected, abs=TOL)
     assert engine.in_flight() == 0 and engine.tokens_generated == sum(limit for *_, limit in STAGGERED)
+
+
+def test_late_requests_wait_a_few_steps_to_join_together(model_dir):
+    # 16 rows decode 30 tokens; 6 requests arrive from step 3 on, one per forward. Admitted at once, they
+    # take 4 forwards of their own (an admission's forward counts as a step: some arrive together); the first
+    # waits ADMIT_AFTER_STEPS (4) forwards, and those that came meanwhile join with it: 2 forwards
+    requests = [(0, [5 + row, 6, 7], 30) for row in range(16)] + [(3 + k, [40 + k, 41], 5) for k in range(6)]
+    reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+    counts = {}
+    for after in (0, 4):
+        engine = TransformersEngine(model_dir, seed=6, admit_after_steps=after)
+        completions = staggered(engine, requests)
+        counts[after] = engine.decode_steps
+        for (_, prompt, _), completion in zip(requests, completions):
+            assert completion.logprobs == pytest.approx(reference_logprobs(reference, prompt, completion.token_ids, 0.9),
+                                                        abs=TOL)
+    assert counts == {0: 30 + 4, 4: 30 + 2}
 
 
 def test_swap_mid_decode_recomputes_every_running_row(model_dir):
@@ -335,6 +352,26 @@ def test_later_turns_reuse_the_episodes_cache_and_match_a_full_forward(name, tmp
     # a later turn's context = the previous context + completion + 2 tool tokens; the cache held all of it
     # but the last sampled token
     assert engine.reused_tokens == sum(len(context) - 3 for context in continued)
+
+
+def test_a_later_turn_admitted_beside_a_longer_prompt_fits_the_cache(model_dir):
+    # the later turn reuses 57 cached tokens and adds 3; padded to the new prompt's 20 tokens, its padding
+    # reaches position 76, past the 64 positions its own length needs
+    engine = TransformersEngine(model_dir, seed=2)
+    reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+    prompt = list(range(10, 60))
+    first = asyncio.run(engine.generate(prompt, SamplingParams(8, 1.0), episode_id="e"))
+    context, fresh = prompt + first.token_ids + [2, 3], list(range(60, 80))
+
+    async def together():
+        return await asyncio.gather(engine.generate(context, SamplingParams(4, 1.0), episode_id="e"),
+                                    engine.generate(fresh, SamplingParams(4, 1.0)))
+
+    later, other = asyncio.run(together())
+    assert engine.reused_tokens == len(context) - 3
+    for ids, completion in ((context, later), (fresh, other)):
+        assert completion.logprobs == pytest.approx(reference_logprobs(reference, ids, completion.token_ids, 1.0),
+                                                    abs=TOL)
 
 
 def test_a_weight_swap_between_turns_drops_the_kept_cache(model_dir):

@@ -147,7 +147,8 @@ class GeneratorWorker:
         self._groups.discard(task)
         if not task.cancelled() and task.exception() is not None and self._error is None:
             self._error = task.exception()
-            log.error("generator %d: task %s failed: %r", self.generator_id, task.get_name(), self._error)
+            log.error("generator %d: task %s failed: %r", self.generator_id, task.get_name(), self._error,
+                      exc_info=self._error)
             self._wake.set()
 
     async def _wait_until(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
