@@ -226,7 +226,7 @@ STAGGERED = [(0, [5, 6, 7, 8, 9, 10, 11], 30), (0, [3], 4), (2, list(range(20, 6
 
 
 def test_rows_joining_at_different_steps_match_a_full_forward(model_dir):
-    engine = TransformersEngine(model_dir, seed=5, admit_after_steps=0)  # each joins at its arrival step
+    engine = TransformersEngine(model_dir, seed=5)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     completions = staggered(engine, STAGGERED)
     assert engine._kv.shape[2] >= 12 and engine._kv.shape[4] > 64  # the cache grew while rows were running
@@ -235,23 +235,6 @@ def test_rows_joining_at_different_steps_match_a_full_forward(model_dir):
         expected = reference_logprobs(reference, prompt, completion.token_ids, 0.9)
         assert completion.logprobs == pytest.approx(expected, abs=TOL)
     assert engine.in_flight() == 0 and engine.tokens_generated == sum(limit for *_, limit in STAGGERED)
-
-
-def test_late_requests_wait_a_few_steps_to_join_together(model_dir):
-    # 16 rows decode 30 tokens; 6 requests arrive from step 3 on, one per forward. Admitted at once, they
-    # take 4 forwards of their own (an admission's forward counts as a step: some arrive together); the first
-    # waits ADMIT_AFTER_STEPS (4) forwards, and those that came meanwhile join with it: 2 forwards
-    requests = [(0, [5 + row, 6, 7], 30) for row in range(16)] + [(3 + k, [40 + k, 41], 5) for k in range(6)]
-    reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
-    counts = {}
-    for after in (0, 4):
-        engine = TransformersEngine(model_dir, seed=6, admit_after_steps=after)
-        completions = staggered(engine, requests)
-        counts[after] = engine.decode_steps
-        for (_, prompt, _), completion in zip(requests, completions):
-            assert completion.logprobs == pytest.approx(reference_logprobs(reference, prompt, completion.token_ids, 0.9),
-                                                        abs=TOL)
-    assert counts == {0: 30 + 4, 4: 30 + 2}
 
 
 def test_swap_mid_decode_recomputes_every_running_row(model_dir):

@@ -64,7 +64,6 @@ from nanoverl_async.generators.llama_forward import LlamaForward
 from nanoverl_async.models import DTYPES
 
 LOCKSTEP_POLL_S = 0.001  # how often a lockstep engine checks whether every episode is waiting
-ADMIT_RATIO, ADMIT_AFTER_STEPS = 0.25, 4  # when waiting requests join the running rows (_admission_due)
 # cuDNN's attention, which torch prefers on Hopper GPUs, builds a new plan for each new sequence length
 # (pytorch/pytorch#155958), and the engine meets new lengths at every eager step: it uses the others.
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -117,7 +116,6 @@ class _Request:
     params: SamplingParams
     future: asyncio.Future
     episode_id: str = ""
-    arrived: int = 0  # the engine's decode_steps when it arrived
     completion: Completion = field(default_factory=Completion)
 
     def length(self) -> int:
@@ -130,14 +128,13 @@ class TransformersEngine:
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32", seed: int = 0, *,
                  version: int = 0, max_batch_size: int = 256, recompute_cache_on_swap: bool = True,
-                 cuda_graphs: bool = True, admit_after_steps: int = ADMIT_AFTER_STEPS):
+                 cuda_graphs: bool = True):
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).to(self.device).eval()
         self.forward = LlamaForward(self.model, model_path)
         self.version = version
         self.max_batch_size = max_batch_size
         self.recompute_cache_on_swap = recompute_cache_on_swap
-        self.admit_after_steps = admit_after_steps  # 0: admit waiting requests at once (_admission_due)
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
         self.seed = seed
@@ -164,7 +161,7 @@ class TransformersEngine:
         if len(input_ids) == 0:
             raise ValueError("generate needs at least one input token")
         loop = asyncio.get_running_loop()
-        request = _Request(list(input_ids), params, loop.create_future(), episode_id or "", self.decode_steps)
+        request = _Request(list(input_ids), params, loop.create_future(), episode_id or "")
         if self._runner is None or self._runner.done() or self._runner.get_loop() is not loop:
             # Requests left by a loop that has gone (a previous asyncio.run) can never be answered.
             self._pending = [r for r in self._pending if r.future.get_loop() is loop]
@@ -204,7 +201,8 @@ class TransformersEngine:
                     continue
                 with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS):
                     self._guarded(self._decode_step, 0)
-                    if self._pending and len(self._rows) < self.max_batch_size and self._admission_due():
+                    if self._pending and len(self._rows) < self.max_batch_size and not (
+                            self.lockstep is not None and self._rows):
                         self._guarded(self._admit, len(self._rows))
                 await asyncio.sleep(0)
         except BaseException as error:  # cancelled (its loop is closing) or a bug: no one may wait forever
@@ -213,18 +211,6 @@ class TransformersEngine:
                     request.future.set_exception(error) if isinstance(error, Exception) else request.future.cancel()
             self._rows, self._pending = [], []
             raise
-
-    def _admission_due(self) -> bool:
-        """Whether to admit the waiting requests now. An admission is a forward of its own, whose fixed cost
-        (on a CPU, most of a decode step's) is paid once for all it admits: while rows decode, wait until the
-        waiting are ADMIT_RATIO of them, or the oldest has waited `admit_after_steps` forwards (TGI's
-        waiting_served_ratio and max_waiting_tokens). A lockstep wave admits nothing while it runs."""
-        if not self._rows:
-            return True
-        if self.lockstep is not None:
-            return False
-        return (len(self._pending) >= ADMIT_RATIO * len(self._rows)
-                or self.decode_steps - self._pending[0].arrived >= self.admit_after_steps)
 
     def _guarded(self, step: Callable[[], None], first: int) -> None:
         """Run `step`; if it fails, its callers (the rows from `first` on) get the exception, others go on."""
