@@ -39,8 +39,8 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM
 
 from nanoverl_async.config import AlgorithmConfig, KLConfig, LearnerConfig, ModelConfig
-from nanoverl_async.learners.batch import (collate, pack, prompt_lengths, sequence_logprobs, token_budget_bounds,
-                                           trimmed, with_advantages)
+from nanoverl_async.learners.batch import (attention_cost_per_position, collate, pack, prompt_lengths,
+                                           sequence_logprobs, token_budget_bounds, trimmed, with_advantages)
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.learners.setup import LearnerSetup
 from nanoverl_async.models import DTYPES, resolve_model_path
@@ -96,6 +96,7 @@ class BareLoop:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.device, self.packed, self.clip, self.micro_batch_tokens = device, packed, clip, micro_batch_tokens
         self.autocast = nullcontext() if dtype == "float32" else torch.autocast(device, DTYPES[dtype])
+        self.attention_cost = attention_cost_per_position(self.model)  # rows as LearnerRank lays them out
 
     def update(self, batch) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -111,7 +112,8 @@ class BareLoop:
         advantages = mb.advantages.to(self.device)[:, None]
         with self.autocast:
             if self.packed:
-                packing = pack(mb.input_ids, mb.attention_mask, prompts=prompt_lengths(mb.loss_mask)).to(self.device)
+                packing = pack(mb.input_ids, mb.attention_mask, prompts=prompt_lengths(mb.loss_mask),
+                               attention_cost=self.attention_cost).to(self.device)
                 logprobs = packing.logprobs(packing.forward(self.model), 1.0)
             else:
                 logprobs = sequence_logprobs(self.model(input_ids=ids, attention_mask=attention).logits, ids, 1.0)

@@ -12,8 +12,8 @@ from test_fsdp import model_dir  # noqa: F401 (a fixture)
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanoverl_async.algorithms import token_entropy
-from nanoverl_async.learners.batch import (attends_to_whole_context, collate, keeps_packed_sequences_apart, pack,
-                                           prompt_lengths, sequence_logprobs)
+from nanoverl_async.learners.batch import (attends_to_whole_context, attention_cost_per_position, collate,
+                                           keeps_packed_sequences_apart, pack, prompt_lengths, sequence_logprobs)
 from synthetic import episodes
 
 # lengths 11, 8, 10, 5, 23, 7: the 23-token row sets the padded width, the others share rows
@@ -28,9 +28,9 @@ def grouped_batch():
     return collate(episodes(GROUPS, seed=1, group_size=4, shared_prompts=True))
 
 
-def padded_and_packed(model, batch, prompts=None):
+def padded_and_packed(model, batch, prompts=None, attention_cost=0.0):
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    packing = pack(batch.input_ids, batch.attention_mask, prompts=prompts)
+    packing = pack(batch.input_ids, batch.attention_mask, prompts=prompts, attention_cost=attention_cost)
     return sequence_logprobs(logits, batch.input_ids, 0.8), packing.logprobs(packing.forward(model), 0.8), packing
 
 
@@ -41,13 +41,13 @@ def scored(batch):
     return where
 
 
-def assert_same_logprobs_and_gradients(model, batch, prompts=None):
-    padded, packed, _ = padded_and_packed(model, batch, prompts)
+def assert_same_logprobs_and_gradients(model, batch, prompts=None, attention_cost=0.0):
+    padded, packed, _ = padded_and_packed(model, batch, prompts, attention_cost)
     assert torch.allclose(packed[scored(batch)], padded[scored(batch)], atol=1e-5)
     assert packed[~scored(batch)].abs().sum() == 0
     weights = batch.loss_mask * torch.linspace(-1, 1, batch.size)[:, None]
     grads = []
-    for logprobs in padded_and_packed(model, batch, prompts)[:2]:
+    for logprobs in padded_and_packed(model, batch, prompts, attention_cost)[:2]:
         model.zero_grad()
         (logprobs * weights).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
@@ -85,6 +85,20 @@ def test_a_shared_prompt_is_computed_once_per_row_and_changes_nothing(model_dir)
     values = shared.predicted(packed_logits[..., 0])
     want = torch.cat([torch.zeros(batch.size, 1), logits[:, :-1, 0]], dim=1)
     assert torch.allclose(values[scored(batch)], want[scored(batch)], atol=1e-5)
+
+
+def test_rows_grow_to_twice_the_longest_sequence_where_that_is_estimated_cheaper(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # 4 x hidden x layers of attention per row position, against 2 FLOPs per weight (the tied head's included)
+    assert attention_cost_per_position(model) == pytest.approx(
+        4 * 64 * 2 / (2 * sum(p.numel() for p in model.parameters())))
+    batch = collate(episodes([(4, [16], 1.0)] + [(4, [8], 0.0)] * 7, seed=2))  # 20 tokens, then seven of 12
+    ids, mask = batch.input_ids, batch.attention_mask
+    assert pack(ids, mask).input_ids.shape == (8, 20)  # 12 + 12 > 20: one sequence per row
+    assert pack(ids, mask, attention_cost=0.1).input_ids.shape == (8, 20)  # attention too dear to double rows
+    cost = attention_cost_per_position(model)
+    assert pack(ids, mask, attention_cost=cost).input_ids.shape == (3, 40)  # 20 + 12 | 3 x 12 | 3 x 12
+    assert_same_logprobs_and_gradients(model, batch, attention_cost=cost)
 
 
 def test_only_identical_prompts_are_shared():

@@ -283,25 +283,20 @@ class Packing:
 
 
 def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True,
-         prompts: Optional[Tensor] = None) -> Packing:
+         prompts: Optional[Tensor] = None, attention_cost: float = 0.0) -> Packing:
     """Pack sequences first-fit decreasing into rows as long as the longest one, so that a row's attention
-    never costs more than in the padded layout. `prompts` ([n], e.g. `prompt_lengths`): sequences whose
-    first prompts[i] tokens are the same share them, as many in a row as fit. several_per_row=False keeps
-    one sequence per row (the padded layout itself, for a model whose attention mixes packed sequences)."""
+    never costs more than in the padded layout; or, given `attention_cost` (`attention_cost_per_position`),
+    into rows twice as long where the estimated cost says that is cheaper: fewer rows, in which more of a
+    group share their prompt, against more attention per token. `prompts` ([n], e.g. `prompt_lengths`):
+    sequences whose first prompts[i] tokens are the same share them, as many in a row as fit.
+    several_per_row=False keeps one sequence per row (the padded layout itself, for a model whose attention
+    mixes packed sequences)."""
     lengths = attention_mask.sum(dim=1).tolist()
-    capacity = max(1, max(lengths, default=1))
-    units = _units(input_ids, lengths, prompts if several_per_row else None, capacity)
-    sizes = [shared + sum(lengths[s] - shared for s in members) for shared, members in units]
-    rows: list[list[int]] = []  # unit numbers per packed row
-    room: list[int] = []
-    for unit in sorted(range(len(units)), key=lambda u: -sizes[u]):
-        row = next((r for r, free in enumerate(room) if several_per_row and free >= sizes[unit]), None)
-        if row is None:
-            rows.append([])
-            room.append(capacity)
-            row = len(rows) - 1
-        rows[row].append(unit)
-        room[row] -= sizes[unit]
+    longest = max(1, max(lengths, default=1))
+    layouts = [_rows(input_ids, lengths, prompts if several_per_row else None, capacity, several_per_row)
+               for capacity in ([longest, 2 * longest] if several_per_row and attention_cost > 0 else [longest])]
+    capacity, units, rows = min(layouts, key=lambda layout: len(layout[2]) * layout[0] * (
+        1 + layout[0] * attention_cost))
     packed_ids = torch.full((len(rows), capacity), PAD_TOKEN_ID, dtype=input_ids.dtype)
     positions = torch.zeros((len(rows), capacity), dtype=torch.long)
     blocks = torch.full((len(rows), capacity), -1, dtype=torch.long)  # the unit of each position (-1: the tail)
@@ -335,6 +330,34 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
     return Packing(packed_ids.to(device), positions.to(device) if several else None,
                    None if mask is None else mask.to(device), predictor.to(device), target.to(device),
                    destination.to(device), tuple(attention_mask.shape))
+
+
+def attention_cost_per_position(model: torch.nn.Module) -> float:
+    """A token's attention FLOPs per position of its row (4 x hidden per layer: the scores and the weighted
+    values over every position, masked or not), relative to its other FLOPs (2 per weight of the layers and
+    the LM head): what one more position of row length costs each token, for `pack`."""
+    config, embedding, head = model.config, model.get_input_embeddings().weight, model.get_output_embeddings()
+    weights = sum(p.numel() for p in model.parameters()) - embedding.numel()
+    weights += embedding.numel() if head is None or head.weight is embedding else 0  # a tied head: once more
+    return 4 * config.hidden_size * config.num_hidden_layers / (2 * weights)
+
+
+def _rows(input_ids: Tensor, lengths: list[int], prompts: Optional[Tensor], capacity: int,
+          several_per_row: bool) -> tuple[int, list[tuple[int, list[int]]], list[list[int]]]:
+    """(capacity, units, unit numbers per row): `_units` placed first-fit decreasing in rows of `capacity`."""
+    units = _units(input_ids, lengths, prompts, capacity)
+    sizes = [shared + sum(lengths[s] - shared for s in members) for shared, members in units]
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for unit in sorted(range(len(units)), key=lambda u: -sizes[u]):
+        row = next((r for r, free in enumerate(room) if several_per_row and free >= sizes[unit]), None)
+        if row is None:
+            rows.append([])
+            room.append(capacity)
+            row = len(rows) - 1
+        rows[row].append(unit)
+        room[row] -= sizes[unit]
+    return capacity, units, rows
 
 
 def _units(input_ids: Tensor, lengths: list[int], prompts: Optional[Tensor],

@@ -47,9 +47,9 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from nanoverl_async.algorithms import (LossInputs, aggregate, kl_estimates, kl_per_token, loss_normaliser,
                                       merge_metrics, policy_loss, reduce_token_metrics, value_loss)
 from nanoverl_async.config import SGLangConfig
-from nanoverl_async.learners.batch import (Packing, TrainBatch, attends_to_whole_context, epoch_order,
-                                           keeps_packed_sequences_apart, pack, prompt_lengths, shard, split_to,
-                                           take_rows, to_device, token_budget_bounds, trimmed)
+from nanoverl_async.learners.batch import (Packing, TrainBatch, attends_to_whole_context, attention_cost_per_position,
+                                           epoch_order, keeps_packed_sequences_apart, pack, prompt_lengths, shard,
+                                           split_to, take_rows, to_device, token_budget_bounds, trimmed)
 from nanoverl_async.learners.checkpoint import full_state_dict, load_training_state, save_hf, save_training_state
 from nanoverl_async.learners.setup import PROCESS_GROUP_TIMEOUT_S, LearnerSetup
 from nanoverl_async.models import DTYPES
@@ -95,6 +95,7 @@ class LearnerRank:
         self.packs = not mixing  # else every forward pads one sequence per row
         self.shares_prompts = self.packs and all(attends_to_whole_context(model.config)
                                                  for model in models.values() if model is not None)
+        self.attention_cost = attention_cost_per_position(self.model)  # how long pack makes rows
         if mixing:
             log.warning("the %s model mixes packed sequences in attention: the learner pads one sequence per "
                         "row (slower)", " and ".join(mixing))
@@ -157,7 +158,8 @@ class LearnerRank:
         laid out on the host, then copied without blocking, so no step of a micro-batch waits for the GPU."""
         mb = trimmed(local, start, stop)
         prompts = prompt_lengths(mb.loss_mask) if self.shares_prompts else None
-        return to_device(mb, self.device), pack(mb.input_ids, mb.attention_mask, self.packs, prompts).to(self.device)
+        packing = pack(mb.input_ids, mb.attention_mask, self.packs, prompts, self.attention_cost)
+        return to_device(mb, self.device), packing.to(self.device)
 
     def compute_values(self, batch: TrainBatch) -> np.ndarray:
         """The critic's values V before this step, [rows of this rank's shard, L], token-indexed, 0 off the
