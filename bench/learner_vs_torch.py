@@ -13,7 +13,7 @@ float32 master weights (LearnerRank's FSDP2 mixed precision; torch.autocast in t
 The bare loop is what a user would write by hand: the Hugging Face model with float32 weights, AdamW,
 a forward per micro-batch over the padded rows, token logprobs, the PPO clipped loss against the behaviour
 logprobs (token mean), backward, gradient clipping, step; for tiny also over the packed rows LearnerRank
-uses (batch.pack), which isolates the wrapper's own cost. `LearnerRank` runs the project's default
+uses (packing.pack), which isolates the wrapper's own cost. `LearnerRank` runs the project's default
 algorithm on the same rows (world size 1). Interleaved A, B, C, C, B, A; trained tokens/s as ranges,
 and the seconds of LearnerRank.publish_weights (the full state dict gathered and handed to the publisher).
 --profile adds a table of one more update of each under torch.profiler: its wall time, the time the GPU was
@@ -39,9 +39,9 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM
 
 from nanoverl_async.config import AlgorithmConfig, KLConfig, LearnerConfig, ModelConfig
-from nanoverl_async.learners.batch import (attention_cost_per_position, collate, pack, prompt_lengths,
-                                           sequence_logprobs, token_budget_bounds, trimmed, with_advantages)
+from nanoverl_async.learners.batch import collate, sequence_logprobs, token_budget_bounds, trimmed, with_advantages
 from nanoverl_async.learners.fsdp_rank import LearnerRank
+from nanoverl_async.learners.packing import attention_cost_per_position, pack, prompt_lengths
 from nanoverl_async.learners.setup import LearnerSetup
 from nanoverl_async.models import DTYPES, resolve_model_path
 from nanoverl_async.trajectory import Trajectory

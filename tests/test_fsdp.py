@@ -18,8 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2
 
 from nanoverl_async.algorithms import LossInputs, policy_loss
 from nanoverl_async.config import AlgorithmConfig, KLConfig, LearnerConfig, ModelConfig
-from nanoverl_async.learners.batch import collate, pack, prompt_lengths, sequence_logprobs, with_advantages
+from nanoverl_async.learners.batch import collate, sequence_logprobs, with_advantages
 from nanoverl_async.learners.fsdp_rank import LearnerRank
+from nanoverl_async.learners.packing import pack, prompt_lengths
 from nanoverl_async.learners.setup import LearnerSetup
 from nanoverl_async.tiny_model import build_tokenizer
 from synthetic import episodes
@@ -50,7 +51,7 @@ def write_model_dir(path) -> str:
 
 def make_batch():
     """4 episodes in 2 groups, each sharing its prompt: prompt, sampled tokens, a tool result (mask 0), more
-    sampled tokens. In one micro-batch the second group's prompt is packed once (batch.pack)."""
+    sampled tokens. In one micro-batch the second group's prompt is packed once (packing.pack)."""
     batch = collate(episodes([(3, [4, 2], 1.0), (3, [5], 0.0), (4, [2], 0.0), (4, [1], 1.0)], seed=0,
                              shared_prompts=True))
     return with_advantages(batch, 2, ALGO, KLConfig(), max_total_tokens=16)

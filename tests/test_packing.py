@@ -1,4 +1,4 @@
-"""Sequence packing in the learner (batch.pack): several sequences per row, kept apart by restarting
+"""Sequence packing in the learner (learners/packing.py): several sequences per row, kept apart by restarting
 position ids, and the samples of a group sharing their prompt under an explicit mask, give the same
 logprobs, entropies, values and gradients as the padded layout; a model whose attention would mix them is
 detected (the learner then pads one sequence per row).
@@ -12,8 +12,9 @@ from test_fsdp import model_dir  # noqa: F401 (a fixture)
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanoverl_async.algorithms import token_entropy
-from nanoverl_async.learners.batch import (attends_to_whole_context, attention_cost_per_position, collate,
-                                           keeps_packed_sequences_apart, pack, prompt_lengths, sequence_logprobs)
+from nanoverl_async.learners.batch import collate, sequence_logprobs
+from nanoverl_async.learners.packing import (attends_to_whole_context, attention_cost_per_position,
+                                             keeps_packed_sequences_apart, pack, prompt_lengths)
 from synthetic import episodes
 
 # lengths 11, 8, 10, 5, 23, 7: the 23-token row sets the padded width, the others share rows

@@ -3,9 +3,8 @@ optionally a frozen reference (KL) and a critic (advantage=gae) sharded the same
 
 Every rank receives the WHOLE TrainBatch. `update` runs learner.ppo_epochs x learner.minibatches optimizer
 steps: minibatch k is the k-th contiguous block of the batch's rows, of which each rank trains its own
-contiguous shard, in micro-batches of at most learner.micro_batch_tokens padded tokens, each run with its
-sequences packed several to a row, the samples of a group sharing their prompt (batch.pack; one per row for
-a model whose attention would mix them).
+contiguous shard, in micro-batches of at most learner.micro_batch_tokens padded tokens, each packed several
+sequences to a row, a group sharing its prompt (packing.pack; one per row if attention would mix them).
 Invariants:
   - every loss and metric is a sum over this rank's micro-batch divided by a GLOBAL normaliser (counts
     of the whole minibatch, all-reduced over ranks), and FSDP2 averages gradients over ranks, so each
@@ -47,10 +46,11 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from nanoverl_async.algorithms import (LossInputs, aggregate, kl_estimates, kl_per_token, loss_normaliser,
                                       merge_metrics, policy_loss, reduce_token_metrics, value_loss)
 from nanoverl_async.config import SGLangConfig
-from nanoverl_async.learners.batch import (Packing, TrainBatch, attends_to_whole_context, attention_cost_per_position,
-                                           epoch_order, keeps_packed_sequences_apart, pack, prompt_lengths, shard,
-                                           split_to, take_rows, to_device, token_budget_bounds, trimmed)
+from nanoverl_async.learners.batch import (TrainBatch, epoch_order, shard, split_to, take_rows, to_device,
+                                           token_budget_bounds, trimmed)
 from nanoverl_async.learners.checkpoint import full_state_dict, load_training_state, save_hf, save_training_state
+from nanoverl_async.learners.packing import (Packing, attends_to_whole_context, attention_cost_per_position,
+                                             keeps_packed_sequences_apart, pack, prompt_lengths)
 from nanoverl_async.learners.setup import PROCESS_GROUP_TIMEOUT_S, LearnerSetup
 from nanoverl_async.models import DTYPES
 from nanoverl_async.weights import WeightPublisher, deserialise, empty_payload, serialise
@@ -148,13 +148,10 @@ class LearnerRank:
         (version `self.version`); under "reference", those of the frozen reference model."""
         model = {"policy": self.model, "reference": self.reference}[which]
         assert model is not None, "no reference model: KL is off (kl.loss_coef = kl.reward_coef = 0)"
-
-        def logprobs(packing: Packing) -> torch.Tensor:
-            return packing.logprobs(packing.forward(model), self.setup.temperature)
-        return self._per_token(batch, logprobs)
+        return self._per_token(batch, lambda packing: packing.logprobs(packing.forward(model), self.setup.temperature))
 
     def _micro_batch(self, local: TrainBatch, start: int, stop: int) -> tuple[TrainBatch, Packing]:
-        """Rows [start, stop) of this rank's shard and their packing into rows (batch.pack), on the device:
+        """Rows [start, stop) of this rank's shard and their packing into rows (packing.pack), on the device:
         laid out on the host, then copied without blocking, so no step of a micro-batch waits for the GPU."""
         mb = trimmed(local, start, stop)
         prompts = prompt_lengths(mb.loss_mask) if self.shares_prompts else None

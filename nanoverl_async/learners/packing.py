@@ -1,0 +1,244 @@
+"""Sequence packing: a micro-batch's right-padded sequences laid out for the model as packed rows.
+
+    packing = pack(mb.input_ids, mb.attention_mask, prompts=prompt_lengths(mb.loss_mask),
+                   attention_cost=attention_cost_per_position(model))
+    logprobs, entropy = packing.logprobs_and_entropy(packing.forward(model), temperature, entropy_grad=False)
+
+Several sequences share a row, kept apart by restarting position ids (verl's remove-padding, TRL's
+padding-free training), and the samples of a group share their prompt under an explicit mask (`Packing`).
+Outputs come back token-indexed [n, l], as `batch.sequence_logprobs` gives them on the padded layout, so
+nothing after the forward knows the layout. `keeps_packed_sequences_apart` checks that a model honours it
+(the learner pads one sequence per row otherwise).
+
+Run alone: `python -m pytest tests/test_packing.py -q`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from nanoverl_async.algorithms import token_logprobs, token_logprobs_and_entropy
+from nanoverl_async.learners.batch import PAD_TOKEN_ID, moved
+
+
+def prompt_lengths(loss_mask: Tensor) -> Tensor:
+    """[N]: the tokens before each sequence's first sampled one (its prompt; 0 for a row with none)."""
+    return loss_mask.bool().int().argmax(dim=1)
+
+
+def attends_to_whole_context(config) -> bool:
+    """Whether every layer of a transformers model attends to the whole context (no sliding window): the
+    mask of a shared prompt (`pack`) replaces the model's own, so only such models may share prompts."""
+    return not getattr(config, "sliding_window", None) and all(
+        kind == "full_attention" for kind in getattr(config, "layer_types", None) or [])
+
+
+@dataclass(frozen=True)
+class Packing:
+    """A micro-batch's right-padded sequences [n, l] laid out for the model as packed rows [r, c], several
+    sequences per row, each with its own position ids (verl's remove-padding, TRL's padding-free
+    training): padding then costs only each row's unfilled tail, not every row's gap to the longest one.
+    Sequences with the same prompt (a GRPO group's samples) may share it: the prompt once, then each
+    one's continuation, which attends to the prompt and to itself only (Prefix Grouper, Liu et al. 2025,
+    arXiv:2506.05433), so a group's prompt is computed once per row instead of once per sample. That needs
+    an explicit attention mask; without shared prompts, where position ids restart transformers' causal
+    mask starts a new block, so no sequence attends to another.
+
+    A token-indexed quantity of token j (its logprob, the entropy it was sampled from, the critic's value)
+    comes from the position that predicts it, that of token j - 1 (`predictor`); a shared prompt's last
+    position predicts every member's first sampled token."""
+
+    input_ids: Tensor  # int64 [r, c]
+    position_ids: Optional[Tensor]  # int64 [r, c]; None when each row is one sequence from position 0
+    attention_mask: Optional[Tensor]  # bool [r, 1, c, c], True where a token may attend; only if prompts are shared
+    predictor: Tensor  # int64 [k]: flat position in [r * c] of the logits that predict each token j >= 1
+    target: Tensor  # int64 [k]: that token's id
+    destination: Tensor  # int64 [k]: its flat position in [n * l]
+    shape: tuple[int, int]  # [n, l], the micro-batch's
+
+    def forward(self, model: torch.nn.Module) -> Tensor:
+        """The model's output (logits, or a critic's scores) on the packed rows [r, c, ...]. Position ids only
+        where rows hold several sequences: from them transformers derives the blocks of its mask, and checks
+        on the host whether there are any (a wait for the GPU); the explicit mask only where prompts are
+        shared (transformers takes a 4-D mask as it is); rows of one sequence need the plain causal mask."""
+        return model(input_ids=self.input_ids, position_ids=self.position_ids, attention_mask=self.attention_mask,
+                     use_cache=False).logits
+
+    def logprobs(self, logits: Tensor, temperature: float) -> Tensor:
+        """Token-indexed logprobs [n, l] (as `sequence_logprobs`) from the packed logits [r, c, V]."""
+        return self.scatter(token_logprobs(logits.flatten(0, 1), self.target, temperature, self.predictor))
+
+    def logprobs_and_entropy(self, logits: Tensor, temperature: float, entropy_grad: bool) -> tuple[Tensor, Tensor]:
+        """`logprobs` and, token-indexed the same way, the entropy of the distribution that sampled each token,
+        from one pass over the logits (algorithms.token_logprobs_and_entropy)."""
+        return tuple(self.scatter(values) for values in token_logprobs_and_entropy(
+            logits.flatten(0, 1), self.target, temperature, entropy_grad, self.predictor))
+
+    def predicted(self, per_position: Tensor) -> Tensor:
+        """A per-position output [r, c, ...] (a critic's values) -> token-indexed [n, l, ...]: token j gets the
+        output at the position that predicts it, the state in which it was sampled."""
+        return self.scatter(per_position.flatten(0, 1)[self.predictor])
+
+    def scatter(self, values: Tensor) -> Tensor:
+        """Values of tokens j >= 1 [k, ...] -> [n, l, ...], 0 on token 0 and on padding. Integer indices only: a
+        boolean mask would make the host wait for the GPU."""
+        out = values.new_zeros((self.shape[0] * self.shape[1], *values.shape[1:]))
+        out[self.destination] = values
+        return out.view(*self.shape, *values.shape[1:])
+
+    def to(self, device: torch.device) -> "Packing":
+        return Packing(*(moved(getattr(self, f.name), device) for f in dataclasses.fields(self)[:-1]), self.shape)
+
+
+def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True,
+         prompts: Optional[Tensor] = None, attention_cost: float = 0.0) -> Packing:
+    """Pack sequences first-fit decreasing into rows as long as the longest one, so that a row's attention
+    never costs more than in the padded layout; or, given `attention_cost` (`attention_cost_per_position`),
+    into rows twice as long where the estimated cost says that is cheaper: fewer rows, in which more of a
+    group share their prompt, against more attention per token. `prompts` ([n], e.g. `prompt_lengths`):
+    sequences whose first prompts[i] tokens are the same share them, as many in a row as fit.
+    several_per_row=False keeps one sequence per row (the padded layout itself, for a model whose attention
+    mixes packed sequences)."""
+    lengths = attention_mask.sum(dim=1).tolist()
+    longest = max(1, max(lengths, default=1))
+    layouts = [_rows(input_ids, lengths, prompts if several_per_row else None, capacity, several_per_row)
+               for capacity in ([longest, 2 * longest] if several_per_row and attention_cost > 0 else [longest])]
+    capacity, units, rows = min(layouts, key=lambda layout: len(layout[2]) * layout[0] * (
+        1 + layout[0] * attention_cost))
+    packed_ids = torch.full((len(rows), capacity), PAD_TOKEN_ID, dtype=input_ids.dtype)
+    positions = torch.zeros((len(rows), capacity), dtype=torch.long)
+    blocks = torch.full((len(rows), capacity), -1, dtype=torch.long)  # the unit of each position (-1: the tail)
+    branches = torch.zeros((len(rows), capacity), dtype=torch.long)  # 0: a whole sequence or a shared prompt
+    places: list[Tensor] = [torch.zeros(0, dtype=torch.long)] * len(lengths)  # flat position of each token
+    for r, members_of_row in enumerate(rows):
+        offset = 0
+        for unit in members_of_row:
+            shared, members = units[unit]
+            prompt = torch.arange(r * capacity + offset, r * capacity + offset + shared)
+            packed_ids[r, offset:offset + shared] = input_ids[members[0], :shared]
+            positions[r, offset:offset + shared] = torch.arange(shared)
+            blocks[r, offset:offset + shared] = unit
+            offset += shared
+            for branch, sequence in enumerate(members, start=1):
+                end = offset + lengths[sequence] - shared
+                packed_ids[r, offset:end] = input_ids[sequence, shared:lengths[sequence]]
+                positions[r, offset:end] = torch.arange(shared, lengths[sequence])
+                blocks[r, offset:end], branches[r, offset:end] = unit, branch if shared else 0
+                places[sequence] = torch.cat([prompt, torch.arange(r * capacity + offset, r * capacity + end)])
+                offset = end
+        positions[r, offset:] = torch.arange(capacity - offset)  # the tail: a block of its own, discarded
+    width = input_ids.shape[1]
+    predictor = torch.cat([place[:-1] for place in places] or [torch.zeros(0, dtype=torch.long)])
+    target = torch.cat([input_ids[s, 1:size] for s, size in enumerate(lengths)] or [torch.zeros(0, dtype=torch.long)])
+    destination = torch.cat([torch.arange(s * width + 1, s * width + size) for s, size in enumerate(lengths)]
+                            or [torch.zeros(0, dtype=torch.long)])
+    several = len(rows) < len(lengths)  # else each row is one sequence from position 0: no ids needed
+    mask = _shared_prompt_mask(blocks, branches) if any(shared for shared, _ in units) else None
+    device = input_ids.device
+    return Packing(packed_ids.to(device), positions.to(device) if several else None,
+                   None if mask is None else mask.to(device), predictor.to(device), target.to(device),
+                   destination.to(device), tuple(attention_mask.shape))
+
+
+def attention_cost_per_position(model: torch.nn.Module) -> float:
+    """A token's attention FLOPs per position of its row (4 x hidden per layer: the scores and the weighted
+    values over every position, masked or not), relative to its other FLOPs (2 per weight of the layers and
+    the LM head): what one more position of row length costs each token, for `pack`."""
+    config, embedding, head = model.config, model.get_input_embeddings().weight, model.get_output_embeddings()
+    weights = sum(p.numel() for p in model.parameters()) - embedding.numel()
+    weights += embedding.numel() if head is None or head.weight is embedding else 0  # a tied head: once more
+    return 4 * config.hidden_size * config.num_hidden_layers / (2 * weights)
+
+
+def _rows(input_ids: Tensor, lengths: list[int], prompts: Optional[Tensor], capacity: int,
+          several_per_row: bool) -> tuple[int, list[tuple[int, list[int]]], list[list[int]]]:
+    """(capacity, units, unit numbers per row): `_units` placed first-fit decreasing in rows of `capacity`."""
+    units = _units(input_ids, lengths, prompts, capacity)
+    sizes = [shared + sum(lengths[s] - shared for s in members) for shared, members in units]
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for unit in sorted(range(len(units)), key=lambda u: -sizes[u]):
+        row = next((r for r, free in enumerate(room) if several_per_row and free >= sizes[unit]), None)
+        if row is None:
+            rows.append([])
+            room.append(capacity)
+            row = len(rows) - 1
+        rows[row].append(unit)
+        room[row] -= sizes[unit]
+    return capacity, units, rows
+
+
+def _units(input_ids: Tensor, lengths: list[int], prompts: Optional[Tensor],
+           capacity: int) -> list[tuple[int, list[int]]]:
+    """What `pack` places: (shared, sequences), the first `shared` tokens common to those sequences and laid
+    out once, then each one's rest; (0, [s]) is sequence s alone. Sequences with the same prompt are
+    bundled first-fit decreasing, as many as fit in `capacity` tokens."""
+    by_prompt: dict[tuple, list[int]] = {}
+    for sequence, length in enumerate(lengths):
+        shared = min(int(prompts[sequence]), length - 1) if prompts is not None else 0  # >= 1 token of its own
+        key = (shared, *input_ids[sequence, :shared].tolist()) if shared > 0 else (0, sequence)
+        by_prompt.setdefault(key, []).append(sequence)
+    units = []
+    for key, members in by_prompt.items():
+        shared, bundles = key[0], []  # [size, sequences]
+        for sequence in sorted(members, key=lambda s: -lengths[s]):
+            rest = lengths[sequence] - shared
+            bundle = next((b for b in bundles if b[0] + rest <= capacity), None)
+            if bundle is None:
+                bundles.append([shared + rest, [sequence]])
+            else:
+                bundle[0] += rest
+                bundle[1].append(sequence)
+        units += [(shared if len(sequences) > 1 else 0, sequences) for _, sequences in bundles]
+    return units
+
+
+def _shared_prompt_mask(blocks: Tensor, branches: Tensor) -> Tensor:
+    """[r, 1, c, c] bool: a token attends to earlier tokens of its own unit that are its shared prompt
+    (branch 0) or its own branch; the tail (block -1) attends to itself, so no row is all False."""
+    columns = torch.arange(blocks.shape[1])
+    causal = columns[None, :] <= columns[:, None]
+    same_block = blocks[:, :, None] == blocks[:, None, :]
+    visible = (branches[:, None, :] == 0) | (branches[:, None, :] == branches[:, :, None])
+    return (causal & same_block & visible)[:, None]
+
+
+@torch.no_grad()
+def keeps_packed_sequences_apart(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether `model` honours `pack`: a sequence's outputs do not change when the tokens of others in its
+    row do (position ids, and a shared prompt's mask), and a sequence sees the prompt it shares. With FSDP2,
+    collective (forwards on every rank); it leaves the model resharded."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+
+    def outputs(sequences: list[Tensor], prompts: Optional[Tensor] = None) -> Tensor:
+        """The model's outputs (logits, or a critic's values) that predict each token, [n, l, V]."""
+        width = max(len(s) for s in sequences)
+        ids = torch.stack([torch.cat([s, s.new_zeros(width - len(s))]) for s in sequences])
+        attention = (torch.arange(width) < torch.tensor([[len(s)] for s in sequences])).long()
+        packing = pack(ids, attention, prompts=prompts).to(device)
+        return packing.predicted(packing.forward(model).float())
+
+    def draw(size: int) -> Tensor:
+        return torch.randint(vocab, (size,), generator=generator)
+
+    def bumped(tokens: Tensor) -> Tensor:
+        return (tokens + 1) % vocab
+
+    # Rows Z | X Y, kept apart by position ids; rows L | A B C, with A and B sharing a 4-token prompt.
+    x, y, z, prompt, a, b, c, longest = draw(4), draw(3), draw(7), draw(4), draw(3), draw(3), draw(2), draw(12)
+    shared = torch.tensor([4, 4, 0, 0])
+    plain = outputs([x, y, z])
+    grouped = outputs([torch.cat([prompt, a]), torch.cat([prompt, b]), c, longest], shared)
+    others_unchanged = [torch.allclose(plain[1:], outputs([bumped(x), y, z])[1:], rtol=1e-4, atol=1e-6),
+                        torch.allclose(grouped[1:], outputs([torch.cat([prompt, bumped(a)]), torch.cat([prompt, b]),
+                                                              c, longest], shared)[1:], rtol=1e-4, atol=1e-6)]
+    # B's tokens 5 and 6 are predicted at B's own positions, whose outputs must depend on the prompt
+    sees_prompt = outputs([torch.cat([bumped(prompt), a]), torch.cat([bumped(prompt), b]), c, longest], shared)
+    model.reshard()
+    return all(others_unchanged) and not torch.allclose(grouped[1, 5:7], sees_prompt[1, 5:7], rtol=1e-4, atol=1e-6)
