@@ -106,7 +106,8 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
     mixes packed sequences)."""
     lengths = attention_mask.sum(dim=1).tolist()
     longest = max(1, max(lengths, default=1))
-    layouts = [_rows(input_ids, lengths, prompts if several_per_row else None, capacity, several_per_row)
+    groups = _prompt_groups(input_ids, lengths, prompts if several_per_row else None)
+    layouts = [_rows(groups, lengths, capacity, several_per_row)
                for capacity in ([longest, 2 * longest] if several_per_row and attention_cost > 0 else [longest])]
     capacity, units, rows = min(layouts, key=lambda layout: len(layout[2]) * layout[0] * (
         1 + layout[0] * attention_cost))
@@ -155,10 +156,10 @@ def attention_cost_per_position(model: torch.nn.Module) -> float:
     return 4 * config.hidden_size * config.num_hidden_layers / (2 * weights)
 
 
-def _rows(input_ids: Tensor, lengths: list[int], prompts: Optional[Tensor], capacity: int,
+def _rows(groups: dict[tuple, list[int]], lengths: list[int], capacity: int,
           several_per_row: bool) -> tuple[int, list[tuple[int, list[int]]], list[list[int]]]:
     """(capacity, units, unit numbers per row): `_units` placed first-fit decreasing in rows of `capacity`."""
-    units = _units(input_ids, lengths, prompts, capacity)
+    units = _units(groups, lengths, capacity)
     sizes = [shared + sum(lengths[s] - shared for s in members) for shared, members in units]
     rows: list[list[int]] = []
     room: list[int] = []
@@ -173,18 +174,23 @@ def _rows(input_ids: Tensor, lengths: list[int], prompts: Optional[Tensor], capa
     return capacity, units, rows
 
 
-def _units(input_ids: Tensor, lengths: list[int], prompts: Optional[Tensor],
-           capacity: int) -> list[tuple[int, list[int]]]:
-    """What `pack` places: (shared, sequences), the first `shared` tokens common to those sequences and laid
-    out once, then each one's rest; (0, [s]) is sequence s alone. Sequences with the same prompt are
-    bundled first-fit decreasing, as many as fit in `capacity` tokens."""
-    by_prompt: dict[tuple, list[int]] = {}
+def _prompt_groups(input_ids: Tensor, lengths: list[int], prompts: Optional[Tensor]) -> dict[tuple, list[int]]:
+    """(shared, *prompt tokens) -> the sequences that begin with that prompt; (0, s) -> sequence s alone
+    (no prompt to share). Whatever the row length, so `pack` groups once for every layout it weighs."""
+    groups: dict[tuple, list[int]] = {}
     for sequence, length in enumerate(lengths):
         shared = min(int(prompts[sequence]), length - 1) if prompts is not None else 0  # >= 1 token of its own
         key = (shared, *input_ids[sequence, :shared].tolist()) if shared > 0 else (0, sequence)
-        by_prompt.setdefault(key, []).append(sequence)
+        groups.setdefault(key, []).append(sequence)
+    return groups
+
+
+def _units(groups: dict[tuple, list[int]], lengths: list[int], capacity: int) -> list[tuple[int, list[int]]]:
+    """What `pack` places: (shared, sequences), the first `shared` tokens common to those sequences and laid
+    out once, then each one's rest; (0, [s]) is sequence s alone. The sequences of a `_prompt_groups` group
+    are bundled first-fit decreasing, as many as fit in `capacity` tokens."""
     units = []
-    for key, members in by_prompt.items():
+    for key, members in groups.items():
         shared, bundles = key[0], []  # [size, sequences]
         for sequence in sorted(members, key=lambda s: -lengths[s]):
             rest = lengths[sequence] - shared
