@@ -163,14 +163,23 @@ def test_weights_that_do_not_fit_are_refused(model_dir):
     assert all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())  # nothing half-loaded
 
 
-def test_a_failing_batch_fails_its_callers(model_dir):
+def test_a_failing_step_fails_its_callers_and_later_requests_are_served(model_dir):
     engine = TransformersEngine(model_dir)
+    with pytest.raises(ValueError, match=r"token ids 101\.\.101 are not all in the model's vocabulary \[0, 96\)"):
+        asyncio.run(engine.generate([VOCAB + 5], SamplingParams(3)))  # refused before it can fail a step
+    logits = engine.forward.logits
+
+    def broken(hidden):
+        engine.forward.logits = logits  # fails once
+        raise RuntimeError("the forward failed")
+
+    engine.forward.logits = broken
 
     async def main():
-        return await engine.generate([VOCAB + 5], SamplingParams(3))  # out-of-vocabulary id
+        return await asyncio.gather(engine.generate([1, 2], SamplingParams(3)), engine.generate([3], SamplingParams(3)),
+                                    return_exceptions=True)
 
-    with pytest.raises(IndexError):
-        asyncio.run(main())
+    assert [str(error) for error in asyncio.run(main())] == ["the forward failed"] * 2
     assert asyncio.run(asyncio.wait_for(engine.generate([1], SamplingParams(2)), 10)).finish_reason == "length"
 
 
@@ -210,9 +219,9 @@ def test_a_late_request_finishes_while_a_long_one_decodes(model_dir):
         return short, await long, finished_at
 
     short, long, finished_at = asyncio.run(main())
-    assert finished_at <= 3 + 5 + 1  # its prefill and four decode steps, shared with the long row
+    assert finished_at <= 3 + 5  # its five tokens in five of the long row's steps
     assert len(short.token_ids) == 5 and len(long.token_ids) == 60
-    assert engine.decode_steps == 60 + 1  # the long row's 60 forwards plus the short row's own prefill
+    assert engine.decode_steps == 60  # the long row's 60 steps: the short row joined them, no forward of its own
     for prompt, completion in (([30, 31], short), ([7, 8, 9], long)):
         assert completion.logprobs == pytest.approx(reference_logprobs(reference, prompt, completion.token_ids, 1.0),
                                                     abs=TOL)

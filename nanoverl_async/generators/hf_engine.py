@@ -4,9 +4,10 @@
     completion = await engine.generate(prompt_ids, SamplingParams(16, 1.0, (eos_id,)))
 
 Why continuous batching: an episode's next turn (after a tool call) must not queue behind the slowest
-row of a running batch. One runner task loops: decode one token for every running row, then prefill
-the requests that arrived meanwhile (one right-padded batch) so they decode with the others from the
-next step on. A row that samples a stop token or reaches max_new_tokens is resolved at once and leaves.
+row of a running batch. One runner task loops over steps: one forward computes the last sampled token of
+every running row and the tokens of the requests that arrived meanwhile (a prompt, or a later turn's new
+tokens), laid end to end (llama_forward.py), and a token is sampled for each. A row that samples a stop
+token or reaches max_new_tokens is resolved at once and leaves.
 Between iterations the loop yields (`await asyncio.sleep(0)`) so ZeroMQ I/O and the episodes keep flowing.
 
 The forward is our own (llama_forward.py: the Llama family on the HF model's own tensors, so
@@ -36,7 +37,7 @@ make-up, and admits nothing more until the wave has finished: the same seed give
 Weights (docs/design.md "Weights back to generators", mode interrupt): `stage_weights` must be called on the
 event-loop thread. The decode loop only yields between steps, so the new weights land between two
 steps: every token sampled afterwards carries the new version, earlier tokens keep theirs. By default
-the running rows' KV cache is then recomputed under the new weights (one prefill per swap), so every
+the running rows' KV cache is then recomputed under the new weights (in the next step's forward), so every
 logprob is exactly that of the version it is tagged with given the whole context. With
 `recompute_cache_on_swap=False` the cache of earlier tokens stays, as PipelineRL does: cheaper, but the
 tokens after a swap come from a mixture (old keys/values, new weights) that no learner reproduces; the
@@ -52,7 +53,7 @@ import hashlib
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -60,7 +61,7 @@ from transformers import AutoModelForCausalLM
 
 from nanoverl_async.generators.decode_graphs import DecodeGraphs
 from nanoverl_async.generators.engine import Completion, SamplingParams
-from nanoverl_async.generators.llama_forward import LlamaForward
+from nanoverl_async.generators.llama_forward import LlamaForward, Tokens
 from nanoverl_async.models import DTYPES
 
 LOCKSTEP_POLL_S = 0.001  # how often a lockstep engine checks whether every episode is waiting
@@ -86,7 +87,7 @@ def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, generator: t
 def _copies_last(requests: list, kept: list) -> tuple[list, list, list[int]]:
     """Requests that repeat an earlier request's prompt without a kept cache (the samples of one group arrive
     together) move after the others, with, for each, the row among the others whose prompt it repeats: the
-    prompt is computed once (`_prefill`), as SGLang's radix cache would share it. -> (requests, kept, sources)."""
+    prompt is computed once (`_step`), as SGLang's radix cache would share it. -> (requests, kept, sources)."""
     firsts, copies, row_of = [], [], {}
     for request, reuse in zip(requests, kept):
         prompt = tuple(request.input_ids) if reuse is None else None
@@ -150,7 +151,7 @@ class TransformersEngine:
         self._temps = torch.ones(max_batch_size, 1, dtype=torch.float32, device=self.device)
         self._graphs = DecodeGraphs(self.forward, self._next, self._lens) if (
             cuda_graphs and self.device.type == "cuda") else None  # decode replayed from CUDA graphs
-        self.decode_steps = 0  # forward passes (prefills included), for metrics and tests
+        self.decode_steps = 0  # steps (one forward each, a replayed graph's included), for metrics and tests
         self.reused_tokens = 0  # cached tokens an episode's later turns did not compute again
         self.tokens_generated = 0
         self.weight_swaps = 0
@@ -160,6 +161,10 @@ class TransformersEngine:
         """See engine.Engine.generate (`episode_id` orders a lockstep wave; there is one cache)."""
         if len(input_ids) == 0:
             raise ValueError("generate needs at least one input token")
+        vocabulary = self.model.get_input_embeddings().num_embeddings
+        if not 0 <= min(input_ids) <= max(input_ids) < vocabulary:  # one bad id would fail the whole step
+            raise ValueError(f"token ids {min(input_ids)}..{max(input_ids)} are not all in the model's "
+                             f"vocabulary [0, {vocabulary})")
         loop = asyncio.get_running_loop()
         request = _Request(list(input_ids), params, loop.create_future(), episode_id or "")
         if self._runner is None or self._runner.done() or self._runner.get_loop() is not loop:
@@ -200,10 +205,7 @@ class TransformersEngine:
                     await asyncio.sleep(LOCKSTEP_POLL_S)  # some episode is still in a tool call
                     continue
                 with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS):
-                    self._guarded(self._decode_step, 0)
-                    if self._pending and len(self._rows) < self.max_batch_size and not (
-                            self.lockstep is not None and self._rows):
-                        self._guarded(self._admit, len(self._rows))
+                    self._guarded(self._step)
                 await asyncio.sleep(0)
         except BaseException as error:  # cancelled (its loop is closing) or a bug: no one may wait forever
             for request in self._rows + self._pending:
@@ -212,35 +214,56 @@ class TransformersEngine:
             self._rows, self._pending = [], []
             raise
 
-    def _guarded(self, step: Callable[[], None], first: int) -> None:
-        """Run `step`; if it fails, its callers (the rows from `first` on) get the exception, others go on."""
+    def _guarded(self, step: Callable[[], None]) -> None:
+        """Run `step`; if it fails, the callers of its rows get the exception, and later requests are served."""
         try:
             step()
         except Exception as error:
-            for request in self._rows[first:]:
+            for request in self._rows:
                 if not request.future.done():
                     request.future.set_exception(error)
-            del self._rows[first:]
+            self._rows = []
 
-    def _decode_step(self) -> None:
-        """One token for every running row (the whole context again if the weights changed under it)."""
+    def _step(self) -> None:
+        """One forward for every running row (its last sampled token, or its whole context again if the
+        weights changed under it) and for the waiting requests that fit (a prompt, or a later turn's tokens
+        after its episode's kept cache), then a token sampled for each: requests join without a forward of
+        their own. On CUDA the running rows' decode replays a graph, and the others follow in one forward."""
+        running = len(self._rows)
+        new, kept, sources = self._admissions()
         if not self._rows:
             return
-        if self.recompute_cache_on_swap and self._cache_version != self.version:
-            logits = self._prefill(0, [r.input_ids + r.completion.token_ids for r in self._rows])
-        else:
-            count, length = len(self._rows), max(r.length() for r in self._rows)
-            self._reserve(count, length)
+        self._reserve(len(self._rows), max(r.length() for r in self._rows))
+        recompute = running and self.recompute_cache_on_swap and self._cache_version != self.version
+        logits, tokens = [], Tokens()
+        if recompute:
+            tokens.add(0, [0] * running, [r.input_ids + r.completion.token_ids for r in self._rows[:running]])
+            self._lens[:running] = torch.tensor([r.length() for r in self._rows[:running]]).to(self.device)
+        elif running:
+            length = max(r.length() for r in self._rows[:running])
             if self._graphs is not None:
-                logits = self._graphs.decode(self._kv, count, length)
+                logits.append(self._graphs.decode(self._kv, running, length))
             else:
-                logits = self.forward.extend(self._kv, self._next[:count, None], None, 0, self._lens[:count], length)
-            self._lens[:count] += 1
-        self._emit(0, logits)
+                tokens = Tokens(decoding=(self._next[:running], self._lens[:running], length))
+        if new:
+            self._stage(running, new, kept[:len(new) - len(sources)], tokens)
+        if tokens.blocks or tokens.decoding:
+            logits.append(self.forward(self._kv, *tokens.tensors(self.device)))
+        if running and not recompute:
+            self._lens[:running] += 1
+        logits = torch.cat(logits) if len(logits) > 1 else logits[0]
+        for row, source in enumerate(sources, start=len(self._rows) - len(sources)):
+            cached = len(self._rows[row].input_ids)
+            self._kv[:, :, row, :, :cached] = self._kv[:, :, running + source, :, :cached]
+            self.reused_tokens += cached
+        self._emit(0, torch.cat([logits, logits[[running + source for source in sources]]]) if sources else logits)
 
-    def _admit(self) -> None:
-        """Prefill the waiting requests into the slots after the running rows; sample their first token."""
+    def _admissions(self) -> tuple[list[_Request], list[Optional[_Kept]], list[int]]:
+        """The waiting requests that fit, moved into the rows after the running ones: (them, the kept cache
+        each continues, and for the copies among them the rows whose prompt they repeat: `_copies_last`)."""
         start = len(self._rows)
+        if not self._pending or start >= self.max_batch_size or (self.lockstep is not None and self._rows):
+            return [], [], []
         if self.lockstep is not None:
             self._pending.sort(key=lambda r: r.episode_id)
             wave = ";".join(f"{r.episode_id}:{len(r.input_ids)}" for r in self._pending)
@@ -248,10 +271,22 @@ class TransformersEngine:
                 hashlib.blake2b(f"{self.seed}|{wave}".encode(), digest_size=8).digest(), "little") >> 1)
         new = [r for r in self._pending[: self.max_batch_size - start] if not r.future.done()]
         del self._pending[: self.max_batch_size - start]
-        if new:
-            new, kept, sources = _copies_last(new, [self._reusable(r) for r in new])
-            self._rows += new
-            self._emit(start, self._prefill(start, [r.input_ids for r in new], kept, sources))
+        new, kept, sources = _copies_last(new, [self._reusable(r) for r in new])
+        self._rows += new
+        return new, kept, sources
+
+    def _stage(self, start: int, new: list[_Request], kept: list[Optional[_Kept]], tokens: Tokens) -> None:
+        """New rows in slots start..: a row with a kept cache gets it back and computes only the tokens after it
+        (`tokens`); the rows after len(kept) copy another's prompt (`_step` copies its cache after the forward)."""
+        offsets = [len(k.tokens) if k else 0 for k in kept]
+        for row, (reused, offset) in enumerate(zip(kept, offsets), start=start):
+            if offset:
+                self._kv[:, :, row, :, :offset] = reused.kv
+        self.reused_tokens += sum(offsets)
+        tokens.add(start, offsets, [r.input_ids[offset:] for r, offset in zip(new, offsets)])
+        rows = slice(start, start + len(new))
+        self._lens[rows] = torch.tensor([len(r.input_ids) for r in new]).to(self.device)
+        self._temps[rows, 0] = torch.tensor([r.params.temperature for r in new], dtype=torch.float32).to(self.device)
 
     def _reusable(self, request: _Request) -> Optional[_Kept]:
         """The kept cache of the request's episode, if the request continues exactly those tokens."""
@@ -260,39 +295,6 @@ class TransformersEngine:
             return None
         cached = len(kept.tokens)
         return kept if cached < len(request.input_ids) and request.input_ids[:cached] == kept.tokens else None
-
-    def _prefill(self, start: int, seqs: list[list[int]], kept: Optional[list[Optional[_Kept]]] = None,
-                 sources: Sequence[int] = ()) -> torch.Tensor:
-        """Cache `seqs` in slots start.. (one right-padded batch) -> their last logits. A row with a kept
-        cache gets it back and computes only the tokens after it. The last len(sources) rows repeat the
-        prompts of rows `sources` (`_copies_last`): they get those rows' cache and logits, not a forward."""
-        computed = len(seqs) - len(sources)
-        offsets = [len(k.tokens) if k else 0 for k in kept[:computed]] if kept else [0] * computed
-        width = max(len(s) - offset for s, offset in zip(seqs, offsets))
-        # a row's padding is written at its positions after its own tokens, up to its offset + width
-        self._reserve(start + len(seqs), max(*map(len, seqs), max(offsets) + width))
-        ids = torch.tensor([s[offset:] + [0] * (width - len(s) + offset) for s, offset in zip(seqs, offsets)],
-                           dtype=torch.long).to(self.device)
-        lens = torch.tensor([len(s) for s in seqs], dtype=torch.long).to(self.device)
-        temps = [r.params.temperature for r in self._rows[start:start + len(seqs)]]
-        self._lens[start:start + len(seqs)] = lens
-        self._temps[start:start + len(seqs), 0] = torch.tensor(temps, dtype=torch.float32).to(self.device)
-        if not any(offsets):
-            logits = self.forward.prefill(self._kv, ids, lens[:computed] - 1, start)
-        else:
-            for row, (reused, offset) in enumerate(zip(kept, offsets)):
-                if offset:
-                    self._kv[:, :, start + row, :, :offset] = reused.kv
-            self.reused_tokens += sum(offsets)
-            offsets = torch.tensor(offsets, dtype=torch.long).to(self.device)
-            logits = self.forward.extend(self._kv, ids, lens[:computed] - offsets - 1, start, offsets,
-                                         max(map(len, seqs[:computed])))
-        if not sources:
-            return logits
-        for row, source in enumerate(sources, start=start + computed):
-            self._kv[:, :, row, :, :len(seqs[source])] = self._kv[:, :, start + source, :, :len(seqs[source])]
-        self.reused_tokens += sum(len(seqs[source]) for source in sources)
-        return torch.cat([logits, logits[list(sources)]])
 
     def _reserve(self, rows: int, length: int) -> None:
         """Grow the slot cache, doubling, to at least `rows` slots of `length` positions."""

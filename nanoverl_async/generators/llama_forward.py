@@ -1,22 +1,29 @@
-"""Prefill and extend of the Llama family (llama, mistral, qwen2, qwen3) on a transformers model's own
-parameter tensors, with a KV cache of row slots: the forward of `hf_engine.TransformersEngine`.
+"""The forward of `hf_engine.TransformersEngine`: the Llama family (llama, mistral, qwen2, qwen3) on a
+transformers model's own parameter tensors, over flat tokens, with a KV cache of row slots.
 
-    forward = LlamaForward(model, model_dir)          # refuses other model types in one line
-    kv = forward.cache(slots, positions)               # [layers, k|v, slots, kv_heads, positions, head_dim]
-    logits = forward.prefill(kv, ids, last, start)     # rows from position 0 (right-padded)
-    logits = forward.extend(kv, ids, last, start, offsets, length)   # rows after their cached positions
+    forward = LlamaForward(model, model_dir)           # refuses other model types in one line
+    kv = forward.cache(slots, positions)                # [layers, k|v, slots, kv_heads, positions, head_dim]
+    tokens = Tokens()
+    tokens.add(first=3, offsets=[0, 40], new=[prompt, next_turn])   # rows 3, 4 after their cached positions
+    logits = forward(kv, *tokens.tensors(device))      # [rows, V]: each row's last new token
 
-Why our own: at these sizes HF's per-step cache concatenation, mask building and position re-derivation
-cost more than the math. Each op follows HF's (RMSNorm in float32, rotary embeddings with HF's
-frequencies, grouped-query attention), and tests compare the logits with HF's forward per model type.
-Loading a state dict into the HF model swaps the tensors this reads.
+One forward serves every row that needs one, however many new tokens each has: a decoding row's one
+token, a new prompt, an episode's next turn after its cached ones, a whole context to recompute. The
+rows' new tokens are laid end to end (no padding), so the linear layers, most of a small model's work,
+compute only real tokens, and rows that join the batch cost no forward of their own. Attention runs per
+`Block` (rows in consecutive slots): it reads the block's cache slots, its queries padded to its longest
+row. Each op follows HF's (RMSNorm in float32, rotary embeddings with HF's frequencies, grouped-query
+attention); tests compare the logits with HF's forward per model type. Loading a state dict into the HF
+model swaps the tensors this reads.
 
 Run alone: nothing to run; tests/test_engine.py checks it against HF and a full forward.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +40,78 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+@dataclass(frozen=True)
+class Block:
+    """Cache rows first..first+rows-1 whose new tokens are the forward's flat tokens [begin, end), row by row,
+    each row's at the positions after its cached ones; `length` > every position (the attention span). For
+    attention the queries are padded to the longest row: `padded` [rows, width] indexes each (row, j) into
+    the block's tokens (a short row repeats its last one) and `unpadded` [end - begin] each token into the
+    flattened [rows * width]; both None when every row has one new token (decoding)."""
+
+    begin: int
+    end: int
+    first: int
+    rows: int
+    length: int
+    padded: Optional[torch.Tensor] = None
+    unpadded: Optional[torch.Tensor] = None
+
+    def to(self, device: torch.device) -> "Block":
+        return dataclasses.replace(self, **{name: getattr(self, name).to(device) for name in ("padded", "unpadded")
+                                            if getattr(self, name) is not None})
+
+
+class Tokens:
+    """The flat new tokens of one forward, laid out on the host block by block (`tensors` moves them)."""
+
+    def __init__(self, decoding: Optional[tuple[torch.Tensor, torch.Tensor, int]] = None):
+        """`decoding`: rows 0..R-1 with one new token each, which come first: their tokens and positions [R],
+        already on the device (a decode step's), and their attention length."""
+        self.decoding = decoding
+        self.begin = len(decoding[0]) if decoding is not None else 0  # flat tokens before the host's
+        self.ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        self.last: list[int] = []  # each row's last new token: its logits are returned
+        self.blocks: list[Block] = []
+
+    def add(self, first: int, offsets: Sequence[int], new: Sequence[Sequence[int]]) -> None:
+        """Rows first.. of the cache (in consecutive slots), row r holding positions [0, offsets[r]), get the
+        tokens new[r] (at least one each)."""
+        begin, width = self.begin + len(self.ids), max(map(len, new))
+        padded, unpadded = [], []
+        for row, (offset, tokens) in enumerate(zip(offsets, new)):
+            start = len(self.ids) + self.begin - begin
+            padded += [start + min(j, len(tokens) - 1) for j in range(width)]
+            unpadded += range(row * width, row * width + len(tokens))
+            self.ids += tokens
+            self.positions += range(offset, offset + len(tokens))
+            self.slots += [first + row] * len(tokens)
+            self.last.append(self.begin + len(self.ids) - 1)
+        indices = (torch.tensor(padded).view(len(new), width), torch.tensor(unpadded)) if width > 1 else (None, None)
+        self.blocks.append(Block(begin, self.begin + len(self.ids), first, len(new),
+                                 max(offset + len(tokens) for offset, tokens in zip(offsets, new)), *indices))
+
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[Block],
+                                                      Optional[torch.Tensor]]:
+        """(ids, positions, slots, blocks, last) on `device`: the arguments of `LlamaForward.__call__`."""
+        blocks = [block.to(device) for block in self.blocks]
+        if self.ids:
+            flat = torch.tensor([self.ids, self.positions, self.slots], dtype=torch.long).to(device)
+            ids, positions, slots, last = *flat, torch.tensor(self.last, dtype=torch.long).to(device)
+        if self.decoding is None:
+            return ids, positions, slots, blocks, last
+        decoded, at, length = self.decoding
+        rows = torch.arange(self.begin, device=device)
+        blocks.insert(0, Block(0, self.begin, 0, self.begin, length))
+        if not self.ids:
+            return decoded, at, rows, blocks, None  # every token is a row's last
+        return torch.cat([decoded, ids]), torch.cat([at, positions]), torch.cat([rows, slots]), blocks, torch.cat(
+            [rows, last])
+
+
 class LlamaForward:
-    """Prefill and decode of the Llama family on the HF model's parameters and a slot KV cache."""
+    """The forward of the Llama family on the HF model's parameters, flat tokens and a slot KV cache."""
 
     FAMILY = ("llama", "mistral", "qwen2", "qwen3")
     ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # fixed frequencies (no per-length update)
@@ -65,76 +142,63 @@ class LlamaForward:
         return torch.zeros((len(self.layers), 2, slots, self.kv_heads, positions, self.head_dim),
                            dtype=weight.dtype, device=weight.device)
 
-    def prefill(self, kv: torch.Tensor, ids: torch.Tensor, last: torch.Tensor, start: int) -> torch.Tensor:
-        """Rows start..start+n-1 from position 0: ids [n, P] right-padded, `last` [n] the index of each
-        row's last token -> its logits [n, V] float32. The padding's keys are written, never attended."""
-        n, length = ids.shape
-        cos, sin = self._rope(torch.arange(length, device=ids.device)[None])
-        causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
-        masks = {w: causal.triu(1 - w) if w else None for w in set(self.windows)}
-
-        def attend(layer: int, q, k, v):
-            kv[layer, 0, start:start + n, :, :length] = k
-            kv[layer, 1, start:start + n, :, :length] = v
-            mask = masks[self.windows[layer]]
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-
-        hidden = self._layers(F.embedding(ids.flatten(), self.model.get_input_embeddings().weight), n, cos, sin,
-                              attend).view(n, length, -1)
-        return self.logits(hidden[torch.arange(n, device=ids.device), last])
-
-    def extend(self, kv: torch.Tensor, ids: torch.Tensor, last: Optional[torch.Tensor], start: int,
-               offsets: torch.Tensor, length: int, head: bool = True) -> torch.Tensor:
-        """Rows start..start+n-1 whose cache holds positions [0, offsets[r]): ids [n, Q] right-padded new
-        tokens at positions offsets[r].. (`length` > every one of them), `last` [n] the index of each row's
-        last new token (None when Q = 1) -> its logits [n, V] float32. Decode is Q = 1 over the running
-        rows; an episode's next turn is its new tokens after its cached turns (`TransformersEngine` keeps them).
-        head=False returns those tokens' final hidden states [n, hidden] instead (decode_graphs.py captures
-        the layers and runs the head on the live rows only). No host sync: CUDA graphs can capture it."""
-        n, width = ids.shape
-        slots = torch.arange(start, start + n, device=ids.device)[:, None]
-        positions = offsets[:, None] + torch.arange(width, device=ids.device)  # [n, Q]
+    def __call__(self, kv: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 blocks: Sequence[Block], last: Optional[torch.Tensor] = None, head: bool = True) -> torch.Tensor:
+        """Flat new tokens: ids, positions, cache slots [T] (`Tokens`), in `blocks` -> the logits [n, V] float32
+        of the tokens `last` [n] (None: of every token); head=False returns their final hidden states
+        [n, hidden] instead (decode_graphs.py captures the layers and runs the head on the live rows only).
+        Each token's keys and values are written at (slot, position); it attends to its row's cached
+        positions up to its own. No host sync: CUDA graphs can capture it."""
         cos, sin = self._rope(positions)
-        keys = torch.arange(length, device=ids.device)
-        seen = keys <= positions[..., None]  # [n, Q, length]
-        masks = {w: torch.where(seen & (keys > positions[..., None] - w) if w else seen, 0.0, float("-inf"))
-                 .to(cos.dtype)[:, None] for w in set(self.windows)}  # additive (a bool mask is slower)
+        keys = torch.arange(max(block.length for block in blocks), device=ids.device)
+        masks = []  # per block, per window: additive [rows, 1, width, length] (a bool mask is slower)
+        for block in blocks:
+            at = positions[block.begin:block.end]
+            at = (at[block.padded] if block.padded is not None else at[:, None])[..., None]  # [rows, width, 1]
+            seen = keys[:block.length] <= at
+            masks.append({w: torch.where(seen & (keys[:block.length] > at - w) if w else seen, 0.0, float("-inf"))
+                          .to(cos.dtype)[:, None] for w in set(self.windows)})
 
         def attend(layer: int, q, k, v):
-            kv[layer, 0][slots, :, positions] = k.transpose(1, 2)  # [n, Q, kv_heads, d] at (slot, position)
-            kv[layer, 1][slots, :, positions] = v.transpose(1, 2)
-            cached = kv[layer, :, start:start + n, :, :length]
-            return F.scaled_dot_product_attention(q, cached[0], cached[1], attn_mask=masks[self.windows[layer]],
-                                                  enable_gqa=True)
+            kv[layer, 0][slots, :, positions] = k
+            kv[layer, 1][slots, :, positions] = v
+            out = []
+            for block, mask in zip(blocks, masks):
+                queries = q[block.begin:block.end]
+                queries = queries[block.padded] if block.padded is not None else queries[:, None]
+                cached = kv[layer, :, block.first:block.first + block.rows, :, :block.length]
+                o = F.scaled_dot_product_attention(queries.transpose(1, 2), cached[0], cached[1],
+                                                   attn_mask=mask[self.windows[layer]], enable_gqa=True)
+                o = o.transpose(1, 2).flatten(0, 1)
+                out.append(o[block.unpadded] if block.unpadded is not None else o)
+            return torch.cat(out) if len(out) > 1 else out[0]
 
-        hidden = self._layers(F.embedding(ids.flatten(), self.model.get_input_embeddings().weight), n, cos, sin,
-                              attend)
+        hidden = self._layers(F.embedding(ids, self.model.get_input_embeddings().weight), cos, sin, attend)
         if last is not None:
-            hidden = hidden.view(n, width, -1)[torch.arange(n, device=ids.device), last]
+            hidden = hidden[last]
         return self.logits(hidden) if head else hidden
 
     def _rope(self, positions: torch.Tensor):
-        """positions [B, Q] -> cos, sin [B, Q, 1, head_dim] in the model dtype (HF's formula)."""
-        freqs = positions[..., None].float() * self.inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)[:, :, None]
+        """positions [T] -> cos, sin [T, 1, head_dim] in the model dtype (HF's formula)."""
+        freqs = positions[:, None].float() * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]
         dtype = self.model.dtype
         return (angles.cos() * self.rope_scale).to(dtype), (angles.sin() * self.rope_scale).to(dtype)
 
-    def _layers(self, x: torch.Tensor, batch: int, cos, sin, attend: Callable) -> torch.Tensor:
-        """The decoder layers on the tokens x [B * Q, hidden] of `batch` rows (2-D: the fewest ops per
-        linear); `attend(layer, q, k, v)` caches k, v [B, kv_heads, Q, d] and attends."""
-        width = x.shape[0] // batch
+    def _layers(self, x: torch.Tensor, cos, sin, attend: Callable) -> torch.Tensor:
+        """The decoder layers on the flat tokens x [T, hidden]; `attend(layer, q, k, v)` caches k, v
+        [T, kv_heads, d] and returns the attention [T, heads, d]."""
         for index, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = _rms_norm(x, layer.input_layernorm)
-            q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(batch, width, self.heads, self.head_dim)
-            k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(batch, width, self.kv_heads, self.head_dim)
-            v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(batch, width, self.kv_heads, self.head_dim)
+            q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(-1, self.heads, self.head_dim)
+            k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(-1, self.kv_heads, self.head_dim)
+            v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(-1, self.kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):  # qwen3
                 q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            out = attend(index, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-            x = x + F.linear(out.transpose(1, 2).reshape(x.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
+            out = attend(index, q, k, v)
+            x = x + F.linear(out.flatten(1), attn.o_proj.weight, attn.o_proj.bias)
             h = _rms_norm(x, layer.post_attention_layernorm)
             gate = mlp.act_fn(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias))
             x = x + F.linear(gate * F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias), mlp.down_proj.weight,
