@@ -8,7 +8,8 @@ finishes while a long one still decodes; stop tokens and max_new_tokens hold; an
 swap re-tags later tokens with the new version and samples them from the new weights; the Llama family
 (Llama untied without bias, Qwen2 with qkv bias, Qwen3 q/k norms, Mistral sliding window) matches HF;
 lengths are not capped at max_position_embeddings; other model types and rope types are refused; an
-episode's later turns reuse its kept cache and still match a full forward of the whole history.
+episode's later turns reuse its kept cache and still match a full forward of the whole history; a group
+that joins running rows computes its prompt once and still matches.
 """
 
 import asyncio
@@ -84,6 +85,20 @@ def test_a_groups_shared_prompt_is_computed_once_and_its_samples_differ(model_di
                                                     abs=TOL)
     samples = [tuple(c.token_ids) for c in completions[:1] + completions[2:]]
     assert len(set(samples)) == len(samples)  # each sample draws its own tokens from the shared logits
+
+
+def test_a_group_joining_running_rows_shares_its_prompt_and_matches_a_full_forward(model_dir):
+    """The copies' cache and logits come from their first sample's row, after the rows already running."""
+    engine = TransformersEngine(model_dir, seed=11)
+    reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+    group = [9, 8, 7, 6, 5, 4, 3]
+    requests = [(0, [1, 2, 3], 20), (0, [40] * 12, 15)] + [(3, group, 6)] * 4 + [(3, [30, 31], 6)]
+    completions = staggered(engine, requests, temperature=1.0)
+    assert engine.reused_tokens == 3 * len(group)
+    for (_, prompt, limit), completion in zip(requests, completions):
+        assert len(completion.token_ids) == limit
+        assert completion.logprobs == pytest.approx(reference_logprobs(reference, prompt, completion.token_ids, 1.0),
+                                                    abs=TOL)
 
 
 def test_stop_tokens_and_late_requests(model_dir):
