@@ -1,8 +1,8 @@
 """The decode step of `TransformersEngine` on CUDA, captured as CUDA graphs and replayed.
 
     graphs = DecodeGraphs(forward, tokens, lens)      # the engine's fixed-address buffers
-    logits = graphs.decode(kv, count, length)          # = forward(kv, tokens[:count], lens[:count],
-                                                       #   arange(count), [Block(0, count, 0, count, length)]), replayed
+    logits = graphs.decode(kv, count, length)          # = forward(kv, *Tokens(decoding=(tokens[:count],
+                                                       #   lens[:count], length)).tensors(device)), replayed
 
 Why: a decode step of a small model launches ~25 kernels per layer, each costing more on the host (Python
 dispatch, launch) than on the GPU, so eager decoding is host-bound well below the GPU's speed. A graph
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoverl_async.generators.llama_forward import Block, LlamaForward
+from nanoverl_async.generators.llama_forward import LlamaForward, Tokens
 
 
 def bucket(n: int, limit: int) -> int:
@@ -56,9 +56,8 @@ class DecodeGraphs:
 
     def _capture(self, kv: torch.Tensor, rows: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         def step() -> torch.Tensor:
-            slots = torch.arange(rows, device=kv.device)
-            return self.forward(kv, self.tokens[:rows], self.lens[:rows], slots, [Block(0, rows, 0, rows, length)],
-                                head=False)
+            decoding = Tokens(decoding=(self.tokens[:rows], self.lens[:rows], length))  # the engine's eager step
+            return self.forward(kv, *decoding.tensors(kv.device), head=False)
 
         # One eager run on a side stream first, as CUDA graphs need (library handles and workspaces are
         # created outside the capture); it writes the same keys and values the replay will write.
