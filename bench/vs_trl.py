@@ -1,6 +1,6 @@
 """nanoverl-async vs TRL's synchronous GRPOTrainer on our own default job, side by side.
 
-    python bench/vs_trl.py --trl-python /work/trl-venv/bin/python [--steps 60] [--repeats 2]
+    python bench/vs_trl.py --trl-python /work/trl-venv/bin/python [--steps 60] [--repeats 2] [--vary-seed]
                            [--project-overrides key=value ...] [--out results.json]
 
 TRL is an optional extra (`pip install '.[bench]'`), best kept in its own virtual environment so that its
@@ -24,6 +24,10 @@ benchmark's check, not TRL's work), and nanoverl-async / TRL (for a range:
 our min over TRL's max to our max over TRL's min). TRL's episodes are re-scored by the project's `score`
 (trl_side.py); the disagreements are a row of the table. Timings on 2 cores are very sensitive to other
 load: run it on a quiet machine.
+
+With one seed TRL's run is deterministic, so its final reward is one draw, not a spread. --vary-seed runs
+repeat i of both sides with run.seed + i (other prompts, other sampling; the same model), and the table adds
+the mean final reward of each side over the seeds: the fair way to say whether one side learns better.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--repeats", type=int, default=2, help="runs per side, interleaved A B B A ...")
+    p.add_argument("--vary-seed", action="store_true",
+                   help="repeat i of both sides uses run.seed + i (default: every repeat uses run.seed)")
     p.add_argument("--trl-python", default=sys.executable, help="interpreter with trl==1.16.0 and datasets")
     p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process")
     p.add_argument("--project-overrides", nargs="*", default=[], metavar="KEY=VALUE",
@@ -80,12 +86,12 @@ def run_logged(command: list[str], log: Path, label: str, env: dict | None = Non
     return wall
 
 
-def run_project(args, scratch: Path, index: int) -> dict:
+def run_project(args, scratch: Path, index: int, seed: int) -> dict:
     output_dir = scratch / f"project_{index}"
     cli = Path(sys.executable).parent / "nanoverl-async"
     command = [str(cli)] if cli.exists() else [sys.executable, "-m", "nanoverl_async.cli"]
     command += ["launch", CONFIG, f"run.output_dir={output_dir}", "run.progress=false", "run.overwrite=true",
-                f"run.total_steps={args.steps}", *args.project_overrides]
+                f"run.total_steps={args.steps}", f"run.seed={seed}", *args.project_overrides]
     wall = run_logged(command, scratch / f"project_{index}.log", "nanoverl-async")
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     walls, total = [], 0.0
@@ -97,8 +103,7 @@ def run_project(args, scratch: Path, index: int) -> dict:
 
 def trl_arguments(cfg) -> list[str]:
     """The job's task and learner settings for bench/trl_side.py (from the config, without our overrides)."""
-    return ["--model", cfg.model.path, "--dtype", cfg.model.dtype, "--seed", str(cfg.run.seed),
-            "--prompts-per-step", str(cfg.data.prompts_per_step),
+    return ["--model", cfg.model.path, "--dtype", cfg.model.dtype, "--prompts-per-step", str(cfg.data.prompts_per_step),
             "--samples-per-prompt", str(cfg.data.samples_per_prompt),
             "--lr", str(cfg.learner.lr), "--betas", *map(str, cfg.learner.betas),
             "--weight-decay", str(cfg.learner.weight_decay), "--grad-clip", str(cfg.learner.grad_clip),
@@ -107,10 +112,10 @@ def trl_arguments(cfg) -> list[str]:
             "--max-new-tokens", str(cfg.agent.max_new_tokens), "--max-total-tokens", str(cfg.agent.max_total_tokens)]
 
 
-def run_trl(args, scratch: Path, index: int, settings: list[str]) -> dict:
+def run_trl(args, scratch: Path, index: int, seed: int, settings: list[str]) -> dict:
     steps_file, summary_file = scratch / f"trl_{index}.jsonl", scratch / f"trl_{index}.json"
     command = [args.trl_python, str(REPO / "bench" / "trl_side.py"), "--steps", str(args.steps),
-               "--out", str(steps_file), "--summary", str(summary_file), "--threads", str(args.trl_threads), *settings]
+               "--out", str(steps_file), "--summary", str(summary_file), "--threads", str(args.trl_threads), "--seed", str(seed), *settings]
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
     wall = run_logged(command, scratch / f"trl_{index}.log", "TRL side", env)
     rows = [json.loads(line) for line in steps_file.read_text().splitlines() if line.strip()]
@@ -143,28 +148,31 @@ def main(argv=None) -> None:
     cfg = load_config(str(REPO / CONFIG))
     ours_cfg = load_config(str(REPO / CONFIG), args.project_overrides)  # a bad override fails here, early
     settings = trl_arguments(cfg)
-    order = [side for i in range(args.repeats) for side in (("trl", "project") if i % 2 == 0 else ("project", "trl"))]
+    order = [(side, cfg.run.seed + i if args.vary_seed else cfg.run.seed) for i in range(args.repeats)
+             for side in (("trl", "project") if i % 2 == 0 else ("project", "trl"))]
     results: dict[str, list[dict]] = {"trl": [], "project": []}
     console = Console(width=160)
     with tempfile.TemporaryDirectory(prefix="vs_trl_") as tmp:
         scratch = Path(tmp)
-        for index, side in enumerate(order):
+        for index, (side, seed) in enumerate(order):
             console.print(f"[{index + 1}/{len(order)}] {'TRL GRPOTrainer' if side == 'trl' else 'nanoverl-async'}"
-                          f", {args.steps} steps ...")
-            run = run_trl(args, scratch, index, settings) if side == "trl" else run_project(args, scratch, index)
-            results[side].append(run)
+                          f", {args.steps} steps, seed {seed} ...")
+            run = run_trl(args, scratch, index, seed, settings) if side == "trl" else \
+                run_project(args, scratch, index, seed)
+            results[side].append({**run, "seed": seed})
     trl, ours = results["trl"], results["project"]
 
     def column(runs: list[dict], key: str) -> list:
         return [r[key] for r in runs]
 
     versions = trl[0]["versions"]
+    seeds = ", ".join(str(s) for s in sorted({seed for _, seed in order}))
     overrides = f", overrides {' '.join(args.project_overrides)}" if args.project_overrides else ""
     table = Table(title=f"nanoverl-async vs TRL {versions['trl']} GRPOTrainer: {CONFIG}, {args.steps} steps of "
                         f"{cfg.data.prompts_per_step} x {cfg.data.samples_per_prompt}, runs "
-                        f"{' '.join('A' if s == 'trl' else 'B' for s in order)} (A = TRL, B = nanoverl-async)",
+                        f"{' '.join('A' if s == 'trl' else 'B' for s, _ in order)} (A = TRL, B = nanoverl-async)",
                   caption=f"ranges min-max over {args.repeats} run(s) per side; ratio = nanoverl-async / TRL; "
-                          f"nanoverl-async staleness.max {ours_cfg.staleness.max}"
+                          f"seeds {seeds}; nanoverl-async staleness.max {ours_cfg.staleness.max}"
                           f"{overrides}; TRL: torch {versions['torch']}, transformers {versions['transformers']}, "
                           f"{args.trl_threads} threads")
     for name in ("", "TRL (sync)", "nanoverl-async", "ratio"):
@@ -177,6 +185,10 @@ def main(argv=None) -> None:
                       ratio(column(ours, key), column(trl, key)))
     table.add_row("final reward (last 10% of steps)", span(column(trl, "final_reward"), ".3f"),
                   span(column(ours, "final_reward"), ".3f"), "")
+    if args.vary_seed:
+        mean_trl, mean_ours = (sum(column(runs, "final_reward")) / len(runs) for runs in (trl, ours))
+        table.add_row("final reward, mean over the seeds", f"{mean_trl:.3f}", f"{mean_ours:.3f}",
+                      f"{mean_ours - mean_trl:+.3f}")
     table.add_row("TRL episodes re-scored by our `score`: disagreements",
                   f"{sum(column(trl, 'disagreements'))} of {sum(column(trl, 'episodes'))}", "", "")
     table.add_row("TRL token ids vs our template's rendering: mismatches",
@@ -187,7 +199,8 @@ def main(argv=None) -> None:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"order": order, "steps": args.steps, "project_overrides": args.project_overrides,
+        out.write_text(json.dumps({"order": [side for side, _ in order], "steps": args.steps,
+                                   "project_overrides": args.project_overrides,
                                    "trl": trl, "project": ours}, indent=2))
 
 
