@@ -103,7 +103,8 @@ def run_project(args, scratch: Path, index: int, seed: int) -> dict:
 
 def trl_arguments(cfg) -> list[str]:
     """The job's task and learner settings for bench/trl_side.py (from the config, without our overrides)."""
-    return ["--model", cfg.model.path, "--dtype", cfg.model.dtype, "--prompts-per-step", str(cfg.data.prompts_per_step),
+    return ["--model", cfg.model.path, "--dtype", cfg.model.dtype,
+            "--prompts-per-step", str(cfg.data.prompts_per_step),
             "--samples-per-prompt", str(cfg.data.samples_per_prompt),
             "--lr", str(cfg.learner.lr), "--betas", *map(str, cfg.learner.betas),
             "--weight-decay", str(cfg.learner.weight_decay), "--grad-clip", str(cfg.learner.grad_clip),
@@ -115,7 +116,8 @@ def trl_arguments(cfg) -> list[str]:
 def run_trl(args, scratch: Path, index: int, seed: int, settings: list[str]) -> dict:
     steps_file, summary_file = scratch / f"trl_{index}.jsonl", scratch / f"trl_{index}.json"
     command = [args.trl_python, str(REPO / "bench" / "trl_side.py"), "--steps", str(args.steps),
-               "--out", str(steps_file), "--summary", str(summary_file), "--threads", str(args.trl_threads), "--seed", str(seed), *settings]
+               "--out", str(steps_file), "--summary", str(summary_file), "--threads", str(args.trl_threads),
+               "--seed", str(seed), *settings]
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
     wall = run_logged(command, scratch / f"trl_{index}.log", "TRL side", env)
     rows = [json.loads(line) for line in steps_file.read_text().splitlines() if line.strip()]
