@@ -210,7 +210,7 @@ def main() -> None:
         table.add_column(column, justify="right")
     ours = rates["learner"]
     labels = {"bare": "bare PyTorch loop, padded", "packed": "bare PyTorch loop, packed rows",
-              "learner": "LearnerRank.update (FSDP2, packed)"}
+              "learner": "LearnerRank.update (packed; FSDP2 for bf16 or several ranks)"}
     for name, values in rates.items():
         table.add_row(labels[name], f"{min(values):,.0f}-{max(values):,.0f}", f"{statistics.median(values):,.0f}",
                       f"{min(ours) / max(values):.2f}-{max(ours) / min(values):.2f}x")

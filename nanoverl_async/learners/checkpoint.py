@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
+from torch.distributed.fsdp import FSDPModule
 
 from nanoverl_async.models import load_tokenizer
 
@@ -56,7 +57,8 @@ def load_training_state(learner, path: str) -> None:
     for name, (model, optimizer) in _modules(learner).items():
         set_state_dict(model, optimizer, model_state_dict=state[name]["model"],
                        optim_state_dict=state[name]["optimizer"])
-        model.reshard()  # a compute copy kept from an earlier forward (one rank) would be of the old weights
+        if isinstance(model, FSDPModule):  # a compute copy kept from an earlier forward (one rank) is stale
+            model.reshard()
 
 
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:

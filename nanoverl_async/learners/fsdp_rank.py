@@ -1,5 +1,6 @@
 """One data-parallel learner rank: a Hugging Face causal LM sharded with FSDP2, AdamW, the policy loss;
 optionally a frozen reference (KL) and a critic (advantage=gae) sharded the same way in the same ranks.
+A lone rank computing in float32 keeps its models plain (`_sharded_model`): nothing to shard or cast.
 
 Every rank receives the WHOLE TrainBatch. `update` runs learner.ppo_epochs x learner.minibatches optimizer
 steps: minibatch k is the k-th contiguous block of the batch's rows, of which each rank trains its own
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -107,10 +108,14 @@ class LearnerRank:
         """A causal LM (or, for the critic, its backbone with a token-level head) with fp32 master weights,
         sharded per decoder layer and at the root; bfloat16 only for compute when asked (FSDP2 mixed
         precision), gradients reduced in fp32. On one rank the shard is the whole model: freeing the compute
-        copy after each forward would save no memory and cost a second cast of every weight in backward."""
+        copy after each forward would save no memory and cost a second cast of every weight in backward.
+        One rank computing in fp32 has nothing to shard, reduce or cast: it keeps the plain model, without
+        FSDP2's hooks, copies and DTensors (5-10% of an update of the default job's model on a CPU)."""
         model = model_class.from_pretrained(path, dtype=torch.float32, **kwargs).to(self.device)
         model.config.use_cache = False
         model.eval()  # no dropout: see the module docstring
+        if self.world_size == 1 and self.dtype == torch.float32:
+            return model
         mp_policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         reshard = self.world_size > 1
         layer_classes = set(getattr(model, "_no_split_modules", None) or [])
@@ -125,7 +130,7 @@ class LearnerRank:
         """Before micro-batch `micro_batch` of `count`: one rank accumulates gradients unsharded (in fp32) and
         keeps the compute copy of the weights until the last, instead of a reduce (a copy) and a cast per
         micro-batch and layer. Several ranks reduce-scatter each micro-batch: no rank holds all gradients."""
-        if self.world_size == 1:
+        if isinstance(model, FSDPModule) and self.world_size == 1:
             last = micro_batch == count - 1
             model.set_requires_gradient_sync(last)
             model.set_reshard_after_backward(last)

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 
 from nanoverl_async.algorithms import token_logprobs, token_logprobs_and_entropy
 from nanoverl_async.learners.batch import PAD_TOKEN_ID, moved
@@ -246,5 +247,6 @@ def keeps_packed_sequences_apart(model: torch.nn.Module, device: torch.device) -
                                                               c, longest], shared)[1:], rtol=1e-4, atol=1e-6)]
     # B's tokens 5 and 6 are predicted at B's own positions, whose outputs must depend on the prompt
     sees_prompt = outputs([torch.cat([bumped(prompt), a]), torch.cat([bumped(prompt), b]), c, longest], shared)
-    model.reshard()
+    if isinstance(model, FSDPModule):
+        model.reshard()
     return all(others_unchanged) and not torch.allclose(grouped[1, 5:7], sees_prompt[1, 5:7], rtol=1e-4, atol=1e-6)
