@@ -21,6 +21,7 @@ from nanoverl_async.buffer.service import BufferService
 from nanoverl_async.config import (AlgorithmConfig, BufferConfig, ConfigError, CriticConfig, GeneratorConfig, KLConfig,
                                    RunConfig, load_config)
 from nanoverl_async.learners.batch import collate, with_advantages
+from nanoverl_async.learners.checkpoint import full_state_dict
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.metrics import MetricsLogger
 from nanoverl_async.preflight import prepare
@@ -128,7 +129,7 @@ def prepared(learner, world_size, algo, seed):
 def snapshot(learner) -> dict:
     """Collective: full policy (and critic) weights on rank 0, copied (on one CPU rank the full state
     dict is the live parameters themselves)."""
-    out = {"policy": learner.full_state_dict()}
+    out = {"policy": full_state_dict(learner.model)}
     if learner.critic is not None:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         out["critic"] = get_model_state_dict(learner.critic, options=options)

@@ -14,6 +14,7 @@ import torch
 
 from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
+from nanoverl_async.learners.checkpoint import full_state_dict
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.weights import WeightSubscriber
 from test_engine import tiny_qwen2
@@ -94,7 +95,7 @@ def test_nccl_learner_rank_matches_plain_torch(tmp_path):
     try:
         batch = make_batch()
         first, second = learner.update(batch), learner.update(batch)
-        weights = learner.full_state_dict()
+        weights = full_state_dict(learner.model)
     finally:
         learner.shutdown()
     _, losses, reference_weights = plain_reference(model_dir, batch)

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2
 from nanoverl_async.algorithms import LossInputs, policy_loss
 from nanoverl_async.config import AlgorithmConfig, KLConfig, LearnerConfig, ModelConfig
 from nanoverl_async.learners.batch import collate, sequence_logprobs, with_advantages
+from nanoverl_async.learners.checkpoint import full_state_dict
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.learners.packing import pack, prompt_lengths
 from nanoverl_async.learners.setup import LearnerSetup
@@ -176,7 +177,7 @@ def published_versions_equal_held(learner: LearnerRank, versions: int = 4) -> li
     try:
         for version in range(1, versions + 1):
             learner.update(make_batch())
-            held = learner.full_state_dict()
+            held = full_state_dict(learner.model)
             learner.publish_weights(version)
             received, published = wait_newest(subscriber, current_version=version - 1, timeout_s=30)
             assert received == version and published.keys() == held.keys()

@@ -24,6 +24,7 @@ from nanoverl_async.algorithms import LossInputs, loss_normaliser, policy_loss, 
 from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig
 from nanoverl_async.learners.batch import (TrainBatch, collate, epoch_order, explained_variance, sequence_logprobs,
                                            with_advantages)
+from nanoverl_async.learners.checkpoint import full_state_dict
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from synthetic import episodes
 
@@ -55,7 +56,7 @@ def train(rank, world_size, port, model_dir, out_dir, micro_batch_tokens):
     batch.proximal_logprobs = gathered(learner, batch, "policy", world_size)
     batch.reference_logprobs = gathered(learner, batch, "reference", world_size)
     metrics = learner.update(batch)
-    state = learner.full_state_dict()
+    state = full_state_dict(learner.model)
     if rank == 0:
         torch.save({"metrics": metrics, "weights": state}, f"{out_dir}/{world_size}.pt")
     learner.shutdown()
@@ -150,7 +151,7 @@ def train_critic(rank, world_size, port, model_dir, out_dir, micro_batch_tokens)
         batch = with_advantages(batch, 2, GAE, KLConfig(), max_total_tokens=16)
         runs.append({**learner.update(batch), "explained_variance": explained_variance(batch)})
     critic = get_model_state_dict(learner.critic, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    policy = learner.full_state_dict()  # collectives: every rank calls them
+    policy = full_state_dict(learner.model)  # collectives: every rank calls them
     learner.save_pretrained(f"{out_dir}/final{world_size}")
     if rank == 0:
         torch.save({"runs": runs, "critic": critic, "policy": policy}, f"{out_dir}/{world_size}.pt")

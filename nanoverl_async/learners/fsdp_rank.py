@@ -1,6 +1,5 @@
-"""One data-parallel learner rank: a Hugging Face causal LM sharded with FSDP2, AdamW, the policy loss;
-optionally a frozen reference (KL) and a critic (advantage=gae) sharded the same way in the same ranks.
-A lone rank computing in float32 keeps its models plain (`_sharded_model`): nothing to shard or cast.
+"""One data-parallel learner rank: a Hugging Face causal LM sharded with FSDP2 (`_sharded_model`), AdamW, the
+policy loss; optionally a frozen reference (KL) and a critic (advantage=gae) sharded the same way.
 
 Every rank receives the WHOLE TrainBatch. `update` runs learner.ppo_epochs x learner.minibatches optimizer
 steps: minibatch k is the k-th contiguous block of the batch's rows, of which each rank trains its own
@@ -49,7 +48,7 @@ from nanoverl_async.algorithms import (LossInputs, aggregate, kl_estimates, kl_p
 from nanoverl_async.config import SGLangConfig
 from nanoverl_async.learners.batch import (TrainBatch, epoch_order, shard, split_to, take_rows, to_device,
                                            token_budget_bounds, trimmed)
-from nanoverl_async.learners.checkpoint import full_state_dict, load_training_state, save_hf, save_training_state
+from nanoverl_async.learners.checkpoint import load_training_state, save_hf, save_training_state
 from nanoverl_async.learners.packing import (Packing, attends_to_whole_context, attention_cost_per_position,
                                              keeps_packed_sequences_apart, pack, prompt_lengths)
 from nanoverl_async.learners.setup import PROCESS_GROUP_TIMEOUT_S, LearnerSetup
@@ -108,9 +107,8 @@ class LearnerRank:
         """A causal LM (or, for the critic, its backbone with a token-level head) with fp32 master weights,
         sharded per decoder layer and at the root; bfloat16 only for compute when asked (FSDP2 mixed
         precision), gradients reduced in fp32. On one rank the shard is the whole model: freeing the compute
-        copy after each forward would save no memory and cost a second cast of every weight in backward.
-        One rank computing in fp32 has nothing to shard, reduce or cast: it keeps the plain model, without
-        FSDP2's hooks, copies and DTensors (5-10% of an update of the default job's model on a CPU)."""
+        copy after each forward would save no memory and cost a second cast of every weight in backward. One
+        rank in fp32 has nothing to shard, reduce or cast: the plain model (FSDP2 costs 5-10% of a CPU update)."""
         model = model_class.from_pretrained(path, dtype=torch.float32, **kwargs).to(self.device)
         model.config.use_cache = False
         model.eval()  # no dropout: see the module docstring
@@ -341,10 +339,6 @@ class LearnerRank:
         if cuda:
             torch.cuda.current_stream(self.device).synchronize()
         return payload
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: the full (unsharded) fp32 state dict on rank 0's CPU; {} on other ranks."""
-        return full_state_dict(self.model)
 
     def weights_endpoint(self) -> str:
         return self.publisher.endpoint if self.publisher is not None else ""
