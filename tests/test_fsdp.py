@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from nanoverl_async.algorithms import LossInputs, policy_loss
@@ -195,3 +196,46 @@ def test_each_published_version_is_the_weights_held_also_written_into_a_reused_p
     finally:
         learner.shutdown()
     assert spares[:2] == [None, None] and any(spare is not None for spare in spares[2:])
+
+
+def test_one_bfloat16_rank_accumulates_fsdp2_micro_batches_like_a_float32_pass(model_dir):
+    """model.dtype=bfloat16 on one rank is the FSDP2 path a lone GPU learner runs (mixed precision; gradients
+    kept unsharded across micro-batches until the last, `_accumulating`): over one micro-batch per sequence,
+    its first step's gradient (AdamW's first moment / (1 - beta1)) and loss equal a float32 pass over the
+    whole batch up to bfloat16 rounding; a lost micro-batch would be off by a quarter of the gradient or more.
+    The published weights are the held ones in bfloat16."""
+    cfg = dataclasses.replace(LEARNER, micro_batch_tokens=1)
+    bf16 = dataclasses.replace(setup(model_dir, learner=cfg), model=ModelConfig(path=model_dir, dtype="bfloat16"))
+    learner = LearnerRank(bf16, 0, "127.0.0.1", free_port())
+    subscriber = WeightSubscriber(learner.weights_endpoint())
+    try:
+        assert isinstance(learner.model, FSDPModule)
+        batch = make_batch()
+        metrics = learner.update(batch)
+        first_moments = {name: learner.optimizer.state[param]["exp_avg"].full_tensor() / (1 - LEARNER.betas[0])
+                         for name, param in learner.model.named_parameters()}
+        learner.publish_weights(version=1)
+        held = full_state_dict(learner.model)
+        _, published = wait_newest(subscriber, current_version=0, timeout_s=30)
+    finally:
+        subscriber.close()
+        learner.shutdown()
+    loss, gradients = float32_gradients(model_dir, batch)
+    assert metrics["loss"] == pytest.approx(loss, rel=2e-2)
+    learned = torch.cat([first_moments[name].flatten() for name in gradients])
+    expected = torch.cat([gradient.flatten() for gradient in gradients.values()])
+    assert (learned - expected).norm() / expected.norm() < 0.05
+    for name, tensor in held.items():
+        assert published[name].dtype == torch.bfloat16 and torch.equal(published[name], tensor.to(torch.bfloat16))
+
+
+def float32_gradients(model_dir, batch) -> tuple[float, dict]:
+    """plain_reference's first step up to its optimizer: the loss and the clipped gradient of each parameter."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    logprobs = sequence_logprobs(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits,
+                                 batch.input_ids, TEMPERATURE)
+    inputs = LossInputs(logprobs, logprobs.detach(), batch.behaviour_logprobs, batch.advantages, batch.loss_mask)
+    loss, _ = policy_loss(inputs, ALGO, KLConfig(), batch.loss_mask.sum())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), LEARNER.grad_clip)
+    return loss.item(), {name: param.grad for name, param in model.named_parameters()}
