@@ -1,7 +1,8 @@
 #!/bin/bash
 # Every GPU check of the speed work in one call, each step with its own time limit, logs in OUTDIR:
 #   bash bench/gpu.sh [OUTDIR]        (from the repository root; python3 must import torch with CUDA)
-# 1. tests/test_cuda.py: the engine (CUDA graphs included) and one NCCL learner rank against references;
+# 1. tests/test_cuda.py: the engine (CUDA graphs included) and NCCL learner ranks (float32; bfloat16 over FSDP2)
+#    against references;
 # 2. LearnerRank.update vs the bare loop on the Qwen2.5-0.5B shape (64 x 1,024 tokens, bf16 over fp32
 #    weights), with one profiled update of each (GPU busy time, host waits);
 # 3. async vs sync on the default job with the 0.5B body on the tiny model's tokenizer (random weights:

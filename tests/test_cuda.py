@@ -1,9 +1,11 @@
 """The CUDA paths, run only where a GPU is present (skipped on the CPU CI machine).
 
 The transformers engine on cuda samples with logprobs equal to a full forward pass on the GPU (with its
-decode steps replayed from CUDA graphs through joins, leaves, cache growth and a weight swap), and one
-FSDP2 learner rank on NCCL takes the same two steps as plain torch on the CPU (the checks of
-test_engine.py and test_fsdp.py, on the other device) and publishes exactly the weights it holds. Ran on an H200 (see README "What runs where").
+decode steps replayed from CUDA graphs through joins, leaves, cache growth and a weight swap); one
+float32 learner rank on NCCL (the plain model) takes the same two steps as plain torch on the CPU and
+publishes exactly the weights it holds, and one bfloat16 rank (FSDP2 mixed precision, as a lone GPU learner
+runs) accumulates micro-batches into a float32 pass's gradient (the checks of test_engine.py and
+test_fsdp.py, on the other device). Ran on an H200 (see README "What runs where").
 """
 
 import asyncio
@@ -18,8 +20,8 @@ from nanoverl_async.learners.checkpoint import full_state_dict
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.weights import WeightSubscriber
 from test_engine import tiny_qwen2
-from test_fsdp import (LEARNER, free_port, make_batch, plain_reference, published_versions_equal_held, setup,
-                       write_model_dir)
+from test_fsdp import (LEARNER, bfloat16_rank_matches_a_float32_pass, free_port, make_batch, plain_reference,
+                       published_versions_equal_held, setup, write_model_dir)
 from weight_waits import wait_newest
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -102,6 +104,10 @@ def test_nccl_learner_rank_matches_plain_torch(tmp_path):
     assert [first["loss"], second["loss"]] == pytest.approx(losses, abs=TOL)
     for name, tensor in reference_weights.items():
         assert torch.allclose(weights[name].cpu(), tensor, atol=TOL), name
+
+
+def test_bfloat16_fsdp2_rank_on_nccl_accumulates_like_a_float32_pass(tmp_path):
+    bfloat16_rank_matches_a_float32_pass(write_model_dir(tmp_path), "cuda")
 
 
 def test_each_published_version_is_the_weights_held_also_written_into_a_reused_pinned_payload(tmp_path):
