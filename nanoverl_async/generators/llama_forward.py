@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -33,6 +34,19 @@ def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     """HF's RMSNorm, op for op: normalize in float32, cast back, then scale."""
     x32 = x.float()
     return norm.weight * (x32 * x32.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon).rsqrt_()).to(x.dtype)
+
+
+def _one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v for one query per row (a decode step): q [rows, heads, 1, d], k, v
+    [rows, kv_heads, length, d], mask [rows, 1, 1, length]. The query heads that share a kv head become
+    that kv head's queries, so grouped-query attention is two batched matmuls over the cache as it lies.
+    On the CPU, SDPA's kernel, built for blocks of queries, took 1.2-2.4x as long for 256 rows of
+    builtin:tiny: 1.11x the engine's tokens/s at 256 requests (no change at 16 or 64). Softmax in float32,
+    as HF's eager attention."""
+    rows, heads, _, dim = q.shape
+    grouped = q.reshape(rows, k.shape[1], heads // k.shape[1], dim)
+    weights = torch.softmax(grouped @ k.transpose(-1, -2) * dim ** -0.5 + attn_mask, dim=-1, dtype=torch.float32)
+    return (weights.to(q.dtype) @ v).reshape(rows, heads, 1, dim)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -167,8 +181,9 @@ class LlamaForward:
                 queries = q[block.begin:block.end]
                 queries = queries[block.padded] if block.padded is not None else queries[:, None]
                 cached = kv[layer, :, block.first:block.first + block.rows, :, :block.length]
-                o = F.scaled_dot_product_attention(queries.transpose(1, 2), cached[0], cached[1],
-                                                   attn_mask=mask[self.windows[layer]], enable_gqa=True)
+                attention = _one_query_attention if block.padded is None and q.device.type == "cpu" else partial(
+                    F.scaled_dot_product_attention, enable_gqa=True)
+                o = attention(queries.transpose(1, 2), cached[0], cached[1], attn_mask=mask[self.windows[layer]])
                 o = o.transpose(1, 2).flatten(0, 1)
                 out.append(o[block.unpadded] if block.unpadded is not None else o)
             return torch.cat(out) if len(out) > 1 else out[0]
