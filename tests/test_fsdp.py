@@ -109,18 +109,25 @@ def plain_reference(model_dir, batch):
                                   weight_decay=LEARNER.weight_decay)
     losses, initial_logprobs = [], None
     for _ in range(2):
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        logprobs = sequence_logprobs(logits, batch.input_ids, TEMPERATURE)
-        initial_logprobs = logprobs.detach() if initial_logprobs is None else initial_logprobs
-        proximal = logprobs.detach()  # one optimizer step per batch: p_old is the pre-step policy
-        inputs = LossInputs(logprobs, proximal, batch.behaviour_logprobs, batch.advantages, batch.loss_mask)
-        loss, _ = policy_loss(inputs, ALGO, KLConfig(), batch.loss_mask.sum())
         optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), LEARNER.grad_clip)
+        loss, logprobs = plain_gradients(model, batch)
+        initial_logprobs = logprobs if initial_logprobs is None else initial_logprobs
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(loss)
     return initial_logprobs, losses, model.state_dict()
+
+
+def plain_gradients(model, batch) -> tuple[float, torch.Tensor]:
+    """One plain step up to the optimizer: a forward over the whole batch, the loss backward, gradients
+    clipped. Returns the loss and the logprobs before the step (token-indexed, [N, L])."""
+    logprobs = sequence_logprobs(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits,
+                                 batch.input_ids, TEMPERATURE)
+    proximal = logprobs.detach()  # one optimizer step per batch: p_old is the pre-step policy
+    inputs = LossInputs(logprobs, proximal, batch.behaviour_logprobs, batch.advantages, batch.loss_mask)
+    loss, _ = policy_loss(inputs, ALGO, KLConfig(), batch.loss_mask.sum())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), LEARNER.grad_clip)
+    return loss.item(), proximal
 
 
 def test_two_ranks_match_one_rank_and_plain_torch(model_dir, tmp_path):
@@ -216,7 +223,8 @@ def bfloat16_rank_matches_a_float32_pass(model_dir, device: str) -> None:
         assert isinstance(learner.model, FSDPModule)
         batch = make_batch()
         metrics = learner.update(batch)
-        first_moments = {name: learner.optimizer.state[param]["exp_avg"].full_tensor().cpu() / (1 - LEARNER.betas[0])
+        state = learner.optimizer.state
+        first_moments = {name: state[param]["exp_avg"].full_tensor().cpu() / (1 - LEARNER.betas[0])
                          for name, param in learner.model.named_parameters()}
         learner.publish_weights(version=1)
         held = full_state_dict(learner.model)
@@ -224,22 +232,13 @@ def bfloat16_rank_matches_a_float32_pass(model_dir, device: str) -> None:
     finally:
         subscriber.close()
         learner.shutdown()
-    loss, gradients = float32_gradients(model_dir, batch)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    loss, _ = plain_gradients(model, batch)
+    gradients = {name: param.grad for name, param in model.named_parameters()}
     assert metrics["loss"] == pytest.approx(loss, rel=2e-2)
     learned = torch.cat([first_moments[name].flatten() for name in gradients])
     expected = torch.cat([gradient.flatten() for gradient in gradients.values()])
     assert (learned - expected).norm() / expected.norm() < 0.05
     for name, tensor in held.items():
-        assert published[name].dtype == torch.bfloat16 and torch.equal(published[name], tensor.cpu().to(torch.bfloat16))
-
-
-def float32_gradients(model_dir, batch) -> tuple[float, dict]:
-    """plain_reference's first step up to its optimizer: the loss and the clipped gradient of each parameter."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    logprobs = sequence_logprobs(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits,
-                                 batch.input_ids, TEMPERATURE)
-    inputs = LossInputs(logprobs, logprobs.detach(), batch.behaviour_logprobs, batch.advantages, batch.loss_mask)
-    loss, _ = policy_loss(inputs, ALGO, KLConfig(), batch.loss_mask.sum())
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), LEARNER.grad_clip)
-    return loss.item(), {name: param.grad for name, param in model.named_parameters()}
+        assert published[name].dtype == torch.bfloat16
+        assert torch.equal(published[name], tensor.cpu().to(torch.bfloat16)), name

