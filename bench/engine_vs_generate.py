@@ -5,7 +5,8 @@ batch-at-a-time engine, on the same prompts and the same forced lengths.
 
 Workloads (no stop tokens; every length is forced by max_new_tokens, and by min_new_tokens for generate):
   - throughput: C in 16, 64, 256 concurrent requests of one random prompt and N new tokens each;
-    generate gets them as one [C, prompt] batch (do_sample, temperature 1, full distribution);
+    generate gets them as one [C, prompt] batch (do_sample, temperature 1, full distribution); each
+    system runs the batch again until MIN_ROW_S have passed (the wall column shows the whole run);
   - multi-turn: 64 episodes x 3 turns; turn lengths drawn in 8..48 new tokens, then a 50 ms
     `asyncio.sleep` ("tool latency"), then 4 tool-result tokens appended before the next turn. The
     engines run the episodes as concurrent coroutines; generate runs them turn by turn in lockstep
@@ -48,6 +49,7 @@ ENGINE_PATH = "nanoverl_async/generators/hf_engine.py"
 SHAPES = {"tiny": (32, 128), "qwen0.5b": (128, 256)}  # (prompt tokens, new tokens) of the throughput rows
 EPISODES, TURNS, TURN_TOKENS, TOOL_TOKENS, TOOL_LATENCY_S = 64, 3, (8, 48), 4, 0.05
 QUIET_CORES = 0.2  # a run starts once other processes use less than this for 2 s
+MIN_ROW_S = 2.0  # a throughput run repeats its batch until this long: one pass at C=16 on the CPU is ~0.6 s of noise
 
 
 def old_engine_class(ref: str):
@@ -86,19 +88,21 @@ class Bare:
 
 
 def throughput(system, prompts: list[list[int]], new_tokens: int, device: str) -> tuple[float, float]:
-    """(tokens/s, wall s) of len(prompts) concurrent requests of `new_tokens` each."""
-    _sync(device)
-    started = time.perf_counter()
-    if isinstance(system, Bare):
-        tokens = sum(map(len, system.generate(prompts, new_tokens)))
-    else:
-        async def run():
-            return await asyncio.gather(*(system.generate(p, SamplingParams(new_tokens, 1.0)) for p in prompts))
+    """(tokens/s, wall s) of len(prompts) concurrent requests of `new_tokens` each, the whole batch of
+    requests run again until MIN_ROW_S have passed."""
+    async def run():
+        return await asyncio.gather(*(system.generate(p, SamplingParams(new_tokens, 1.0)) for p in prompts))
 
-        tokens = sum(len(c.token_ids) for c in asyncio.run(run()))
     _sync(device)
+    started, tokens = time.perf_counter(), 0
+    while tokens == 0 or time.perf_counter() - started < MIN_ROW_S:
+        if isinstance(system, Bare):
+            tokens += sum(map(len, system.generate(prompts, new_tokens)))
+        else:
+            tokens += sum(len(c.token_ids) for c in asyncio.run(run()))
+        _sync(device)
     wall = time.perf_counter() - started
-    assert tokens == len(prompts) * new_tokens
+    assert tokens % (len(prompts) * new_tokens) == 0
     return tokens / wall, wall
 
 
