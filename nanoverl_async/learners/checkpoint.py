@@ -57,8 +57,15 @@ def load_training_state(learner, path: str) -> None:
     for name, (model, optimizer) in _modules(learner).items():
         set_state_dict(model, optimizer, model_state_dict=state[name]["model"],
                        optim_state_dict=state[name]["optimizer"])
-        if isinstance(model, FSDPModule):  # a compute copy kept from an earlier forward (one rank) is stale
-            model.reshard()
+        drop_compute_copy(model)
+
+
+def drop_compute_copy(model: torch.nn.Module) -> None:
+    """One FSDP2 rank keeps the unsharded compute copy of its weights after a forward (it does not reshard);
+    once the weights change other than by an optimizer step (a loaded checkpoint; the first step after the
+    packing probe's forward), that copy is stale: reshard. A plain model computes on its weights themselves."""
+    if isinstance(model, FSDPModule):
+        model.reshard()
 
 
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:

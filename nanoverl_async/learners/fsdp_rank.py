@@ -48,7 +48,7 @@ from nanoverl_async.algorithms import (LossInputs, aggregate, kl_estimates, kl_p
 from nanoverl_async.config import SGLangConfig
 from nanoverl_async.learners.batch import (TrainBatch, epoch_order, shard, split_to, take_rows, to_device,
                                            token_budget_bounds, trimmed)
-from nanoverl_async.learners.checkpoint import load_training_state, save_hf, save_training_state
+from nanoverl_async.learners.checkpoint import drop_compute_copy, load_training_state, save_hf, save_training_state
 from nanoverl_async.learners.packing import (Packing, attends_to_whole_context, attention_cost_per_position,
                                              keeps_packed_sequences_apart, pack, prompt_lengths)
 from nanoverl_async.learners.setup import PROCESS_GROUP_TIMEOUT_S, LearnerSetup
@@ -88,13 +88,14 @@ class LearnerRank:
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=critic.lr,
                                                       betas=tuple(cfg.betas), weight_decay=critic.weight_decay,
                                                       fused=True)
-        # after the optimizers: FSDP2 leaves the root unsharded after a forward (the probe reshards it)
-        models = {"policy": self.model, "reference": self.reference, "critic": self.critic}
-        mixing = [name for name, model in models.items()
-                  if model is not None and not keeps_packed_sequences_apart(model, self.device)]
+        # after the optimizers, so that the probe's forward cannot leave stale compute copies behind them
+        models = {name: model for name, model in {"policy": self.model, "reference": self.reference,
+                                                   "critic": self.critic}.items() if model is not None}
+        mixing = [name for name, model in models.items() if not keeps_packed_sequences_apart(model, self.device)]
+        for model in models.values():
+            drop_compute_copy(model)
         self.packs = not mixing  # else every forward pads one sequence per row
-        self.shares_prompts = self.packs and all(attends_to_whole_context(model.config)
-                                                 for model in models.values() if model is not None)
+        self.shares_prompts = self.packs and all(attends_to_whole_context(model.config) for model in models.values())
         self.attention_cost = attention_cost_per_position(self.model)  # how long pack makes rows
         if mixing:
             log.warning("the %s model mixes packed sequences in attention: the learner pads one sequence per "

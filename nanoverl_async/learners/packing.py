@@ -21,7 +21,6 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.distributed.fsdp import FSDPModule
 
 from nanoverl_async.algorithms import token_logprobs, token_logprobs_and_entropy
 from nanoverl_async.learners.batch import PAD_TOKEN_ID, moved
@@ -219,7 +218,7 @@ def _shared_prompt_mask(blocks: Tensor, branches: Tensor) -> Tensor:
 def keeps_packed_sequences_apart(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether `model` honours `pack`: a sequence's outputs do not change when the tokens of others in its
     row do (position ids, and a shared prompt's mask), and a sequence sees the prompt it shares. With FSDP2,
-    collective (forwards on every rank); it leaves the model resharded."""
+    collective (forwards on every rank); one rank then holds a compute copy (checkpoint.drop_compute_copy)."""
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
 
@@ -247,6 +246,4 @@ def keeps_packed_sequences_apart(model: torch.nn.Module, device: torch.device) -
                                                               c, longest], shared)[1:], rtol=1e-4, atol=1e-6)]
     # B's tokens 5 and 6 are predicted at B's own positions, whose outputs must depend on the prompt
     sees_prompt = outputs([torch.cat([bumped(prompt), a]), torch.cat([bumped(prompt), b]), c, longest], shared)
-    if isinstance(model, FSDPModule):
-        model.reshard()
     return all(others_unchanged) and not torch.allclose(grouped[1, 5:7], sees_prompt[1, 5:7], rtol=1e-4, atol=1e-6)
