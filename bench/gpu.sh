@@ -11,9 +11,13 @@
 # 4. the engine vs bare model.generate on the same shape (C = 64, 256, multi-turn), with and without CUDA
 #    graphs: last, since it met its target (README), so a device call cut short still measures the others.
 # About 8 minutes on one H200. Python output is unbuffered so that a step cut by its limit still logs.
+# On the lent machines, which lack Ray and a few more, build the kit first (bench/gpu_kit.sh) and carry .dev.
 set -u
 out=${1:-outputs/bench/gpu}
 mkdir -p "$out"
+if [ -f .dev/site.tgz ]; then
+    mkdir -p /tmp/site && tar xzf .dev/site.tgz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD
+fi
 export PYTHONUNBUFFERED=1
 started=$(date +%s)
 step() { echo "== $1 at $(( $(date +%s) - started )) s"; }
