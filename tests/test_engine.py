@@ -9,10 +9,12 @@ swap re-tags later tokens with the new version and samples them from the new wei
 (Llama untied without bias, Qwen2 with qkv bias, Qwen3 q/k norms, Mistral sliding window) matches HF;
 lengths are not capped at max_position_embeddings; other model types and rope types are refused; an
 episode's later turns reuse its kept cache and still match a full forward of the whole history; a group
-that joins running rows computes its prompt once and still matches.
+that joins running rows computes its prompt once and still matches; seeded random workloads that mix all
+of these (and a cancelled request) match token by token under each token's version.
 """
 
 import asyncio
+import random
 
 import pytest
 import torch
@@ -434,3 +436,55 @@ def test_lockstep_waves_do_not_depend_on_timing(model_dir):
     first = asyncio.run(run(keys, calm, lockstep=True))
     assert asyncio.run(run(keys[::-1], jittery, lockstep=True)) == first
     assert asyncio.run(run(keys[::-1], jittery, lockstep=False)) != first
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_workloads_match_a_full_forward_under_their_versions(seed, tmp_path):
+    """Everything at once, drawn from `seed`: a few slots (requests queue), groups that repeat a prompt,
+    episodes of 1-3 turns with tool tokens and their own latencies (kept caches), stop tokens, a request
+    cancelled while it decodes, and a weight swap mid-decode. Every token's logprob equals a full forward
+    over its context under the weights of the version it is tagged with; stops and lengths hold; the engine
+    ends empty. Dropping the temperatures' move in `_compact`, or the copies' cache in `_step`, fails it."""
+    rng = random.Random(seed)
+    randomized(tiny_qwen2()).save_pretrained(tmp_path)
+    engine = TransformersEngine(str(tmp_path), seed=seed, max_batch_size=rng.choice([3, 6, 16]))
+    weights = [Qwen2ForCausalLM.from_pretrained(tmp_path).eval(), randomized(tiny_qwen2(seed=seed + 100))]
+    stops, swap_at = tuple(rng.sample(range(VOCAB), 4)), rng.randint(1, 30)
+    shared_prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(4)]
+    turns = []  # (context, params, completion)
+
+    async def episode(key):
+        ids = list(rng.choice(shared_prompts)) if rng.random() < 0.5 else \
+            [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 20))]
+        for _ in range(rng.randint(1, 3)):
+            await asyncio.sleep(0.0005 * rng.randint(0, 6))
+            params = SamplingParams(rng.randint(1, 18), rng.choice([0.7, 1.0]), stops)
+            completion = await engine.generate(ids, params, episode_id=key if rng.random() < 0.8 else None)
+            turns.append((ids, params, completion))
+            ids = ids + completion.token_ids + [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 4))]
+
+    async def swap():
+        while engine.decode_steps < swap_at and (engine.in_flight() or not engine.decode_steps):
+            await asyncio.sleep(0)
+        engine.stage_weights({k: v for k, v in weights[1].state_dict().items() if k != "lm_head.weight"}, 1)
+
+    async def cancelled():
+        task = asyncio.ensure_future(engine.generate([7, 8, 9], SamplingParams(40, 1.0), episode_id="gone"))
+        while engine.decode_steps < 3:
+            await asyncio.sleep(0)
+        task.cancel()
+        return (await asyncio.gather(task, return_exceptions=True))[0]
+
+    async def main():
+        return await asyncio.gather(cancelled(), swap(), *(episode(f"e{i}") for i in range(14)))
+
+    assert isinstance(asyncio.run(main())[0], asyncio.CancelledError)
+    assert engine.in_flight() == 0 and engine.weight_swaps == 1
+    for context, params, completion in turns:
+        tokens, versions = completion.token_ids, completion.versions
+        assert not set(tokens[:-1]) & set(stops) and 1 <= len(tokens) <= params.max_new_tokens
+        assert (completion.finish_reason == "stop") == (tokens[-1] in stops)
+        assert completion.finish_reason == "stop" or len(tokens) == params.max_new_tokens
+        assert versions == sorted(versions)
+        expected = [reference_logprobs(model, context, tokens, params.temperature) for model in weights]
+        assert completion.logprobs == pytest.approx([expected[v][i] for i, v in enumerate(versions)], abs=TOL)
