@@ -1,10 +1,12 @@
 """Sequence packing in the learner (learners/packing.py): several sequences per row, kept apart by restarting
 position ids, and the samples of a group sharing their prompt under an explicit mask, give the same
-logprobs, entropies, values and gradients as the padded layout; a model whose attention would mix them is
-detected (the learner then pads one sequence per row).
+logprobs, entropies, values and gradients as the padded layout, also on seeded random batches; a model
+whose attention would mix them is detected (the learner then pads one sequence per row).
 
 Run alone: `python -m pytest tests/test_packing.py -q` (~5 s).
 """
+
+import random
 
 import pytest
 import torch
@@ -151,3 +153,18 @@ def test_only_models_attending_to_the_whole_context_share_prompts(model_dir):
     assert not attends_to_whole_context(config)
     config.sliding_window, config.layer_types = None, ["full_attention", "sliding_attention"]
     assert not attends_to_whole_context(config)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_batches_pack_like_the_padded_layout(model_dir, seed):
+    """Shapes drawn from `seed`: groups of 1-8 samples sharing prompts of 1-9 tokens, 1-3 turns of 1-12
+    tokens, rows as long as the longest sequence or twice that (attention_cost): the same logprobs and
+    gradients as the padded layout."""
+    rng = random.Random(seed)
+    group_size = rng.choice([1, 2, 3, 4, 8])
+    shapes = [(prompt, [rng.randint(1, 12) for _ in range(rng.randint(1, 3))], float(rng.random() < 0.5))
+              for prompt in (rng.choice([1, 2, 5, 9]) for _ in range(rng.randint(1, 6))) for _ in range(group_size)]
+    batch = collate(episodes(shapes, seed=seed, group_size=group_size, shared_prompts=True))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cost = rng.choice([0.0, 1e-3, 1e-2])
+    assert_same_logprobs_and_gradients(model, batch, prompt_lengths(batch.loss_mask), attention_cost=cost)
