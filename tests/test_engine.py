@@ -442,7 +442,7 @@ def test_lockstep_waves_do_not_depend_on_timing(model_dir):
 def test_random_workloads_match_a_full_forward_under_their_versions(seed, tmp_path):
     """Everything at once, drawn from `seed`: a few slots (requests queue), groups that repeat a prompt,
     episodes of 1-3 turns with tool tokens and their own latencies (kept caches), stop tokens, a request
-    cancelled while it decodes, and a weight swap mid-decode. Every token's logprob equals a full forward
+    cancelled at the third step (running, or still queued), and a weight swap mid-decode. Every token's logprob equals a full forward
     over its context under the weights of the version it is tagged with; stops and lengths hold; the engine
     ends empty. Dropping the temperatures' move in `_compact`, or the copies' cache in `_step`, fails it."""
     rng = random.Random(seed)
