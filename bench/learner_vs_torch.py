@@ -18,7 +18,9 @@ algorithm on the same rows (world size 1). Interleaved A, B, C, C, B, A; trained
 and the seconds of LearnerRank.publish_weights (the full state dict gathered and handed to the publisher).
 --profile adds a table of one more update of each under torch.profiler: its wall time, the time the GPU was
 busy (kernels and copies), and the host's waits for the GPU (synchronising calls: count and seconds), which
-is where a wrapper loses to the bare loop when its GPU work is no larger.
+is where a wrapper loses to the bare loop when its GPU work is no larger; on CUDA also, per system, where
+those waits happen (one update under torch.cuda.set_sync_debug_mode: file:line and count; torch flags most
+synchronising calls, not all, and one made on autograd's own thread during backward is printed, not counted).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
+from collections import Counter
 from contextlib import nullcontext
 
 import numpy as np
@@ -155,6 +159,22 @@ def profiled(update, batch, device: str) -> tuple[float, float, int, float]:
     return wall, busy, sum(e.count for e in waits), sum(e.self_cpu_time_total for e in waits) / 1e6
 
 
+def host_wait_sites(update, batch) -> Counter:
+    """One more update with CUDA's sync debug mode on: how often the host waited for the GPU at each place,
+    the innermost Python frame (file:line) of each synchronising call. Where the profiler's count comes from."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            update(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    root = os.path.dirname(os.path.dirname(torch.__file__))
+    return Counter(f"{os.path.relpath(w.filename, root) if w.filename.startswith(root) else w.filename}:{w.lineno}"
+                   for w in caught if "synchronizing" in str(w.message))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -194,6 +214,8 @@ def main() -> None:
                 rates[name].append(rate(updates[name], batch, args.updates, args.device))
         profiles = {name: profiled(update, batch, args.device) for name, update in updates.items()} \
             if args.profile else {}
+        sites = {name: host_wait_sites(update, batch) for name, update in updates.items()} \
+            if args.profile and args.device == "cuda" else {}
         publish_s = []  # the first call also allocates the pinned host copies (GPU) that later calls reuse,
         for sent in range(2):  # once the publisher has sent (and freed) the previous version, as in a run
             while rank.publisher.counts["sent"] < sent:
@@ -221,6 +243,14 @@ def main() -> None:
             table.add_column(column, justify="right")
         for name, (wall, busy, waits, waited) in profiles.items():
             table.add_row(labels[name], f"{wall:.3f}", f"{busy:.3f}", str(waits), f"{waited:.3f}")
+        Console(width=200).print(table)
+    for name, counts in sites.items():
+        table = Table(title=f"{labels[name]}: where the host waited for the GPU in one update (sync debug mode)")
+        for column in ("file:line (innermost Python frame)", "waits"):
+            table.add_column(column, justify="right")
+        for site, count in counts.most_common(15):
+            table.add_row(site, str(count))
+        table.add_row("all", str(sum(counts.values())))
         Console(width=200).print(table)
 
 if __name__ == "__main__":
