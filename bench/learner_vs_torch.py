@@ -20,7 +20,7 @@ and the seconds of LearnerRank.publish_weights (the full state dict gathered and
 busy (kernels and copies), and the host's waits for the GPU (synchronising calls: count and seconds), which
 is where a wrapper loses to the bare loop when its GPU work is no larger; on CUDA also, per system, where
 those waits happen (one update under torch.cuda.set_sync_debug_mode: file:line and count; torch flags most
-synchronising calls, not all, and one made on autograd's own thread during backward is printed, not counted).
+synchronising calls, not all; one made during backward counts at the line that called backward).
 """
 
 from __future__ import annotations
