@@ -10,7 +10,9 @@ swap re-tags later tokens with the new version and samples them from the new wei
 lengths are not capped at max_position_embeddings; other model types and rope types are refused; an
 episode's later turns reuse its kept cache and still match a full forward of the whole history; a group
 that joins running rows computes its prompt once and still matches; seeded random workloads that mix all
-of these (and a cancelled request) match token by token under each token's version.
+of these (and a cancelled request) match token by token under each token's version, also with the decode
+step of CUDA graphs emulated on the CPU (each replay runs the captured step again, first checking that the
+engine still keeps every tensor the step reads where the capture found it, as a real graph would read there).
 """
 
 import asyncio
@@ -21,6 +23,7 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
+from nanoverl_async.generators.decode_graphs import DecodeGraphs
 from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
 
@@ -438,8 +441,42 @@ def test_lockstep_waves_do_not_depend_on_timing(model_dir):
     assert asyncio.run(run(keys[::-1], jittery, lockstep=False)) != first
 
 
+class EmulatedGraph:
+    """A CUDA graph as the CPU can stand in for one: `replay` runs the captured step again and writes its output
+    where the capture left it, after checking that each tensor the step reads (`reads()`: the engine's buffers,
+    cache and weights) is still the memory it was captured on; a real graph would read that memory."""
+
+    def __init__(self, step, reads):
+        self.step, self.reads = step, reads
+        self.addresses = [tensor.data_ptr() for tensor in reads()]
+        self.hidden = step()  # the warm-up run before a capture: it writes the same keys and values
+        self.replays = 0
+
+    def replay(self) -> None:
+        assert [tensor.data_ptr() for tensor in self.reads()] == self.addresses, "a replay would read stale memory"
+        self.hidden.copy_(self.step())
+        self.replays += 1
+
+
+def emulate_decode_graphs(engine: TransformersEngine, monkeypatch) -> list[EmulatedGraph]:
+    """The engine's CUDA path on the CPU: its decode steps go through DecodeGraphs, with EmulatedGraphs (all
+    it captures, returned)."""
+    graphs, captured = DecodeGraphs(engine.forward, engine._next, engine._lens), []
+
+    def capture(kv, rows, length):
+        captured.append(EmulatedGraph(lambda: graphs.step(kv, rows, length),
+                                      lambda: [engine._next, engine._lens, engine._kv, *engine.model.parameters()]))
+        return captured[-1], captured[-1].hidden
+
+    graphs._capture = capture
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    engine._graphs = graphs
+    return captured
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
 @pytest.mark.parametrize("seed", range(8))
-def test_random_workloads_match_a_full_forward_under_their_versions(seed, tmp_path):
+def test_random_workloads_match_a_full_forward_under_their_versions(seed, graphs, tmp_path, monkeypatch):
     """Everything at once, drawn from `seed`: a few slots (requests queue), groups that repeat a prompt,
     episodes of 1-3 turns with tool tokens and their own latencies (kept caches), stop tokens, a request
     cancelled at the third step (running, or still queued), and a weight swap mid-decode. Every token's logprob equals a full forward
@@ -448,6 +485,7 @@ def test_random_workloads_match_a_full_forward_under_their_versions(seed, tmp_pa
     rng = random.Random(seed)
     randomized(tiny_qwen2()).save_pretrained(tmp_path)
     engine = TransformersEngine(str(tmp_path), seed=seed, max_batch_size=rng.choice([3, 6, 16]))
+    captured = emulate_decode_graphs(engine, monkeypatch) if graphs else []
     weights = [Qwen2ForCausalLM.from_pretrained(tmp_path).eval(), randomized(tiny_qwen2(seed=seed + 100))]
     stops, swap_at = tuple(rng.sample(range(VOCAB), 4)), rng.randint(1, 30)
     shared_prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(4)]
@@ -480,6 +518,7 @@ def test_random_workloads_match_a_full_forward_under_their_versions(seed, tmp_pa
 
     assert isinstance(asyncio.run(main())[0], asyncio.CancelledError)
     assert engine.in_flight() == 0 and engine.weight_swaps == 1
+    assert not graphs or sum(graph.replays for graph in captured) > engine.decode_steps / 2
     for context, params, completion in turns:
         tokens, versions = completion.token_ids, completion.versions
         assert not set(tokens[:-1]) & set(stops) and 1 <= len(tokens) <= params.max_new_tokens

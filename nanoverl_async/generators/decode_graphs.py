@@ -17,7 +17,8 @@ weights are swapped in place (load_state_dict), so graphs outlive swaps; a grown
 so every graph is captured again. Only the layers are captured: the head runs on the live rows alone (its
 [rows, vocab] output is the step's largest tensor, and a graph would hold one per bucket).
 
-Run alone: nothing to run; tests/test_cuda.py checks replayed decoding against eager decoding on a GPU.
+Run alone: nothing to run; tests/test_cuda.py checks replayed decoding against a full forward on a GPU, and
+tests/test_engine.py the same on the CPU with each replay emulated (`step` run again, its inputs where captured).
 """
 
 from __future__ import annotations
@@ -54,19 +55,21 @@ class DecodeGraphs:
         graph.replay()
         return self.forward.logits(hidden[:count])
 
-    def _capture(self, kv: torch.Tensor, rows: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        def step() -> torch.Tensor:
-            decoding = Tokens(decoding=(self.tokens[:rows], self.lens[:rows], length))  # the engine's eager step
-            return self.forward(kv, *decoding.tensors(kv.device), head=False)
+    def step(self, kv: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+        """What a graph replays: the engine's eager decode of rows 0..rows-1 over `length` positions, up to the
+        head (hidden states [rows, hidden])."""
+        decoding = Tokens(decoding=(self.tokens[:rows], self.lens[:rows], length))
+        return self.forward(kv, *decoding.tensors(kv.device), head=False)
 
+    def _capture(self, kv: torch.Tensor, rows: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # One eager run on a side stream first, as CUDA graphs need (library handles and workspaces are
         # created outside the capture); it writes the same keys and values the replay will write.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            step()
+            self.step(kv, rows, length)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = step()
+            hidden = self.step(kv, rows, length)
         return graph, hidden
