@@ -1,7 +1,7 @@
 """Tokens/s of `TransformersEngine` (continuous batching) against bare `model.generate` and the previous
 batch-at-a-time engine, on the same prompts and the same forced lengths.
 
-    python bench/engine_vs_generate.py [--device cpu|cuda] [--model tiny|qwen0.5b] [--repeats 2]
+    python bench/engine_vs_generate.py [--device cpu|cuda] [--model tiny|qwen0.5b] [--repeats 2] [--profile]
 
 Workloads (no stop tokens; every length is forced by max_new_tokens, and by min_new_tokens for generate):
   - throughput: C in 16, 64, 256 concurrent requests of one random prompt and N new tokens each;
@@ -16,7 +16,9 @@ The old engine is the batch-at-a-time version at OLD_ENGINE_REF, loaded from git
 module at start (no old code is kept in the package; --old-ref '' leaves it out where there is no git
 history). On cuda the engine also runs with its CUDA graphs off ("new, eager"). Systems run interleaved (A, B, C, C, B, A, ...)
 and each cell shows the mean with the range over repeats (ratios: of the means, with the range of
-the per-repeat ratios). torch uses 2 threads throughout. The machine may be shared: each run waits
+the per-repeat ratios). --profile on cuda adds, for one more run of the largest C and of the multi-turn
+workload, where the new engine's host waited for the GPU, per engine step (cuda_waits.py; the design is one
+wait per step, for the sampled tokens). torch uses 2 threads throughout. The machine may be shared: each run waits
 (--max-wait) until other processes are quiet, and the table reports the most CPU other processes
 used during any run of a row (from /proc/stat: Linux only).
 """
@@ -39,6 +41,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from cuda_waits import host_wait_sites, print_wait_sites  # bench/, the script's folder
 from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
 from nanoverl_async.models import DTYPES, resolve_model_path
@@ -202,6 +205,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs per system per row (interleaved)")
     parser.add_argument("--old-ref", default=OLD_ENGINE_REF, help="git commit of the old engine ('' = leave it out)")
     parser.add_argument("--max-wait", type=float, default=300, help="seconds to wait for a quiet machine per run")
+    parser.add_argument("--profile", action="store_true", help="on cuda: where the engine's host waits, per step")
     args = parser.parse_args()
     torch.set_num_threads(2)
     console = Console(width=220)
@@ -243,6 +247,15 @@ def main() -> None:
         runs = interleaved(systems, args.repeats, lambda s: multi_turn(s, prompts, lengths, tools, args.device),
                            args.max_wait)
         rows.append((f"multi-turn {EPISODES}x{TURNS}", f"{int(lengths.sum())} tok", runs))
+        waits = {}  # workload -> (sites, engine steps)
+        if args.profile and args.device == "cuda":
+            engine = systems["new engine"]
+            wide = [rng.integers(10, vocab, prompt_len).tolist() for _ in range(concurrency[-1])]
+            for name, workload in ((f"throughput C={concurrency[-1]}",
+                                    lambda: throughput(engine, wide, new_tokens, "cuda")),
+                                   ("multi-turn", lambda: multi_turn(engine, prompts, lengths, tools, "cuda"))):
+                steps = engine.decode_steps
+                waits[name] = host_wait_sites(workload), engine.decode_steps - steps
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     table = Table(title=f"Engine vs generate: {args.model} {dtype} ({device}, torch {torch.__version__}); "
                         f"tok/s mean (range of {args.repeats}); load average {load} -> {_loadavg()}")
@@ -256,6 +269,8 @@ def main() -> None:
         table.add_row(name, tokens, *(cell(runs[s]) for s in systems), walls,
                       *(ratio(runs["new engine"], runs[s]) for s in baselines), f"{others:.2f}")
     console.print(table)
+    for name, (sites, steps) in waits.items():
+        print_wait_sites(console, f"new engine, {name}", sites, ("step", steps))
 
 
 def _loadavg() -> str:

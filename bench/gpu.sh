@@ -9,7 +9,8 @@
 #    samples/s counts, rewards do not), generator and learner sharing the GPU; each run's metrics.jsonl,
 #    kept also when the step is cut by its limit (per-step times of the steps that ran);
 # 4. the engine vs bare model.generate on the same shape (C = 64, 256, multi-turn), with and without CUDA
-#    graphs: last, since it met its target (README), so a device call cut short still measures the others.
+#    graphs, and where its host waits for the GPU per engine step (one wait per step by design): last, since
+#    it met its target (README), so a device call cut short still measures the others.
 # About 8 minutes on one H200. Python output is unbuffered so that a step cut by its limit still logs.
 # On the lent machines, which lack Ray and a few more, build the kit first (bench/gpu_kit.sh) and carry .dev.
 set -u
@@ -38,5 +39,5 @@ for run in outputs/bench/async_vs_sync/*/; do  # each run's per-step timings (no
 done
 step engine
 timeout 200 python3 bench/engine_vs_generate.py --device cuda --model qwen0.5b --concurrency 64,256 --repeats 2 \
-    --old-ref '' --max-wait 0 2>&1 | grep -v -E "$quiet" | tee "$out/engine.log"
+    --old-ref '' --max-wait 0 --profile 2>&1 | grep -v -E "$quiet" | tee "$out/engine.log"
 step done

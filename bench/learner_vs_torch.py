@@ -32,8 +32,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
-from collections import Counter
 from contextlib import nullcontext
 
 import numpy as np
@@ -41,6 +39,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM
+
+from cuda_waits import host_wait_sites, print_wait_sites  # bench/, the script's folder
 
 from nanoverl_async.config import AlgorithmConfig, KLConfig, LearnerConfig, ModelConfig
 from nanoverl_async.learners.batch import collate, sequence_logprobs, token_budget_bounds, trimmed, with_advantages
@@ -159,22 +159,6 @@ def profiled(update, batch, device: str) -> tuple[float, float, int, float]:
     return wall, busy, sum(e.count for e in waits), sum(e.self_cpu_time_total for e in waits) / 1e6
 
 
-def host_wait_sites(update, batch) -> Counter:
-    """One more update with CUDA's sync debug mode on: how often the host waited for the GPU at each place,
-    the innermost Python frame (file:line) of each synchronising call. Where the profiler's count comes from."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            update(batch)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    root = os.path.dirname(os.path.dirname(torch.__file__))
-    return Counter(f"{os.path.relpath(w.filename, root) if w.filename.startswith(root) else w.filename}:{w.lineno}"
-                   for w in caught if "synchronizing" in str(w.message))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -214,7 +198,7 @@ def main() -> None:
                 rates[name].append(rate(updates[name], batch, args.updates, args.device))
         profiles = {name: profiled(update, batch, args.device) for name, update in updates.items()} \
             if args.profile else {}
-        sites = {name: host_wait_sites(update, batch) for name, update in updates.items()} \
+        sites = {name: host_wait_sites(lambda: update(batch)) for name, update in updates.items()} \
             if args.profile and args.device == "cuda" else {}
         publish_s = []  # the first call also allocates the pinned host copies (GPU) that later calls reuse,
         for sent in range(2):  # once the publisher has sent (and freed) the previous version, as in a run
@@ -245,13 +229,7 @@ def main() -> None:
             table.add_row(labels[name], f"{wall:.3f}", f"{busy:.3f}", str(waits), f"{waited:.3f}")
         Console(width=200).print(table)
     for name, counts in sites.items():
-        table = Table(title=f"{labels[name]}: where the host waited for the GPU in one update (sync debug mode)")
-        for column in ("file:line (innermost Python frame)", "waits"):
-            table.add_column(column, justify="right")
-        for site, count in counts.most_common(15):
-            table.add_row(site, str(count))
-        table.add_row("all", str(sum(counts.values())))
-        Console(width=200).print(table)
+        print_wait_sites(Console(width=200), f"{labels[name]}, one update", counts)
 
 if __name__ == "__main__":
     main()

@@ -23,7 +23,6 @@ import statistics
 import sys
 import time
 
-import torch
 from rich.console import Console
 from rich.table import Table
 

@@ -6,6 +6,7 @@
     tokenizer = load_tokenizer(path)             # the generator, the learner's save and tests all use this
     vocab_size(path)                             # what bounds every token id (the buffer checks them)
     require_model_dir(path, "node 10.0.0.2")     # each placed role, on its own node
+    on_device(tensor, device)                    # a host tensor on the role's device, without a host wait
 
 Why one loader: under transformers 5.x `AutoTokenizer` picks the tokenizer class from the model type
 (a `qwen2` config always gets the byte-level `Qwen2Tokenizer`), whatever `tokenizer.json` holds. A
@@ -17,6 +18,7 @@ refuses any tokenizer that drops whitespace, naming the directory and the class 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -72,3 +74,15 @@ def load_tokenizer(path: str):
 def vocab_size(path: str) -> int:
     """The size of the model's embedding table: every token id it is given must be below it."""
     return AutoConfig.from_pretrained(path).get_text_config().vocab_size
+
+
+def on_device(tensor: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    """`tensor` on `device` (None stays None). Host to GPU it is copied from pinned memory without blocking: a
+    copy from pageable memory makes the host wait until the GPU has finished all the work queued before it,
+    so the host could not prepare the next step while the GPU runs this one (torch's blocking copies
+    synchronise the stream)."""
+    if tensor is None:
+        return None
+    if torch.device(device).type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)

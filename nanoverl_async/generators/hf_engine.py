@@ -62,7 +62,7 @@ from transformers import AutoModelForCausalLM
 from nanoverl_async.generators.decode_graphs import DecodeGraphs
 from nanoverl_async.generators.engine import Completion, SamplingParams
 from nanoverl_async.generators.llama_forward import LlamaForward, Tokens
-from nanoverl_async.models import DTYPES
+from nanoverl_async.models import DTYPES, on_device
 
 LOCKSTEP_POLL_S = 0.001  # how often a lockstep engine checks whether every episode is waiting
 # cuDNN's attention, which torch prefers on Hopper GPUs, builds a new plan for each new sequence length
@@ -238,7 +238,7 @@ class TransformersEngine:
         logits, tokens = [], Tokens()
         if recompute:
             tokens.add(0, [0] * running, [r.input_ids + r.completion.token_ids for r in self._rows[:running]])
-            self._lens[:running] = torch.tensor([r.length() for r in self._rows[:running]]).to(self.device)
+            self._lens[:running] = on_device(torch.tensor([r.length() for r in self._rows[:running]]), self.device)
         elif running:
             length = max(r.length() for r in self._rows[:running])
             if self._graphs is not None:
@@ -285,8 +285,9 @@ class TransformersEngine:
         self.reused_tokens += sum(offsets)
         tokens.add(start, offsets, [r.input_ids[offset:] for r, offset in zip(new, offsets)])
         rows = slice(start, start + len(new))
-        self._lens[rows] = torch.tensor([len(r.input_ids) for r in new]).to(self.device)
-        self._temps[rows, 0] = torch.tensor([r.params.temperature for r in new], dtype=torch.float32).to(self.device)
+        self._lens[rows] = on_device(torch.tensor([len(r.input_ids) for r in new]), self.device)
+        self._temps[rows, 0] = on_device(torch.tensor([r.params.temperature for r in new], dtype=torch.float32),
+                                        self.device)
 
     def _reusable(self, request: _Request) -> Optional[_Kept]:
         """The kept cache of the request's episode, if the request continues exactly those tokens."""
@@ -353,7 +354,7 @@ class TransformersEngine:
         movers = [row for row in range(keep, len(self._rows)) if row not in gone]
         if holes:
             length = max(self._rows[row].length() for row in movers)
-            dst, src = (torch.tensor(rows, device=self.device) for rows in (holes, movers))
+            dst, src = (on_device(torch.tensor(rows), self.device) for rows in (holes, movers))
             self._kv[:, :, dst, :, :length] = self._kv[:, :, src, :, :length]
             for buffer in (self._lens, self._next, self._temps):
                 buffer[dst] = buffer[src]

@@ -29,6 +29,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from nanoverl_async.models import on_device
+
 
 def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     """HF's RMSNorm, op for op: normalize in float32, cast back, then scale."""
@@ -74,7 +76,7 @@ class Block:
     unpadded: Optional[torch.Tensor] = None
 
     def to(self, device: torch.device) -> "Block":
-        return dataclasses.replace(self, **{name: getattr(self, name).to(device) for name in ("padded", "unpadded")
+        return dataclasses.replace(self, **{name: on_device(getattr(self, name), device) for name in ("padded", "unpadded")
                                             if getattr(self, name) is not None})
 
 
@@ -114,8 +116,8 @@ class Tokens:
         """(ids, positions, slots, blocks, last) on `device`: the arguments of `LlamaForward.__call__`."""
         blocks = [block.to(device) for block in self.blocks]
         if self.ids:
-            flat = torch.tensor([self.ids, self.positions, self.slots], dtype=torch.long).to(device)
-            ids, positions, slots, last = *flat, torch.tensor(self.last, dtype=torch.long).to(device)
+            flat = on_device(torch.tensor([self.ids, self.positions, self.slots], dtype=torch.long), device)
+            ids, positions, slots, last = *flat, on_device(torch.tensor(self.last, dtype=torch.long), device)
         if self.decoding is None:
             return ids, positions, slots, blocks, last
         decoded, at, length = self.decoding

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from nanoverl_async.algorithms import ADVANTAGES, kl_reward_penalty, overlong_penalty, token_logprobs
 from nanoverl_async.config import AlgorithmConfig, KLConfig
+from nanoverl_async.models import on_device
 from nanoverl_async.trajectory import Trajectory
 
 PAD_TOKEN_ID = 0  # any valid id: padded positions are masked out of attention and of the loss
@@ -191,17 +192,7 @@ def _cut(tensor: Optional[Tensor], length: int) -> Optional[Tensor]:
 
 
 def to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    return TrainBatch(**{f.name: moved(getattr(batch, f.name), device) for f in dataclasses.fields(TrainBatch)})
-
-
-def moved(tensor: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
-    """`tensor` on `device`; host to GPU from pinned memory without blocking, since a copy from pageable
-    memory waits for all the GPU work queued so far (the host could not run ahead of the GPU)."""
-    if tensor is None:
-        return None
-    if torch.device(device).type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
+    return TrainBatch(**{f.name: on_device(getattr(batch, f.name), device) for f in dataclasses.fields(TrainBatch)})
 
 
 def sequence_logprobs(logits: Tensor, input_ids: Tensor, temperature: float) -> Tensor:

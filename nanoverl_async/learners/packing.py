@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from nanoverl_async.algorithms import token_logprobs, token_logprobs_and_entropy
-from nanoverl_async.learners.batch import PAD_TOKEN_ID, moved
+from nanoverl_async.learners.batch import PAD_TOKEN_ID
+from nanoverl_async.models import on_device
 
 
 def prompt_lengths(loss_mask: Tensor) -> Tensor:
@@ -92,7 +93,7 @@ class Packing:
         return out.view(*self.shape, *values.shape[1:])
 
     def to(self, device: torch.device) -> "Packing":
-        return Packing(*(moved(getattr(self, f.name), device) for f in dataclasses.fields(self)[:-1]), self.shape)
+        return Packing(*(on_device(getattr(self, f.name), device) for f in dataclasses.fields(self)[:-1]), self.shape)
 
 
 def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True,
