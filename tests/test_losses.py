@@ -1,16 +1,20 @@
 """algorithms/ corrections, policy losses, value loss and aggregation against naive per-token references.
 
 The reference `naive_policy_loss` walks the batch token by token with Python control flow, straight from
-the docstring formulas, building torch scalars so autograd gives the reference gradient too. Fast, CPU.
+the docstring formulas, building torch scalars so autograd gives the reference gradient too. Also: nothing the
+learner runs on the device per micro-batch reads a value back or sizes a tensor by its values (HostWaits),
+which on a GPU would make the host wait once per micro-batch. Fast, CPU.
 """
 
 import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanoverl_async.algorithms import (AGGREGATIONS, CORRECTIONS, LossInputs, aggregate, cispo_loss, gspo_loss,
-                                      loss_normaliser, policy_loss, ppo_clip_loss, reduce_token_metrics, value_loss)
+                                      kl_estimates, kl_per_token, loss_normaliser, merge_metrics, policy_loss,
+                                      ppo_clip_loss, reduce_token_metrics, token_logprobs_and_entropy, value_loss)
 from nanoverl_async.config import AlgorithmConfig, ClipConfig, KLConfig
 
 torch.set_num_threads(1)
@@ -327,3 +331,65 @@ def test_value_loss_matches_naive_with_gradient(n, t, mask_kind, cliprange_value
         assert torch.allclose(grad, values.grad, atol=1e-9)
     if cliprange_value == 0:
         assert (metrics["vf_clip_fraction"] == 0).all()
+
+
+# aten ops after which the host must wait for a GPU: reading a value (.item(), float(t), a tensor in an `if`),
+# or sizing an output by the values (nonzero, masked_select, unique; indexing by a boolean mask, below)
+HOST_WAITS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique", "_unique2",
+              "unique_consecutive", "unique_dim"}
+
+
+class HostWaits(TorchDispatchMode):
+    """Records the ops run under it that would make the host wait for the GPU, were the tensors there. (A copy
+    to the host, .cpu() or .tolist(), does not show: on the CPU it is no op.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in HOST_WAITS or (name == "index" and any(index is not None and index.dtype in (torch.bool, torch.uint8)
+                                                           for index in args[1])):
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_host_waits_sees_value_reads_and_masked_indexing():
+    x = torch.randn(3, 4)
+    with HostWaits() as waits:
+        float(x.sum()), x[x > 0], (x > 0).nonzero(), bool((x > 0).any())
+        x + 1, torch.where(x > 0, x, 0.0).sum()
+    assert waits.ops == ["_local_scalar_dense", "index", "nonzero", "_local_scalar_dense"]
+
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo"])
+@pytest.mark.parametrize("correction, level", CORRECTION_LEVELS)
+def test_a_micro_batchs_loss_metrics_and_gradient_never_make_the_host_wait(loss, correction, level):
+    """Everything the learner runs on the device per micro-batch (LearnerRank._loss and backward; the critic's
+    value loss): logprobs and entropy from logits, every aggregation with dual clip, KL and entropy terms, the
+    metrics, their per-micro-batch merge. On a GPU each wait would stall the host once per micro-batch, so
+    the GPU would idle while the host prepares the next kernels. The normalisers come from the host batch."""
+    p, p_old, mu, adv, mask = random_inputs(3, 5, "random", seed=5, token_advantages=(loss == "ppo"))
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 11, generator=g, dtype=torch.float64, requires_grad=True)
+    targets, ref = torch.randint(11, (3, 5), generator=g), p_old - 0.1
+    values = torch.randn(3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    tokens = float(mask.sum())
+    normalisers = {agg: float(loss_normaliser(mask, agg, 5)) for agg in AGGREGATIONS}
+    with HostWaits() as waits:
+        for agg in AGGREGATIONS:
+            logprobs, entropy = token_logprobs_and_entropy(logits, targets, 0.7, entropy_grad=True)
+            logprobs = torch.where(mask.bool(), logprobs, p)  # garbage off the mask, as the padding gives
+            total, metrics = policy_loss(LossInputs(logprobs, p_old, mu, adv, mask, ref, entropy),
+                                         algorithm(correction, level, loss, agg, 3.0, 0.01),
+                                         KLConfig(loss_coef=0.1, estimator="k3"), tokens, normalisers[agg])
+            metrics.update(kl=kl_per_token(logprobs, ref, mask.bool(), "k3").sum() / tokens,
+                           mismatch_kl=kl_estimates(p_old, mu, mask.bool(), tokens)["k3"])
+            token_loss, value_metrics = value_loss(values, values.detach() + 0.1, values.detach() - 0.2, mask, 0.2)
+            total = total + aggregate(token_loss, mask, "token-mean", tokens)
+            metrics.update(reduce_token_metrics(value_metrics, mask, tokens))
+            total.backward()
+            merge_metrics({key: torch.stack([value.detach()] * 2) for key, value in metrics.items()})
+    assert logits.grad is not None and values.grad is not None
+    assert waits.ops == []

@@ -256,7 +256,9 @@ class TransformersEngine:
             cached = len(self._rows[row].input_ids)
             self._kv[:, :, row, :, :cached] = self._kv[:, :, running + source, :, :cached]
             self.reused_tokens += cached
-        self._emit(0, torch.cat([logits, logits[[running + source for source in sources]]]) if sources else logits)
+        if sources:  # the copies sample from the logits of the rows whose prompt they repeat
+            logits = torch.cat([logits, logits[on_device(torch.tensor(sources) + running, self.device)]])
+        self._emit(0, logits)
 
     def _admissions(self) -> tuple[list[_Request], list[Optional[_Kept]], list[int]]:
         """The waiting requests that fit, moved into the rows after the running ones: (them, the kept cache
