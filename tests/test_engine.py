@@ -12,7 +12,8 @@ episode's later turns reuse its kept cache and still match a full forward of the
 that joins running rows computes its prompt once and still matches; seeded random workloads that mix all
 of these (and a cancelled request) match token by token under each token's version, also with the decode
 step of CUDA graphs emulated on the CPU (each replay runs the captured step again, first checking that the
-engine still keeps every tensor the step reads where the capture found it, as a real graph would read there).
+engine still keeps every tensor the step reads where the capture found it, as a real graph would read there),
+and no step reads a value back from its tensors (HostWaits).
 """
 
 import asyncio
@@ -23,6 +24,7 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
+from host_waits import HostWaits
 from nanoverl_async.generators.decode_graphs import DecodeGraphs
 from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
@@ -486,6 +488,13 @@ def test_random_workloads_match_a_full_forward_under_their_versions(seed, graphs
     randomized(tiny_qwen2()).save_pretrained(tmp_path)
     engine = TransformersEngine(str(tmp_path), seed=seed, max_batch_size=rng.choice([3, 6, 16]))
     captured = emulate_decode_graphs(engine, monkeypatch) if graphs else []
+    waits, step = HostWaits(), engine._step  # the step's one wait (.tolist() of what it sampled) is no op here
+
+    def watched_step():
+        with waits:
+            step()
+
+    engine._step = watched_step
     weights = [Qwen2ForCausalLM.from_pretrained(tmp_path).eval(), randomized(tiny_qwen2(seed=seed + 100))]
     stops, swap_at = tuple(rng.sample(range(VOCAB), 4)), rng.randint(1, 30)
     shared_prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(4)]
@@ -519,6 +528,7 @@ def test_random_workloads_match_a_full_forward_under_their_versions(seed, graphs
     assert isinstance(asyncio.run(main())[0], asyncio.CancelledError)
     assert engine.in_flight() == 0 and engine.weight_swaps == 1
     assert not graphs or sum(graph.replays for graph in captured) > engine.decode_steps / 2
+    assert waits.ops == []  # on a GPU, each would stall the host before the next step's kernels
     for context, params, completion in turns:
         tokens, versions = completion.token_ids, completion.versions
         assert not set(tokens[:-1]) & set(stops) and 1 <= len(tokens) <= params.max_new_tokens

@@ -10,11 +10,11 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanoverl_async.algorithms import (AGGREGATIONS, CORRECTIONS, LossInputs, aggregate, cispo_loss, gspo_loss,
                                       kl_estimates, kl_per_token, loss_normaliser, merge_metrics, policy_loss,
                                       ppo_clip_loss, reduce_token_metrics, token_logprobs_and_entropy, value_loss)
+from host_waits import HostWaits
 from nanoverl_async.config import AlgorithmConfig, ClipConfig, KLConfig
 
 torch.set_num_threads(1)
@@ -333,34 +333,15 @@ def test_value_loss_matches_naive_with_gradient(n, t, mask_kind, cliprange_value
         assert (metrics["vf_clip_fraction"] == 0).all()
 
 
-# aten ops after which the host must wait for a GPU: reading a value (.item(), float(t), a tensor in an `if`),
-# or sizing an output by the values (nonzero, masked_select, unique; indexing by a boolean mask, below)
-HOST_WAITS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique", "_unique2",
-              "unique_consecutive", "unique_dim"}
-
-
-class HostWaits(TorchDispatchMode):
-    """Records the ops run under it that would make the host wait for the GPU, were the tensors there. (A copy
-    to the host, .cpu() or .tolist(), does not show: on the CPU it is no op.)"""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in HOST_WAITS or (name == "index" and any(index is not None and index.dtype in (torch.bool, torch.uint8)
-                                                           for index in args[1])):
-            self.ops.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 def test_host_waits_sees_value_reads_and_masked_indexing():
     x = torch.randn(3, 4)
     with HostWaits() as waits:
         float(x.sum()), x[x > 0], (x > 0).nonzero(), bool((x > 0).any())
         x + 1, torch.where(x > 0, x, 0.0).sum()
     assert waits.ops == ["_local_scalar_dense", "index", "nonzero", "_local_scalar_dense"]
+    with torch.inference_mode(), HostWaits() as waits:  # as the engine runs
+        int(torch.arange(3).max())
+    assert waits.ops == ["item"]
 
 
 @pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo"])
