@@ -389,11 +389,13 @@ def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 def _reduce(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """This rank's micro-batch metrics -> those of all micro-batches of all ranks (merge_metrics: `*_max`
     keys by max, the others, already divided by global counts, by sum), first over this rank's micro-batches
-    in the metrics' own dtype, then over ranks in float64: one collective, whatever the number of metrics."""
+    in the metrics' own dtype, then over ranks in float64: one collective and one read back to the host,
+    whatever the number of metrics."""
     names = sorted(parts[0])
     local = merge_metrics({key: torch.stack([part[key].detach() for part in parts]) for key in names})
     values = torch.stack([local[key].double() for key in names])
     gathered = [torch.empty_like(values) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, values)
-    return {key: float(value) for key, value in merge_metrics(dict(zip(names, torch.stack(gathered, 1)))).items()}
+    merged = merge_metrics(dict(zip(names, torch.stack(gathered, 1))))
+    return dict(zip(merged, torch.stack(list(merged.values())).tolist()))
 
