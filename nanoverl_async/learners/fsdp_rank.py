@@ -389,8 +389,7 @@ def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 def _reduce(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """This rank's micro-batch metrics -> those of all micro-batches of all ranks (merge_metrics: `*_max`
     keys by max, the others, already divided by global counts, by sum), first over this rank's micro-batches
-    in the metrics' own dtype, then over ranks in float64: one collective and one read back to the host,
-    whatever the number of metrics."""
+    in the metrics' own dtype, then over ranks in float64: one collective, one read to the host, however many."""
     names = sorted(parts[0])
     local = merge_metrics({key: torch.stack([part[key].detach() for part in parts]) for key in names})
     values = torch.stack([local[key].double() for key in names])
