@@ -76,8 +76,7 @@ class Block:
     unpadded: Optional[torch.Tensor] = None
 
     def to(self, device: torch.device) -> "Block":
-        return dataclasses.replace(self, **{name: on_device(getattr(self, name), device) for name in ("padded", "unpadded")
-                                            if getattr(self, name) is not None})
+        return dataclasses.replace(self, padded=on_device(self.padded, device), unpadded=on_device(self.unpadded, device))
 
 
 class Tokens:
