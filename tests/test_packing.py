@@ -31,9 +31,10 @@ def grouped_batch():
     return collate(episodes(GROUPS, seed=1, group_size=4, shared_prompts=True))
 
 
-def padded_and_packed(model, batch, prompts=None, attention_cost=0.0):
+def padded_and_packed(model, batch, prompts=None, attention_cost=0.0, wanted=None):
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    packing = pack(batch.input_ids, batch.attention_mask, prompts=prompts, attention_cost=attention_cost)
+    packing = pack(batch.input_ids, batch.attention_mask, prompts=prompts, attention_cost=attention_cost,
+                   wanted=wanted)
     return sequence_logprobs(logits, batch.input_ids, 0.8), packing.logprobs(packing.forward(model), 0.8), packing
 
 
@@ -44,13 +45,17 @@ def scored(batch):
     return where
 
 
-def assert_same_logprobs_and_gradients(model, batch, prompts=None, attention_cost=0.0):
-    padded, packed, _ = padded_and_packed(model, batch, prompts, attention_cost)
-    assert torch.allclose(packed[scored(batch)], padded[scored(batch)], atol=1e-5)
-    assert packed[~scored(batch)].abs().sum() == 0
+def assert_same_logprobs_and_gradients(model, batch, prompts=None, attention_cost=0.0, wanted=None):
+    """wanted=None: every token's logprob; else those tokens' alone (the head runs only where it predicts
+    them), the others 0. The loss (a weighted sum over sampled tokens) and its gradient are the same."""
+    padded, packed, packing = padded_and_packed(model, batch, prompts, attention_cost, wanted)
+    read = scored(batch) if wanted is None else scored(batch) & wanted
+    assert torch.allclose(packed[read], padded[read], atol=1e-5)
+    assert packed[~read].abs().sum() == 0
+    assert len(packing.outputs) <= int(read.sum()) and len(packing.predictor) == int(read.sum())
     weights = batch.loss_mask * torch.linspace(-1, 1, batch.size)[:, None]
     grads = []
-    for logprobs in padded_and_packed(model, batch, prompts, attention_cost)[:2]:
+    for logprobs in padded_and_packed(model, batch, prompts, attention_cost, wanted)[:2]:
         model.zero_grad()
         (logprobs * weights).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
@@ -78,6 +83,7 @@ def test_a_shared_prompt_is_computed_once_per_row_and_changes_nothing(model_dir)
     assert int(batch.attention_mask.sum()) == 130 and alone.input_ids.shape == (5, 30)
     assert shared.input_ids.shape == (3, 30) and shared.attention_mask.shape == (3, 1, 30, 30)
     assert_same_logprobs_and_gradients(model, batch, prompts)
+    assert_same_logprobs_and_gradients(model, batch, prompts, wanted=batch.loss_mask.bool())
 
     # the entropy and a per-position value (a critic's) are read at the same predicting positions
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
@@ -134,6 +140,9 @@ class Drops(torch.nn.Module):
     def forward(self, **kwargs):
         return self.inner(**{key: value for key, value in kwargs.items() if key != self.ignored})
 
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
 
 @pytest.mark.parametrize("ignored", ["position_ids", "attention_mask"])
 def test_a_model_that_mixes_packed_sequences_is_detected(model_dir, ignored):
@@ -162,5 +171,6 @@ def test_random_batches_pack_like_the_padded_layout(model_dir, seed):
               for prompt in (rng.choice([1, 2, 5, 9]) for _ in range(rng.randint(1, 6))) for _ in range(group_size)]
     batch = collate(episodes(shapes, seed=seed, group_size=group_size, shared_prompts=True))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    cost = rng.choice([0.0, 1e-3, 1e-2])
-    assert_same_logprobs_and_gradients(model, batch, prompt_lengths(batch.loss_mask), attention_cost=cost)
+    cost, sampled_only = rng.choice([0.0, 1e-3, 1e-2]), rng.random() < 0.5  # the learner's: the sampled tokens
+    assert_same_logprobs_and_gradients(model, batch, prompt_lengths(batch.loss_mask), attention_cost=cost,
+                                       wanted=batch.loss_mask.bool() if sampled_only else None)

@@ -1,7 +1,7 @@
 """Sequence packing: a micro-batch's right-padded sequences laid out for the model as packed rows.
 
     packing = pack(mb.input_ids, mb.attention_mask, prompts=prompt_lengths(mb.loss_mask),
-                   attention_cost=attention_cost_per_position(model))
+                   attention_cost=attention_cost_per_position(model), wanted=mb.loss_mask.bool())
     logprobs, entropy = packing.logprobs_and_entropy(packing.forward(model), temperature, entropy_grad=False)
 
 Several sequences share a row, kept apart by restarting position ids (verl's remove-padding, TRL's
@@ -52,38 +52,53 @@ class Packing:
 
     A token-indexed quantity of token j (its logprob, the entropy it was sampled from, the critic's value)
     comes from the position that predicts it, that of token j - 1 (`predictor`); a shared prompt's last
-    position predicts every member's first sampled token."""
+    position predicts every member's first sampled token. Only the tokens read (`pack`'s `wanted`: the
+    learner's are the sampled ones) have a predictor, and a causal LM's head runs at those positions alone."""
 
     input_ids: Tensor  # int64 [r, c]
     position_ids: Optional[Tensor]  # int64 [r, c]; None when each row is one sequence from position 0
     attention_mask: Optional[Tensor]  # bool [r, 1, c, c], True where a token may attend; only if prompts are shared
-    predictor: Tensor  # int64 [k]: flat position in [r * c] of the logits that predict each token j >= 1
+    outputs: Tensor  # int64 [h]: the flat positions in [r * c] whose outputs are read, ascending
+    predictor: Tensor  # int64 [k]: for each token read, the one of `outputs` that predicts it
     target: Tensor  # int64 [k]: that token's id
     destination: Tensor  # int64 [k]: its flat position in [n * l]
     shape: tuple[int, int]  # [n, l], the micro-batch's
 
     def forward(self, model: torch.nn.Module) -> Tensor:
-        """The model's output (logits, or a critic's scores) on the packed rows [r, c, ...]. Position ids only
-        where rows hold several sequences: from them transformers derives the blocks of its mask, and checks
-        on the host whether there are any (a wait for the GPU); the explicit mask only where prompts are
-        shared (transformers takes a 4-D mask as it is); rows of one sequence need the plain causal mask."""
-        return model(input_ids=self.input_ids, position_ids=self.position_ids, attention_mask=self.attention_mask,
-                     use_cache=False).logits
+        """The model's outputs (logits, or a critic's scores) at `outputs` [h, ...]. A causal LM's head gets only
+        those positions' hidden states (a hook on it: the logits and their log-softmax are a step's largest
+        tensors, and prompt, tool and padding positions would be discarded). Position ids only where rows
+        hold several sequences: from them transformers derives the blocks of its mask, and checks on the host
+        whether there are any (a wait for the GPU); the explicit mask only where prompts are shared
+        (transformers takes a 4-D mask as it is); rows of one sequence need the plain causal mask."""
+        head = model.get_output_embeddings()  # None for a critic: its scores are read after the forward
+
+        def read(hidden: Tensor) -> Tensor:
+            return hidden.flatten(0, 1)[self.outputs]
+
+        hook = head.register_forward_pre_hook(lambda _, args: (read(args[0]),)) if head is not None else None
+        try:
+            out = model(input_ids=self.input_ids, position_ids=self.position_ids,
+                        attention_mask=self.attention_mask, use_cache=False).logits
+        finally:
+            if hook is not None:
+                hook.remove()
+        return out if head is not None else read(out)
 
     def logprobs(self, logits: Tensor, temperature: float) -> Tensor:
-        """Token-indexed logprobs [n, l] (as `sequence_logprobs`) from the packed logits [r, c, V]."""
-        return self.scatter(token_logprobs(logits.flatten(0, 1), self.target, temperature, self.predictor))
+        """Token-indexed logprobs [n, l] (as `sequence_logprobs`) from `forward`'s logits [h, V]."""
+        return self.scatter(token_logprobs(logits, self.target, temperature, self.predictor))
 
     def logprobs_and_entropy(self, logits: Tensor, temperature: float, entropy_grad: bool) -> tuple[Tensor, Tensor]:
         """`logprobs` and, token-indexed the same way, the entropy of the distribution that sampled each token,
         from one pass over the logits (algorithms.token_logprobs_and_entropy)."""
         return tuple(self.scatter(values) for values in token_logprobs_and_entropy(
-            logits.flatten(0, 1), self.target, temperature, entropy_grad, self.predictor))
+            logits, self.target, temperature, entropy_grad, self.predictor))
 
     def predicted(self, per_position: Tensor) -> Tensor:
-        """A per-position output [r, c, ...] (a critic's values) -> token-indexed [n, l, ...]: token j gets the
+        """`forward`'s output [h, ...] (a critic's values) -> token-indexed [n, l, ...]: token j gets the
         output at the position that predicts it, the state in which it was sampled."""
-        return self.scatter(per_position.flatten(0, 1)[self.predictor])
+        return self.scatter(per_position[self.predictor])
 
     def scatter(self, values: Tensor) -> Tensor:
         """Values of tokens j >= 1 [k, ...] -> [n, l, ...], 0 on token 0 and on padding. Integer indices only: a
@@ -97,14 +112,15 @@ class Packing:
 
 
 def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True,
-         prompts: Optional[Tensor] = None, attention_cost: float = 0.0) -> Packing:
+         prompts: Optional[Tensor] = None, attention_cost: float = 0.0, wanted: Optional[Tensor] = None) -> Packing:
     """Pack sequences first-fit decreasing into rows as long as the longest one, so that a row's attention
     never costs more than in the padded layout; or, given `attention_cost` (`attention_cost_per_position`),
     into rows twice as long where the estimated cost says that is cheaper: fewer rows, in which more of a
     group share their prompt, against more attention per token. `prompts` ([n], e.g. `prompt_lengths`):
     sequences whose first prompts[i] tokens are the same share them, as many in a row as fit.
     several_per_row=False keeps one sequence per row (the padded layout itself, for a model whose attention
-    mixes packed sequences)."""
+    mixes packed sequences). `wanted` ([n, l] bool): the tokens whose outputs are read, every token j >= 1
+    if None; the others come back 0."""
     lengths = attention_mask.sum(dim=1).tolist()
     longest = max(1, max(lengths, default=1))
     groups = _prompt_groups(input_ids, lengths, prompts if several_per_row else None)
@@ -135,16 +151,19 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
                 offset = end
         positions[r, offset:] = torch.arange(capacity - offset)  # the tail: a block of its own, discarded
     width = input_ids.shape[1]
-    predictor = torch.cat([place[:-1] for place in places] or [torch.zeros(0, dtype=torch.long)])
-    target = torch.cat([input_ids[s, 1:size] for s, size in enumerate(lengths)] or [torch.zeros(0, dtype=torch.long)])
+    none = [torch.zeros(0, dtype=torch.long)]
+    wanted = torch.ones_like(attention_mask, dtype=torch.bool) if wanted is None else wanted.bool()
+    read = torch.cat([wanted[s, 1:size] for s, size in enumerate(lengths)] or [torch.zeros(0, dtype=torch.bool)])
+    outputs, predictor = torch.unique(torch.cat([place[:-1] for place in places] or none)[read], return_inverse=True)
+    target = torch.cat([input_ids[s, 1:size] for s, size in enumerate(lengths)] or none)[read]
     destination = torch.cat([torch.arange(s * width + 1, s * width + size) for s, size in enumerate(lengths)]
-                            or [torch.zeros(0, dtype=torch.long)])
+                            or none)[read]
     several = len(rows) < len(lengths)  # else each row is one sequence from position 0: no ids needed
     mask = _shared_prompt_mask(blocks, branches) if any(shared for shared, _ in units) else None
     device = input_ids.device
     return Packing(packed_ids.to(device), positions.to(device) if several else None,
-                   None if mask is None else mask.to(device), predictor.to(device), target.to(device),
-                   destination.to(device), tuple(attention_mask.shape))
+                   None if mask is None else mask.to(device), outputs.to(device), predictor.to(device),
+                   target.to(device), destination.to(device), tuple(attention_mask.shape))
 
 
 def attention_cost_per_position(model: torch.nn.Module) -> float:
