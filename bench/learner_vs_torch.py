@@ -1,12 +1,15 @@
 """`LearnerRank.update` against the bare PyTorch loop it wraps, on the same batches, side by side.
 
     python bench/learner_vs_torch.py [--threads 2] [--repeats 2] [--updates 5] [--device cpu|cuda]
-                                     [--model tiny|qwen0.5b] [--profile]
+                                     [--model tiny|wide-vocab|qwen0.5b] [--profile]
 
 tiny (the default): the batch is shaped like the default job's (configs/agent_grpo.yaml): 16 groups x 8
 episodes of the built-in `A*B?` task, lengths as measured in its runs: a prompt of 10 tokens, then a sampled
 answer (40% of rows), a sampled call, a 5-token tool result and an answer (52%), or three turns of calls
 (8%, up to ~70 tokens), so that, as in the job, a few long rows set the padded width.
+wide-vocab: the same batch on a small body with Qwen2.5's 151,936-token vocabulary (bench/qwen_shape.py),
+micro-batches of 2,048 tokens, float32: the LM head's cost with a real tokenizer, which LearnerRank runs
+only where a sampled token is predicted (the bare loops: at every position, as one writes it by hand).
 qwen0.5b (for a GPU): Qwen2.5-0.5B-Instruct's architecture with random weights (bench/qwen_shape.py),
 64 sequences of 128 prompt + 896 sampled tokens, micro-batches of 8,192 tokens, bfloat16 compute over
 float32 master weights (LearnerRank's FSDP2 mixed precision; torch.autocast in the bare loop).
@@ -26,10 +29,8 @@ synchronising calls, not all; one made during backward counts at the line that c
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from contextlib import nullcontext
@@ -92,7 +93,8 @@ def qwen_batch(vocab: int, seed: int = 0):
 class BareLoop:
     """The hand-written baseline: HF model, AdamW, PPO clip against the behaviour logprobs, token mean;
     over the padded batch (what a user writes) or, packed=True, over the same packed rows as LearnerRank
-    (so that the difference is the wrapper's own cost)."""
+    with the head at every position (so that the difference is the wrapper's own cost, less the head
+    positions it skips)."""
 
     def __init__(self, path: str, device: str, dtype: str = "float32", micro_batch_tokens: int = 0,
                  packed: bool = False, lr: float = 1e-4, clip: float = 0.2):
@@ -165,15 +167,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--model", default="tiny", choices=("tiny", "qwen0.5b"))
+    parser.add_argument("--model", default="tiny", choices=("tiny", "wide-vocab", "qwen0.5b"))
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
         if args.model == "tiny":
             path, dtype, micro, max_total = resolve_model_path("builtin:tiny"), "float32", 0, MAX_TOTAL_TOKENS
+        elif args.model == "wide-vocab":
+            from qwen_shape import wide_vocab_model
+
+            path, dtype, micro, max_total = wide_vocab_model(f"{scratch}/wide"), "float32", 2_048, MAX_TOTAL_TOKENS
         else:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             from qwen_shape import qwen_shaped_model
 
             path, dtype, micro = qwen_shaped_model(f"{scratch}/qwen"), "bfloat16", QWEN_MICRO_BATCH_TOKENS
@@ -186,11 +191,11 @@ def main() -> None:
                                                    micro_batch_tokens=micro))
         rank = LearnerRank(setup, 0, "127.0.0.1", port)
         updates = {"bare": BareLoop(path, args.device, dtype, micro).update}
-        if args.model == "tiny":  # equal-length rows (qwen0.5b) pack exactly as they pad
+        if args.model != "qwen0.5b":  # its equal-length rows pack exactly as they pad
             updates["packed"] = BareLoop(path, args.device, dtype, micro, packed=True).update
         updates["learner"] = rank.update
         vocab = rank.model.config.vocab_size
-        batch = default_job_batch(vocab) if args.model == "tiny" else qwen_batch(vocab)
+        batch = qwen_batch(vocab) if args.model == "qwen0.5b" else default_job_batch(vocab)
         rates = {name: [] for name in updates}
         order = list(updates)
         for repeat in range(args.repeats):  # A, B, C, C, B, A

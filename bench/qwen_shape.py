@@ -8,6 +8,8 @@ downloaded where the GPU is; throughput depends on the shape alone).
                                           # chat template, so the default job runs on it (a builder:
                                           # models.resolve_model_path); random weights, so its rewards
                                           # mean nothing: samples/s does
+    wide_vocab_model(directory)           # a small body (4 layers, hidden 256) with that vocabulary: where
+                                          # the LM head costs what it does with a real tokenizer (CPU)
 
 Run alone: python bench/qwen_shape.py DIR   (writes the first into DIR)
 """
@@ -30,6 +32,15 @@ def qwen_shaped_model(directory: str) -> str:
                          eos_token_id=151_645, **QWEN_BODY)
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+def wide_vocab_model(directory: str) -> str:
+    """A 4-layer, hidden-256 Qwen2 with Qwen2.5's vocabulary (151,936, tied), random weights, float32."""
+    config = Qwen2Config(vocab_size=151_936, hidden_size=256, intermediate_size=1_024, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(directory)
     return directory
 
 
