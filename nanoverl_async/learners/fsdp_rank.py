@@ -159,7 +159,7 @@ class LearnerRank:
         laid out on the host, then copied without blocking, so no step of a micro-batch waits for the GPU."""
         mb = trimmed(local, start, stop)
         prompts = prompt_lengths(mb.loss_mask) if self.shares_prompts else None
-        packing = pack(mb.input_ids, mb.attention_mask, self.packs, prompts, self.attention_cost, mb.loss_mask.bool())
+        packing = pack(mb.input_ids, mb.attention_mask, self.packs, prompts, self.attention_cost, mb.loss_mask)
         return to_device(mb, self.device), packing.to(self.device)
 
     def compute_values(self, batch: TrainBatch) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Sequence packing: a micro-batch's right-padded sequences laid out for the model as packed rows.
 
     packing = pack(mb.input_ids, mb.attention_mask, prompts=prompt_lengths(mb.loss_mask),
-                   attention_cost=attention_cost_per_position(model), wanted=mb.loss_mask.bool())
+                   attention_cost=attention_cost_per_position(model), wanted=mb.loss_mask)
     logprobs, entropy = packing.logprobs_and_entropy(packing.forward(model), temperature, entropy_grad=False)
 
 Several sequences share a row, kept apart by restarting position ids (verl's remove-padding, TRL's
@@ -119,8 +119,8 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
     group share their prompt, against more attention per token. `prompts` ([n], e.g. `prompt_lengths`):
     sequences whose first prompts[i] tokens are the same share them, as many in a row as fit.
     several_per_row=False keeps one sequence per row (the padded layout itself, for a model whose attention
-    mixes packed sequences). `wanted` ([n, l] bool): the tokens whose outputs are read, every token j >= 1
-    if None; the others come back 0."""
+    mixes packed sequences). `wanted` ([n, l], nonzero where read, e.g. the loss mask): the tokens whose
+    outputs are read, every token j >= 1 if None; the others come back 0."""
     lengths = attention_mask.sum(dim=1).tolist()
     longest = max(1, max(lengths, default=1))
     groups = _prompt_groups(input_ids, lengths, prompts if several_per_row else None)
