@@ -11,7 +11,8 @@
 # 4. the engine vs bare model.generate on the same shape (C = 64, 256, multi-turn), with and without CUDA
 #    graphs, and where its host waits for the GPU per engine step (one wait per step by design): last, since
 #    it met its target (README), so a device call cut short still measures the others.
-# About 8 minutes on one H200. Python output is unbuffered so that a step cut by its limit still logs.
+# About 8 minutes on one H200; each step stops at its own limit or at the call's deadline (DEADLINE_S, 575 s
+# after the start), whichever comes first. Python output is unbuffered so that a step cut short still logs.
 # On the lent machines, which lack Ray and a few more, build the kit first (bench/gpu_kit.sh) and carry .dev.
 set -u
 out=${1:-outputs/bench/gpu}
@@ -21,23 +22,26 @@ if [ -f .dev/site.tgz ]; then
 fi
 export PYTHONUNBUFFERED=1
 started=$(date +%s)
+deadline=$(( started + ${DEADLINE_S:-575} ))
 step() { echo "== $1 at $(( $(date +%s) - started )) s"; }
+limit() { local left=$(( deadline - $(date +%s) )); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
 quiet="Loading|Writing|it/s\]"
 step tests
-timeout 90 python3 -m pytest -q tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log" | tail -20
+timeout -k 5 $(limit 75) python3 -m pytest -q tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log" | tail -20
 step learner
-timeout 120 python3 bench/learner_vs_torch.py --device cuda --model qwen0.5b --repeats 2 --updates 3 --profile 2>&1 \
+timeout -k 5 $(limit 110) python3 bench/learner_vs_torch.py --device cuda --model qwen0.5b --repeats 2 --updates 3 --profile 2>&1 \
     | grep -v -E "$quiet" | tee "$out/learner.log"
 step async
-timeout 300 python3 bench/async_vs_sync.py model.path=bench/qwen_shape.py:qwen_body_with_tiny_tokenizer \
+timeout -k 5 $(limit 250) python3 bench/async_vs_sync.py model.path=bench/qwen_shape.py:qwen_body_with_tiny_tokenizer \
     model.dtype=bfloat16 learner.device=cuda generator.device=cuda learner.gpus_per_rank=0.5 \
     generator.gpus_per_replica=0.5 run.total_steps=10 agent.max_new_tokens=48 \
     agent.max_total_tokens=192 > "$out/async.log" 2>&1
 grep -v -E "$quiet|logging.cc" "$out/async.log" | tail -25
+pkill -9 -f 'ray::|raylet|gcs_server' 2>/dev/null  # a run cut by its limit leaves Ray's processes on the GPU
 for run in outputs/bench/async_vs_sync/*/; do  # each run's per-step timings (not its weights)
     mkdir -p "$out/async_runs/$(basename "$run")" && cp "$run/metrics.jsonl" "$out/async_runs/$(basename "$run")/"
 done
 step engine
-timeout 200 python3 bench/engine_vs_generate.py --device cuda --model qwen0.5b --concurrency 64,256 --repeats 2 \
+timeout -k 5 $(limit 600) python3 bench/engine_vs_generate.py --device cuda --model qwen0.5b --concurrency 64,256 --repeats 2 \
     --old-ref '' --max-wait 0 --profile 2>&1 | grep -v -E "$quiet" | tee "$out/engine.log"
 step done

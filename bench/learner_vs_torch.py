@@ -201,6 +201,7 @@ def main() -> None:
         for repeat in range(args.repeats):  # A, B, C, C, B, A
             for name in order if repeat % 2 == 0 else order[::-1]:
                 rates[name].append(rate(updates[name], batch, args.updates, args.device))
+                print(f"repeat {repeat}: {name} {rates[name][-1]:,.0f} trained tok/s", flush=True)  # if cut short
         profiles = {name: profiled(update, batch, args.device) for name, update in updates.items()} \
             if args.profile else {}
         sites = {name: host_wait_sites(lambda: update(batch)) for name, update in updates.items()} \
