@@ -25,6 +25,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from host_waits import HostWaits
+from nanoverl_async.generators import llama_forward
 from nanoverl_async.generators.decode_graphs import DecodeGraphs
 from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
@@ -462,7 +463,8 @@ class EmulatedGraph:
 
 def emulate_decode_graphs(engine: TransformersEngine, monkeypatch) -> list[EmulatedGraph]:
     """The engine's CUDA path on the CPU: its decode steps go through DecodeGraphs, with EmulatedGraphs (all
-    it captures, returned)."""
+    it captures, returned), and blocks of queries through CUDA's attention (kv heads repeated)."""
+    monkeypatch.setattr(llama_forward, "_gqa_sdpa", llama_forward._expanded_sdpa)
     graphs, captured = DecodeGraphs(engine.forward, engine._next, engine._lens), []
 
     def capture(kv, rows, length):

@@ -41,9 +41,11 @@ def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
 def _one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + mask) v for one query per row (a decode step): q [rows, heads, 1, d], k, v
     [rows, kv_heads, length, d], mask [rows, 1, 1, length]. The query heads that share a kv head become
-    that kv head's queries, so grouped-query attention is two batched matmuls over the cache as it lies.
-    On the CPU, SDPA's kernel, built for blocks of queries, took 1.2-2.4x as long for 256 rows of
-    builtin:tiny: 1.11x the engine's tokens/s at 256 requests (no change at 16 or 64). Softmax in float32,
+    that kv head's queries, so grouped-query attention is two batched matmuls over the cache as it lies,
+    read once. On the CPU, SDPA's kernel, built for blocks of queries, took 1.2-2.4x as long for 256 rows of
+    builtin:tiny: 1.11x the engine's tokens/s at 256 requests (no change at 16 or 64). On CUDA (H200, torch
+    2.11), SDPA with a mask and grouped heads fell back to its math kernel (`_expanded_sdpa`): 1.59 ms per
+    layer for 256 rows against 0.125 ms, 5.3x the engine's tokens/s at 256 requests. Softmax in float32,
     as HF's eager attention."""
     rows, heads, _, dim = q.shape
     grouped = q.reshape(rows, k.shape[1], heads // k.shape[1], dim)
@@ -51,7 +53,17 @@ def _one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn
     return (weights.to(q.dtype) @ v).reshape(rows, heads, 1, dim)
 
 
-_gqa_sdpa = partial(F.scaled_dot_product_attention, enable_gqa=True)
+def _expanded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+    """SDPA for blocks of queries on CUDA, each kv head repeated for the query heads that share it. The kernel
+    that takes an arbitrary mask (memory-efficient attention; flash takes none) does not take grouped heads in
+    every torch version, and torch then falls back to its math kernel, which repeats the kv heads itself and
+    computes the whole score matrix in float32."""
+    group = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                          attn_mask=attn_mask)
+
+
+_gqa_sdpa = partial(F.scaled_dot_product_attention, enable_gqa=True)  # the CPU's kernel takes a mask and groups
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -185,7 +197,10 @@ class LlamaForward:
                 queries = q[block.begin:block.end]
                 queries = queries[block.padded] if block.padded is not None else queries[:, None]
                 cached = kv[layer, :, block.first:block.first + block.rows, :, :block.length]
-                attention = _one_query_attention if block.padded is None and q.device.type == "cpu" else _gqa_sdpa
+                if block.padded is None:
+                    attention = _one_query_attention
+                else:
+                    attention = _expanded_sdpa if q.device.type == "cuda" else _gqa_sdpa
                 o = attention(queries.transpose(1, 2), cached[0], cached[1], attn_mask=mask[self.windows[layer]])
                 o = o.transpose(1, 2).flatten(0, 1)
                 out.append(o[block.unpadded] if block.unpadded is not None else o)
