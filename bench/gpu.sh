@@ -6,8 +6,8 @@
 # 2. async vs sync on the default job with the 0.5B body on the tiny model's tokenizer (random weights:
 #    samples/s counts, rewards do not), generator and learner sharing the GPU, with ASYNC_OVERRIDES (default
 #    learner.ppo_epochs=4: four passes over each batch, so that training is some 40% of a synchronous step, by
-#    one pass's 0.3-0.5 s; with one pass the job waits on generation for 85% of a step); each run's metrics.jsonl, kept also when
-#    the step is cut by its limit (per-step times of the steps that ran);
+#    one pass's 0.3-0.5 s; with one pass the job waits on generation for 85% of a step); each run's
+#    metrics.jsonl, kept also when the step is cut by its limit (per-step times of the steps that ran);
 # 3. LearnerRank.update vs the bare loop on the Qwen2.5-0.5B shape (64 x 1,024 tokens, bf16 over fp32
 #    weights), with one profiled update of each (GPU busy time, host waits);
 # 4. the engine vs bare model.generate on the same shape (C = 64, 256, multi-turn), with and without CUDA

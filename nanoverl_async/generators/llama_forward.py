@@ -44,7 +44,7 @@ def _one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn
     that kv head's queries, so grouped-query attention is two batched matmuls over the cache as it lies,
     read once. On the CPU, SDPA's kernel, built for blocks of queries, took 1.2-2.4x as long for 256 rows of
     builtin:tiny: 1.11x the engine's tokens/s at 256 requests (no change at 16 or 64). On CUDA (H200, torch
-    2.11), SDPA with a mask and grouped heads fell back to its math kernel (`_expanded_sdpa`): 1.59 ms per
+    2.11), SDPA given a mask and grouped heads fell back to its math kernel (see `_expanded_sdpa`): 1.59 ms per
     layer for 256 rows against 0.125 ms, 5.3x the engine's tokens/s at 256 requests. Softmax in float32,
     as HF's eager attention."""
     rows, heads, _, dim = q.shape
