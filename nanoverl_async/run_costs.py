@@ -6,7 +6,8 @@ From RUN_DIR's config.yaml, metrics.jsonl and trace.json (written by trace.py, a
 "The pipeline trace" tells): per completed lease, its policy version and its work; per learner step, the
 hand-over of its batch (the wait after its B-th group was complete), the work of prepare, update and
 publish, the controller's time before the next step, and how long its weights took to reach each
-generator; how long a generator took to ask for a slot its finished group freed; the run's own samples/s,
+generator; how long a generator took to ask for a slot its finished group freed, and for its first groups
+after the learner began; the run's own samples/s,
 staleness and generators/gated_frac.
 
 The speed model, fitted here: a process computes (a generator with a group in flight, the learner in
@@ -62,6 +63,7 @@ class Source:
     step_costs: np.ndarray  # [steps, len(STEP_COSTS)]
     weight_delays: list  # per step: seconds from its publish to each generator holding its weights
     request_lags: np.ndarray  # seconds from a group's completion to its generator asking for the free slot
+    starts: np.ndarray  # per generator that leased: seconds from the learner's first wait to its first lease
     slowdowns: tuple  # (generator, learner): speed beside the other kind / alone, as measured; None: not
     interference: tuple  # (generator, learner): the `speeds` factors fitted to them
     cores: float
@@ -245,6 +247,15 @@ def request_lags(spans: dict) -> np.ndarray:
     return np.array(lags or [0.0])
 
 
+def generator_starts(spans: dict) -> np.ndarray:
+    """Per generator that leased, seconds from the learner's first wait for a batch to its first lease (0 if
+    earlier), sorted: a generator that loaded its model late left the first steps to the others."""
+    begun, firsts = spans["steps"][0][1]["wait batch"][0], {}
+    for start, _, args in spans["lease"]:
+        firsts[args["generator_id"]] = min(firsts.get(args["generator_id"], math.inf), start)
+    return np.sort([max(0.0, first - begun) for first in firsts.values()])
+
+
 def measured(rows: list[dict], samples_per_step: int) -> dict:
     """The source run's own figures from metrics.jsonl, counted as `Prediction` counts them."""
     lags = Counter()
@@ -283,5 +294,5 @@ def read_source(run_dir: str, cores: float | None = None) -> Source:
     return Source(cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max, cfg.generator.replicas,
                   cfg.generator.max_groups_in_flight, drain, len(costs), np.array(versions),
                   np.array([generator_work.over(a, b) for a, b in zip(starts, ends)]),
-                  outcomes.count("filtered") / len(outcomes), costs, delays, request_lags(spans), slowdowns,
-                  interference, cores, sampled)
+                  outcomes.count("filtered") / len(outcomes), costs, delays, request_lags(spans),
+                  generator_starts(spans), slowdowns, interference, cores, sampled)

@@ -9,7 +9,9 @@ re-issued) and `GatedClock` (buffer/service.py: generators/gated_frac). It print
 staleness and gated_frac per setting under the run's measured values, and recommends a setting.
 
 The model; every cost is drawn from the run (run_costs.py) with a seeded RNG:
-  - A generator keeps up to generator.max_groups_in_flight groups leased: it asks the gate when new weights
+  - A generator asks for its first groups when it did in the run, counted from the learner's first wait (one
+    that loaded its model late leaves the first steps to the others; other generator counts cycle through the
+    run's). It keeps up to generator.max_groups_in_flight groups leased: it asks the gate when new weights
     arrive and when a group finishes; an empty reply starts a gated spell (generators/worker.py
     `_lease_loop`). The run's worker noticed a freed slot only after a lag (its event loop was busy
     generating), so a refusal comes after a drawn lag; a grant comes at once, as the lag cost the run little
@@ -105,10 +107,11 @@ class Simulation:
         self.step_start, self.step_seconds, self.gated_fracs = 0.0, [], []
         self.lags = Counter()
         self.pools: dict = {}  # version -> indices of the run's leases a group of that version draws from
+        self.starts = [source.starts[g % len(source.starts)] for g in range(generators)]  # first requests
 
     def run(self, steps: int) -> Prediction:
-        for g in range(self.generators):
-            self.request(g)
+        for g, start in enumerate(self.starts):
+            self.at(self.timers, start, self.request, g)
         while self.step < steps:
             self.advance()
         return Prediction(self.source.batch * self.source.group * steps / sum(self.step_seconds), self.lags,
@@ -139,7 +142,7 @@ class Simulation:
         its finished group freed only after a lag (the run's: its event loop is busy generating), but its
         other groups speed up meanwhile, so a granted group starts at once and only a refusal waits."""
         free = self.source.max_groups - self.in_flight[g]
-        if self.pending[g] is not None or free <= 0:
+        if self.pending[g] is not None or free <= 0 or self.now < self.starts[g]:  # not started: weights wait
             return
         leases = self.gate.lease(self.version[g], free, self.now, g)
         if not leases and slot_freed:

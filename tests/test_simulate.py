@@ -106,6 +106,21 @@ def test_synchronous_steps_add_generation_and_training(tmp_path):
     assert predict(sync, 0, 1).samples_per_s == pytest.approx(2 * 2 / step_s, rel=0.03)
 
 
+def test_a_generator_that_leased_late_delays_the_first_steps_as_in_the_run(tmp_path):
+    """The learner began waiting 0.25 s before the generator's first lease (a generator still loading its
+    model): the source says so, and the simulated run, which starts the generator as late, takes 0.25 s longer."""
+    events = trace_events(12, 0.3, 0.5, 2, 2)
+    first_wait = next(e for e in events if e["name"] == "wait batch" and e["args"]["step"] == 0)
+    first_wait["ts"], first_wait["dur"] = first_wait["ts"] - 250_000, first_wait["dur"] + 250_000
+    late = read_source(str(write_run(tmp_path / "late", lease_s=0.3, update_s=0.5, staleness=0, events=events)),
+                       cores=8)
+    on_time = source(tmp_path, lease_s=0.3, update_s=0.5, staleness=0)
+    assert late.starts.tolist() == pytest.approx([0.25]) and on_time.starts.tolist() == [0.0]
+    samples = 12 * 2 * 2
+    seconds = samples / predict(on_time, 0, 1).samples_per_s
+    assert predict(late, 0, 1).samples_per_s == pytest.approx(samples / (seconds + 0.25), rel=1e-6)
+
+
 def test_the_same_seed_gives_the_same_report(tmp_path):
     run = str(write_run(tmp_path / "run"))
     assert report(run, "0,2", "1,2", seed=3) == report(run, "0,2", "1,2", seed=3)
