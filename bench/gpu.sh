@@ -10,8 +10,9 @@
 #    metrics.jsonl, kept also when the step is cut by its limit (per-step times of the steps that ran);
 # 3. LearnerRank.update vs the bare loop on the Qwen2.5-0.5B shape (64 x 1,024 tokens, bf16 over fp32
 #    weights), with one profiled update of each (GPU busy time, host waits);
-# 4. the engine vs bare model.generate on the same shape (C = 64, 256, multi-turn), with and without CUDA
-#    graphs, and where its host waits for the GPU per engine step (one wait per step by design).
+# 4. the engine's attention variants, eager and replayed from a CUDA graph (bench/attention_kernels.py), then the
+#    engine vs bare model.generate on the same shape (C = 64, 256, multi-turn), with and without CUDA graphs, and
+#    where its host waits for the GPU per engine step (one wait per step by design).
 # The steps that met their targets last (README "What runs where"), so that a call cut short measures the others.
 # About 7 minutes on one H200; each step stops at its own limit or at the call's deadline (DEADLINE_S, 575 s
 # after the start), whichever comes first. Python output is unbuffered so that a step cut short still logs.
@@ -43,6 +44,8 @@ done
 step learner
 timeout -k 5 $(limit 110) python3 bench/learner_vs_torch.py --device cuda --model qwen0.5b --repeats 2 --updates 3 --profile 2>&1 \
     | grep -v -E "$quiet" | tee "$out/learner.log"
+step attention
+timeout -k 5 $(limit 45) python3 bench/attention_kernels.py --device cuda 2>&1 | tee "$out/attention.log"
 step engine
 timeout -k 5 $(limit 600) python3 bench/engine_vs_generate.py --device cuda --model qwen0.5b --concurrency 64,256 --repeats 2 \
     --old-ref '' --max-wait 0 --profile 2>&1 | grep -v -E "$quiet" | tee "$out/engine.log"

@@ -1,0 +1,107 @@
+"""The engine's attention choices, timed one against another on one device (one layer's call each).
+
+    python bench/attention_kernels.py [--device cuda]
+
+Shapes of Qwen2.5-0.5B's attention (14 query heads sharing 2 kv heads of 64): a decode step (one query per row
+over the slot cache, as `llama_forward` lays it) and a block of prompts. Variants: SDPA with grouped heads under
+the engine's backends (hf_engine.ATTENTION_BACKENDS: no cuDNN), SDPA with torch's default backends (cuDNN first
+on Hopper), SDPA over the kv heads repeated (`_expanded_sdpa`, the engine's for blocks of queries on CUDA) and the
+grouped matmuls (`_one_query_attention`, the engine's for decode). On CUDA each is also captured in a CUDA graph
+and replayed, as the engine's decode step is (decode_graphs.py). Prints ms per call and each variant's largest
+difference from the first. On an H200 (session 16) this showed why the engine's decode had lost 5x: without
+cuDNN, SDPA given a mask and grouped heads fell back to its math kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import nullcontext
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch.nn.attention import sdpa_kernel
+
+from nanoverl_async.generators.hf_engine import ATTENTION_BACKENDS
+from nanoverl_async.generators.llama_forward import _expanded_sdpa, _gqa_sdpa, _one_query_attention
+
+HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
+# (name, rows, queries per row, cache positions, attended positions), on CUDA and on the CPU
+SHAPES = {"cuda": [("decode, 256 rows", 256, 1, 512, 512), ("decode, 64 rows", 64, 1, 512, 512),
+                   ("64 prompts x 128", 64, 128, 256, 128)],
+          "cpu": [("decode, 64 rows", 64, 1, 128, 128), ("8 prompts x 32", 8, 32, 64, 32)]}
+
+
+def inputs(device: str, dtype: torch.dtype, rows: int, width: int, capacity: int, length: int):
+    """q [rows, heads, width, d] (a transposed view, as the engine's), k, v [rows, kv_heads, length, d] (views
+    of a larger cache) and the additive mask [rows, 1, width, length] of rows at random lengths."""
+    q = torch.randn(rows, width, HEADS, HEAD_DIM, device=device, dtype=dtype).transpose(1, 2)
+    cache = torch.randn(2, rows, KV_HEADS, capacity, HEAD_DIM, device=device, dtype=dtype)
+    lens = torch.randint(max(width, length // 2), length + 1, (rows,), device=device)
+    at = (lens[:, None] - width + torch.arange(width, device=device))[..., None]
+    mask = torch.where(torch.arange(length, device=device) <= at, 0.0, float("-inf")).to(dtype)[:, None]
+    return q, cache[0, ..., :length, :], cache[1, ..., :length, :], mask
+
+
+def per_call_ms(call, device: str, repeats: int = 20) -> float:
+    for _ in range(3):
+        call()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - started) / repeats * 1e3
+
+
+def replayed_ms(call) -> str:
+    """ms per replay of `call` captured in a CUDA graph, or why it could not be captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # workspaces and plans are made outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            call()
+    except RuntimeError as error:
+        return f"not captured: {str(error).splitlines()[0][:60]}"
+    return f"{per_call_ms(graph.replay, 'cuda'):.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=sorted(SHAPES))
+    device = parser.parse_args().device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    name = torch.cuda.get_device_name() if device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    table = Table(title=f"Attention per layer call, {HEADS} query heads on {KV_HEADS} kv heads of {HEAD_DIM} "
+                        f"({name}, {dtype}, torch {torch.__version__})")
+    for column in ("shape", "variant", "ms", *(["ms, replayed graph"] if device == "cuda" else []), "max |diff|"):
+        table.add_column(column, justify="right")
+    for label, rows, width, capacity, length in SHAPES[device]:
+        q, k, v, mask = inputs(device, dtype, rows, width, capacity, length)
+        variants = [("SDPA, grouped heads, engine's backends", _gqa_sdpa, ATTENTION_BACKENDS),
+                    ("SDPA, grouped heads, torch's default", _gqa_sdpa, None),
+                    ("SDPA, kv heads repeated (_expanded_sdpa)", _expanded_sdpa, ATTENTION_BACKENDS)]
+        if width == 1:
+            variants.append(("grouped matmuls (_one_query_attention)", _one_query_attention, ATTENTION_BACKENDS))
+        reference = None
+        for variant, attention, backends in variants:
+            with torch.inference_mode(), sdpa_kernel(backends) if backends else nullcontext():
+                def call():
+                    return attention(q, k, v, attn_mask=mask)
+
+                out = call().float()
+                reference = out if reference is None else reference
+                timings = [f"{per_call_ms(call, device):.3f}", *([replayed_ms(call)] if device == "cuda" else [])]
+            table.add_row(label, variant, *timings, f"{(out - reference).abs().max().item():.1e}")
+    Console(width=200).print(table)
+
+
+if __name__ == "__main__":
+    main()
