@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.nn.attention import sdpa_kernel
 
+from nanoverl_async.generators.decode_graphs import capture
 from nanoverl_async.generators.hf_engine import ATTENTION_BACKENDS
 from nanoverl_async.generators.llama_forward import _expanded_sdpa, _gqa_sdpa, _one_query_attention
 
@@ -58,16 +59,9 @@ def per_call_ms(call, device: str, repeats: int = 20) -> float:
 
 
 def replayed_ms(call) -> str:
-    """ms per replay of `call` captured in a CUDA graph, or why it could not be captured."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()  # workspaces and plans are made outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    """ms per replay of `call` captured as the engine captures its decode step, or why it could not be."""
     try:
-        with torch.cuda.graph(graph):
-            call()
+        graph, _ = capture(call)
     except RuntimeError as error:
         return f"not captured: {str(error).splitlines()[0][:60]}"
     return f"{per_call_ms(graph.replay, 'cuda'):.3f}"

@@ -23,6 +23,8 @@ tests/test_engine.py the same on the CPU with each replay emulated (`step` run a
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from nanoverl_async.generators.llama_forward import LlamaForward, Tokens
@@ -62,14 +64,20 @@ class DecodeGraphs:
         return self.forward(kv, *decoding.tensors(kv.device), head=False)
 
     def _capture(self, kv: torch.Tensor, rows: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # One eager run on a side stream first, as CUDA graphs need (library handles and workspaces are
-        # created outside the capture); it writes the same keys and values the replay will write.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.step(kv, rows, length)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.step(kv, rows, length)
-        return graph, hidden
+        # The warm-up run writes the same keys and values the replay will write.
+        return capture(lambda: self.step(kv, rows, length), self.pool)
+
+
+def capture(step: Callable[[], torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`step` captured in a CUDA graph (in `pool`) -> (the graph, the output its replays write). One eager run
+    on a side stream first, as CUDA graphs need: library handles, workspaces and plans are made outside the
+    capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = step()
+    return graph, output
