@@ -8,8 +8,9 @@ and once with two threads per role (a synchronous run leaves the other role's co
 the fairer baseline on a 2-core machine, and the headline; left out when the roles run on a GPU), then
 with the config's staleness; with
 --repeats N, N times each, interleaved (A B C C B A ...), reported as min-max. Prints wall-clock of the
-training loop, samples/s, the mean reward of the first and last 10% of steps for each, and the
-ratios. Extra key=value arguments apply to every run.
+training loop, samples/s, the learner's mean seconds per step training and waiting for a batch
+(how much of a synchronous step training is), the mean reward of the first and last 10% of steps for
+each, and the ratios (the range, and each repeat's). Extra key=value arguments apply to every run.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from nanoverl_async.launcher import launch, start_ray
 CONFIG = "configs/agent_grpo.yaml"
 
 
-def run_one(label: str, overrides: list[str]) -> dict:
-    cfg = load_config(CONFIG, overrides + [f"run.output_dir=outputs/bench/async_vs_sync/{label}", "run.overwrite=true"])
+def run_one(label: str, repeat: int, overrides: list[str]) -> dict:
+    output = f"outputs/bench/async_vs_sync/{label}-{repeat}"
+    cfg = load_config(CONFIG, overrides + [f"run.output_dir={output}", "run.overwrite=true"])
     started = time.monotonic()
     output_dir = launch(cfg)
     total = time.monotonic() - started
@@ -44,6 +46,8 @@ def run_one(label: str, overrides: list[str]) -> dict:
         "train_wall_s": train_wall,
         "total_wall_s": total,
         "samples_per_s": rows[-1]["samples/trained"] / train_wall,
+        "train_s_per_step": sum(row["time/train_s"] for row in rows) / len(rows),
+        "wait_s_per_step": sum(row["time/wait_batch_s"] for row in rows) / len(rows),
         "final_reward": sum(row["reward/mean"] for row in tail) / len(tail),
         "first_reward": sum(row["reward/mean"] for row in rows[:len(tail)]) / len(tail),
         "staleness_max_seen": max(row["staleness/max"] for row in rows),
@@ -63,11 +67,11 @@ def main(argv: list[str]) -> None:
     results = {label: [] for label in runs}
     for repeat in range(repeats):  # A B C, then C B A, ...
         for label in list(runs)[::1 if repeat % 2 == 0 else -1]:
-            results[label].append(run_one(label, extra + runs[label]))
+            results[label].append(run_one(label, repeat, extra + runs[label]))
     table = Table(title=f"async vs sync (same trained samples, same machine, one after the other; min-max over "
                         f"{repeats} run(s) each)")
-    for column in ("run", "staleness.max", "steps", "train wall s", "total wall s", "samples/s",
-                   "reward first 10%", "reward last 10%", "max staleness seen"):
+    for column in ("run", "staleness.max", "steps", "train wall s", "total wall s", "samples/s", "train s/step",
+                   "wait s/step", "reward first 10%", "reward last 10%", "max staleness seen"):
         table.add_column(column, justify="right")
 
     def span(label: str, key: str, digits: int) -> str:
@@ -77,7 +81,8 @@ def main(argv: list[str]) -> None:
 
     for label, rows in results.items():
         table.add_row(label, str(rows[0]["staleness"]), str(rows[0]["steps"]), span(label, "train_wall_s", 1),
-                      span(label, "total_wall_s", 1), span(label, "samples_per_s", 1), span(label, "first_reward", 3),
+                      span(label, "total_wall_s", 1), span(label, "samples_per_s", 1),
+                      span(label, "train_s_per_step", 2), span(label, "wait_s_per_step", 2), span(label, "first_reward", 3),
                       span(label, "final_reward", 3), str(max(r["staleness_max_seen"] for r in rows)))
     console = Console(width=200)
     console.print(table)
@@ -89,7 +94,8 @@ def main(argv: list[str]) -> None:
         rates = [r["samples_per_s"] for r in results[label]]
         ours = [r["samples_per_s"] for r in async_]
         console.print(f"async (staleness {default_eta}) vs {label} ({note}): samples/s "
-                      f"{min(ours) / max(rates):.2f}-{max(ours) / min(rates):.2f}x, final reward "
+                      f"{min(ours) / max(rates):.2f}-{max(ours) / min(rates):.2f}x (per repeat "
+                      f"{', '.join(f'{a / b:.2f}' for a, b in zip(ours, rates))}), final reward "
                       f"{span(f'async_eta{default_eta}', 'final_reward', 3)} vs {span(label, 'final_reward', 3)}")
     Path("outputs/bench/async_vs_sync/results.json").write_text(json.dumps(results, indent=2))
 
