@@ -2,7 +2,8 @@
 # Builds .dev/site.tgz: the packages the project needs that the lent GPU machines lack (Python 3.12 there,
 # nothing installable), for `bench/gpu.sh` to unpack onto PYTHONPATH. Run here, from the repository root:
 #   bash bench/gpu_kit.sh
-# then, with the device tool: run(command="bash bench/gpu.sh $OUT", carry=[".dev"], timeout_s=560).
+# then, with the device tool: run(command="STEPS=\"tests attention async\" bash bench/gpu.sh $OUT", carry=[".dev"],
+# timeout_s=600), and the other steps in a second call.
 # The versions are this venv's. transformers travels too: that image's is older than pyproject's floor.
 # Ray's Java jars, dashboard front end and libraries the project never imports (rllib, data, serve, train,
 # tune) stay behind, so that the kit and the working tree fit in the 64 MiB a call carries.
