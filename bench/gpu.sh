@@ -41,6 +41,7 @@ timeout -k 5 $(limit 45) python3 bench/attention_kernels.py --device cuda 2>&1 |
 fi
 if want async; then
 step async
+rm -rf outputs/bench/async_vs_sync  # a warm machine keeps an earlier call's runs: bring back only these
 timeout -k 5 $(limit 360) python3 bench/async_vs_sync.py model.path=bench/qwen_shape.py:qwen_body_with_tiny_tokenizer \
     model.dtype=bfloat16 learner.device=cuda generator.device=cuda learner.gpus_per_rank=0.5 \
     generator.gpus_per_replica=0.5 run.total_steps=15 agent.max_new_tokens=48 agent.max_total_tokens=192 \
