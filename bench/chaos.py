@@ -1,16 +1,17 @@
-"""Fault injection: kill the launcher (its whole process group, Ray workers included) at chosen moments of
-a checkpointing run, resume each time, and check that nothing was lost or done twice.
+"""Fault injection: SIGKILL the launcher (its process alone: nothing of the run may outlive it) at chosen
+moments of a checkpointing run, resume each time, and check that nothing was lost or done twice.
 
     python bench/chaos.py [--steps 12] [--save-every 3] [--seed 0]
 
-The default job runs `--steps` steps saving every `--save-every`. The run is SIGKILLed:
-  1. after step 1 is logged, before any checkpoint (the next launch must start fresh: run.overwrite=true);
+The default job runs `--steps` steps saving every `--save-every`; every launch, the first included, says
+only `run.resume=auto`. The launcher is SIGKILLed:
+  1. after step 1 is logged, before any checkpoint (the next launch must start afresh);
   2. while a checkpoint is being written (its `.step_N.tmp` folder exists);
   3. and 4. at a random step between two checkpoints;
   5. after the last checkpoint is committed, before `final/` is written;
-then it is resumed with `run.resume=auto` until it finishes. Printed as one table: kills, launches, and
-the checks: every step 0..steps-1 logged exactly once, every prompt trained in exactly one step, the
-final model loads with `AutoModelForCausalLM.from_pretrained`.
+then it is resumed until it finishes. Printed as one table: kills, the processes of the run still alive
+KILL_GRACE_S after each kill, launches, and the checks: every step 0..steps-1 logged exactly once, every
+prompt trained in exactly one step, the final model loads with `AutoModelForCausalLM.from_pretrained`.
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 POLL_S = 0.005  # a tiny model's checkpoint takes well under a second: poll often to catch one
 LAUNCH_TIMEOUT_S = 600
+KILL_GRACE_S = 5.0  # the run's other processes must be gone this long after the launcher was killed
 
 
-def launch(out: Path, steps: int, save_every: int, fresh: bool) -> subprocess.Popen:
+def launch(out: Path, steps: int, save_every: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "nanoverl_async.cli", "launch", "configs/agent_grpo.yaml",
                f"run.output_dir={out}", f"run.total_steps={steps}", f"run.save_every={save_every}",
-               "run.progress=false", "run.overwrite=true" if fresh else "run.resume=auto"]
+               "run.progress=false", "run.resume=auto"]
     log = (out.parent / "chaos.log").open("a")
     return subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env=dict(os.environ, RAY_AUTH_MODE="disabled"))
@@ -68,9 +70,23 @@ def wait_for(process: subprocess.Popen, condition, what: str) -> bool:
     return True
 
 
-def kill(process: subprocess.Popen) -> None:
-    os.killpg(process.pid, signal.SIGKILL)
+def kill(process: subprocess.Popen) -> int:
+    """SIGKILL the launcher alone; -> how many processes of its session outlived it by KILL_GRACE_S (then
+    they are killed, so that the next launch starts clean)."""
+    os.kill(process.pid, signal.SIGKILL)
     process.wait()
+    time.sleep(KILL_GRACE_S)
+    left = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if session_of(pid) == process.pid]
+    if left:
+        os.killpg(process.pid, signal.SIGKILL)
+    return len(left)
+
+
+def session_of(pid: int) -> int:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return -1
 
 
 def main() -> None:
@@ -97,20 +113,20 @@ def main() -> None:
                (f"at step {between[0]}", step_logged(between[0])),
                (f"at step {between[1]}", step_logged(between[1])),
                ("after the last checkpoint, before final/", lambda: (checkpoints / f"step_{last_save}").is_dir())]
-    kills, launches, report = 0, 0, []
+    kills, launches, outlived, report = 0, 0, 0, []
     started = time.monotonic()
     for what, condition in moments:
-        has_checkpoint = checkpoints.is_dir() and any(p.name.startswith("step_") for p in checkpoints.iterdir())
-        process = launch(out, args.steps, args.save_every, fresh=not has_checkpoint)
+        process = launch(out, args.steps, args.save_every)
         launches += 1
         if wait_for(process, condition, what):
-            kill(process)
-            kills += 1
-            report.append((what, f"killed; steps logged so far {sorted(set(logged_steps(out)))}"))
+            left = kill(process)
+            kills, outlived = kills + 1, outlived + left
+            report.append((what, f"killed; {left} processes of the run alive {KILL_GRACE_S:.0f} s later; steps "
+                                 f"logged so far {sorted(set(logged_steps(out)))}"))
         else:
             report.append((what, f"the run ended first (exit {process.returncode})"))
-    while not (out / "final").is_dir():  # resume until done
-        process = launch(out, args.steps, args.save_every, fresh=False)
+    while not (out / "final" / "config.json").is_file():  # resume until done
+        process = launch(out, args.steps, args.save_every)
         launches += 1
         if process.wait(timeout=LAUNCH_TIMEOUT_S) != 0:
             raise SystemExit(f"chaos: the resumed run failed (exit {process.returncode}); see {out.parent}/chaos.log")
@@ -131,8 +147,9 @@ def main() -> None:
     table.add_row("every prompt trained in exactly one step",
                   f"{len(prompts) == len(set(prompts))} ({len(set(prompts))} distinct prompts)")
     table.add_row("final model loads", f"True ({sum(p.numel() for p in model.parameters()):,} parameters)")
+    table.add_row(f"no process outlives the launcher by {KILL_GRACE_S:.0f} s", f"{outlived == 0} ({outlived} did)")
     Console(width=160).print(table)
-    if steps != list(range(args.steps)) or len(prompts) != len(set(prompts)):
+    if steps != list(range(args.steps)) or len(prompts) != len(set(prompts)) or outlived:
         raise SystemExit(1)
 
 

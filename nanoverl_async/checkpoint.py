@@ -12,7 +12,12 @@
 Invariants: a folder named `step_N` is complete. The launcher writes into `.step_N.tmp`, the controller
 writes meta.json last, and one `rename` publishes it, so a crash mid-save leaves only a `.tmp` folder,
 which the next save removes and `run.resume=auto` never picks. After each save only the newest
-`run.keep_checkpoints` folders are kept (0 = all).
+`run.keep_checkpoints` folders are kept (0 = all). `final/` is published the same way (from `.final.tmp`),
+so a run is done only when a complete final/ exists.
+
+Nothing but what a run writes is ever deleted: `run.overwrite`, and `run.resume=auto` in a folder whose
+run died before its first checkpoint, clear only RUN_ENTRIES, and refuse (deleting nothing) a folder that
+holds anything else. A failed write on a full or read-only disk ends the run naming the path (`writing`).
 
 Not saved: the generators' partial episodes (docs/design.md "Checkpoints and resume"): a resumed
 buffer re-issues every prompt that was in flight, and the generators sample it again from the restored
@@ -24,11 +29,15 @@ needs no RNG state: a prompt is a pure function of (run.seed, index) (data.py, m
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import re
 import shutil
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -37,6 +46,12 @@ from nanoverl_async.config import Config, ConfigError, RunConfig, to_dict
 META = "meta.json"
 REQUIRED_FILES = ("learner/.metadata", "buffer.msgpack")  # DCP's index of the shards; the buffer's state
 STEP_DIR = re.compile(r"step_(\d+)")
+STEP_TMP = re.compile(r"\.step_(\d+)\.tmp")
+FINAL, FINAL_TMP, FINAL_OLD = "final", ".final.tmp", ".final.old"
+# Everything a run (or `plot`, `replay` on it) writes at the top of run.output_dir; wandb/ is wandb's own.
+RUN_ENTRIES = {"config.yaml", "metrics.jsonl", "samples.jsonl", "trace.json", "plot.png", "checkpoints", "record",
+               "replay", "wandb", FINAL, FINAL_TMP, FINAL_OLD}
+LOW_DISK_BYTES = 256 << 20  # a write that failed with less free space than this is blamed on the disk
 # run.* keys a resumed run may change freely; every other key of the config is compared on resume
 RESUME_FREE_KEYS = ("run",)
 # keys that make a run another run: resuming a checkpoint written with other values is refused
@@ -69,22 +84,41 @@ def find_checkpoint(run: RunConfig) -> Optional[Path]:
 
 def open_output_dir(cfg: Config) -> Optional[Path]:
     """Make run.output_dir ready and return the checkpoint to resume from (None: a fresh run), losing no
-    earlier run: a fresh run refuses a non-empty directory unless run.overwrite clears it, and a resume
-    refuses a checkpoint of another lineage (LINEAGE_KEYS) or of a finished run."""
+    earlier run and no file of the user's: a fresh run refuses a non-empty directory unless run.overwrite
+    clears it, or run.resume=auto finds a run that died before its first checkpoint (then it starts afresh);
+    either clears only what a run writes. A resume refuses a checkpoint of another lineage (LINEAGE_KEYS)
+    or of a finished run."""
     out = Path(cfg.run.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"config key 'run.output_dir': '{out}' is a file, not a directory")
     resume_from = find_checkpoint(cfg.run)
     if resume_from is None and out.is_dir() and any(out.iterdir()):
-        if not cfg.run.overwrite:
+        died_early = cfg.run.resume == "auto" and not is_final(out / FINAL)
+        if not (cfg.run.overwrite or died_early):
             hint = "" if cfg.run.resume else "run.resume=auto to continue it, "
             raise ConfigError(f"config key 'run.output_dir': '{out}' already holds a run and no checkpoint is "
                               f"resumed; set {hint}a new run.output_dir, or run.overwrite=true to clear it")
-        shutil.rmtree(out)
+        clear_run(out)
+        if died_early:
+            print(f"run.resume=auto: no complete checkpoint in {out}; starting a fresh run", file=sys.stderr)
     if resume_from is not None:
         check_resumable(cfg, resume_from)
     out.mkdir(parents=True, exist_ok=True)
     return resume_from
+
+
+def clear_run(out: Path) -> None:
+    """Delete what a run wrote in `out`; if it holds anything else, refuse before deleting anything."""
+    foreign = [p for p in sorted(out.iterdir()) if p.name not in RUN_ENTRIES]
+    saves = out / "checkpoints"
+    if saves.is_dir() and not saves.is_symlink():
+        foreign += [p for p in sorted(saves.iterdir())
+                    if not (p.is_dir() and (STEP_DIR.fullmatch(p.name) or STEP_TMP.fullmatch(p.name)))]
+    if foreign:
+        raise ConfigError(f"config key 'run.output_dir': '{out}' holds {foreign[0]}, which no run writes; "
+                          f"nothing was deleted: choose another run.output_dir or move it away")
+    for entry in out.iterdir():
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
 
 def check_resumable(cfg: Config, resume_from: Path) -> None:
@@ -101,10 +135,78 @@ def check_resumable(cfg: Config, resume_from: Path) -> None:
         raise ConfigError(f"config key 'run.resume': checkpoint {resume_from} belongs to another run (other "
                           f"{', '.join(other)}); resume with the same values or start a new run.output_dir")
     done = meta["step"] > cfg.run.total_steps or (meta["step"] == cfg.run.total_steps
-                                                    and (Path(cfg.run.output_dir) / "final").is_dir())
+                                                    and is_final(Path(cfg.run.output_dir) / FINAL))
     if done:
         raise ConfigError(f"config key 'run.total_steps': {cfg.run.total_steps} steps are already done by the "
                           f"checkpoint {resume_from} (step {meta['step']}); raise run.total_steps")
+
+
+def is_final(path: Path) -> bool:
+    """A complete final/: published by `publish_final`, with the model's config and weights."""
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def publish_final(output_dir: str | Path, write) -> Path:
+    """`write(folder)` the final model into `.final.tmp`, then rename it into place as final/ (the rename
+    is the commit: an earlier run's final/ is replaced only once the new one is whole)."""
+    out = Path(output_dir)
+    tmp, final, old = out / FINAL_TMP, out / FINAL, out / FINAL_OLD
+    for leftover in (tmp, old):
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    write(tmp)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
+    return final
+
+
+class WriteFailed(RuntimeError):
+    """The disk refused a write of the run's (full, read-only, or no permission); the message names it."""
+
+
+@contextmanager
+def writing(what: str, path: Path):
+    """A write that fails on a full disk or without permission ends the run in one line naming `what` and
+    where, not in a storage library's internals (DCP's 'unexpected pos'): WriteFailed."""
+    try:
+        yield
+    except (WriteFailed, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # DCP's CheckpointException is a BaseException
+        reason = disk_problem(error, path)
+        if reason is None:
+            raise
+        where = getattr(error, "filename", None) or path
+        raise WriteFailed(f"could not write {what} to {where}: {reason}") from error
+
+
+def disk_problem(error: BaseException, path: Path) -> Optional[str]:
+    """Why the disk at `path` refused a write, from the error (or its causes) or the disk itself; None if
+    the disk looks fine. A role's error reaches the controller as text, without its errno: hence the text
+    and the free space are read too."""
+    while error is not None:
+        code, text = getattr(error, "errno", None), str(error)
+        if code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in text:
+            code = errno.ENOSPC
+        if code in (errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EROFS):
+            return f"{os.strerror(code)} ({free_space(path)})"
+        if "Permission denied" in text or "Read-only file system" in text:
+            return text.strip().splitlines()[-1]
+        error = error.__cause__ or error.__context__
+    if free_bytes(path) < LOW_DISK_BYTES:
+        return f"the disk is (nearly) full ({free_space(path)})"
+    return None
+
+
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
+
+
+def free_space(path: Path) -> str:
+    return f"{free_bytes(path) / 2**20:.0f} MiB free on its disk"
 
 
 def read_meta(path: Path) -> dict:

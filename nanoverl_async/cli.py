@@ -57,18 +57,23 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         return config_error(error)
 
+    from nanoverl_async.checkpoint import WriteFailed
     from nanoverl_async.launcher import RunFailed, launch  # heavy imports (torch, ray) only when launching
+    from nanoverl_async.reaper import Reaper
 
+    watcher = Reaper()  # if this process is killed, it ends every process the run started (reaper.py)
     try:
         launch(cfg)  # checks files, user code and the output directory before anything starts
     except ConfigError as error:
         return config_error(error)
-    except RunFailed as error:
+    except (RunFailed, WriteFailed) as error:
         print(f"nanoverl-async: run failed: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("nanoverl-async: interrupted", file=sys.stderr)
         return 130
+    finally:
+        watcher.release()
     return 0
 
 

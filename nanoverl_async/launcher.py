@@ -66,9 +66,10 @@ def launch(cfg: Config) -> Path:
                            log_samples=cfg.run.log_samples, print_sample_every=cfg.run.print_sample_every)
     trace = PipelineTrace(output_dir, roles.traced(), start) if cfg.run.trace else None  # trace.json (trace.py)
     try:
-        train(cfg, roles, logger, start, trace)
-        with roles.failures("learner pool"):
-            roles.learners.save_pretrained(str(output_dir / "final"))
+        with checkpoint.writing("the run's files", output_dir):  # a full disk names itself
+            train(cfg, roles, logger, start, trace)
+        with checkpoint.writing("the final model", output_dir / checkpoint.FINAL), roles.failures("learner pool"):
+            checkpoint.publish_final(output_dir, lambda folder: roles.learners.save_pretrained(str(folder)))
     finally:
         if trace:
             trace.close()
@@ -115,13 +116,14 @@ def maybe_checkpoint(cfg: Config, roles: "Roles", version: int) -> None:
     if not cfg.run.save_every or version % cfg.run.save_every:
         return
     folder = checkpoint.begin(cfg.run.output_dir, version)
-    with roles.failures("learner pool"):
-        roles.learners.save_checkpoint(str(folder / "learner"))
-    with roles.failures("buffer"):  # generators keep streaming: the buffer's state is a cut taken under its lock
-        state, counters = ray.get(roles.buffer.state.remote(version), timeout=cfg.run.step_timeout_s)
-    (folder / "buffer.msgpack").write_bytes(state)  # here, not on the buffer's node: no shared disk assumed
-    written_on = {"learner": roles.learners.nodes, "buffer and meta": ray.util.get_node_ip_address()}
-    checkpoint.commit(folder, checkpoint.make_meta(cfg, version, counters, written_on), cfg.run.keep_checkpoints)
+    with checkpoint.writing(f"checkpoint step_{version}", folder):
+        with roles.failures("learner pool"):
+            roles.learners.save_checkpoint(str(folder / "learner"))
+        with roles.failures("buffer"):  # generators keep streaming: the buffer's state is a cut taken under its lock
+            state, counters = ray.get(roles.buffer.state.remote(version), timeout=cfg.run.step_timeout_s)
+        (folder / "buffer.msgpack").write_bytes(state)  # here, not on the buffer's node: no shared disk assumed
+        written_on = {"learner": roles.learners.nodes, "buffer and meta": ray.util.get_node_ip_address()}
+        checkpoint.commit(folder, checkpoint.make_meta(cfg, version, counters, written_on), cfg.run.keep_checkpoints)
 
 
 def warn_config_changes(cfg: Config, resume_from: Path) -> None:

@@ -292,10 +292,119 @@ def test_resume_finishes_a_run_that_died_before_final(tmp_path):
     writes final/ (zero steps to train); once final/ exists the run is done."""
     saved_run(tmp_path, 4)
     assert checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=4"))
-    (tmp_path / "final").mkdir()
+    (tmp_path / "final").mkdir()  # a final/ without its model (an older version wrote it in place) is not done
+    assert checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=4"))
+    checkpoint.publish_final(tmp_path, write_final_files)
     with pytest.raises(ConfigError, match=r"run\.total_steps.*already done"):
         checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=4"))
     with pytest.raises(ConfigError, match=r"run\.total_steps.*already done"):
         checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=3"))
 
 
+
+
+def write_final_files(folder):
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"x")
+
+
+def test_auto_resumes_the_newest_step_by_number_not_by_name(tmp_path):
+    for step in (9, 10):
+        fake_save(tmp_path, step, keep=0)
+    assert checkpoint.find_checkpoint(RunConfig(output_dir=str(tmp_path), resume="auto")) \
+        == tmp_path / "checkpoints" / "step_10"
+
+
+def test_overwrite_refuses_a_folder_that_holds_the_users_files_and_deletes_nothing(tmp_path):
+    (tmp_path / "thesis.txt").write_text("years of work")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "data.csv").write_text("1,2")
+    with pytest.raises(ConfigError, match=r"run\.output_dir.*holds .*sub.*which no run writes.*nothing was deleted"):
+        checkpoint.open_output_dir(launch_config(tmp_path, "run.overwrite=true"))
+    assert (tmp_path / "thesis.txt").read_text() == "years of work"
+    assert (tmp_path / "sub" / "data.csv").read_text() == "1,2"
+
+
+def test_overwrite_clears_exactly_what_a_run_wrote(tmp_path):
+    saved_run(tmp_path, 4)
+    checkpoint.begin(str(tmp_path), 6)  # a save that died
+    checkpoint.publish_final(tmp_path, write_final_files)
+    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "trace.json"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "checkpoints" / "notes.txt").write_text("mine")  # one file of the user's, deep inside
+    with pytest.raises(ConfigError, match=r"notes\.txt, which no run writes"):
+        checkpoint.open_output_dir(launch_config(tmp_path, "run.overwrite=true"))
+    assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "final" / "config.json").exists()
+    (tmp_path / "checkpoints" / "notes.txt").unlink()
+    outside = tmp_path.parent / f"{tmp_path.name}-kept"
+    outside.mkdir()
+    (outside / "kept.txt").write_text("x")
+    (tmp_path / "record").symlink_to(outside)  # a link is removed, never what it points to
+    assert checkpoint.open_output_dir(launch_config(tmp_path, "run.overwrite=true")) is None
+    assert list(tmp_path.iterdir()) == [] and (outside / "kept.txt").exists()
+
+
+def test_auto_starts_afresh_after_a_crash_before_the_first_checkpoint(tmp_path, capsys):
+    """A kill during the first checkpoint write leaves config.yaml, metrics.jsonl and a .tmp save:
+    run.resume=auto is a fresh run there ("a fresh run if there is none"), clearing only the run's files."""
+    (tmp_path / "config.yaml").write_text("x")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    checkpoint.begin(str(tmp_path), 2)
+    assert checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto")) is None
+    assert list(tmp_path.iterdir()) == []
+    assert "no complete checkpoint" in capsys.readouterr().err
+    (tmp_path / "thesis.txt").write_text("x")  # not a run's folder: refused as with overwrite
+    with pytest.raises(ConfigError, match=r"thesis\.txt, which no run writes"):
+        checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto"))
+    (tmp_path / "thesis.txt").unlink()
+    checkpoint.publish_final(tmp_path, write_final_files)  # a finished run without checkpoints is kept
+    with pytest.raises(ConfigError, match=r"already holds a run"):
+        checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto"))
+    assert checkpoint.is_final(tmp_path / "final")
+
+
+def test_final_is_published_whole_or_not_at_all(tmp_path):
+    checkpoint.publish_final(tmp_path, write_final_files)
+
+    def dies_midway(folder):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+        raise OSError("killed")
+
+    with pytest.raises(OSError):
+        checkpoint.publish_final(tmp_path, dies_midway)
+    assert checkpoint.is_final(tmp_path / "final")  # the earlier final/ is intact
+    assert not checkpoint.is_final(tmp_path / checkpoint.FINAL_TMP)
+    checkpoint.publish_final(tmp_path, write_final_files)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+@pytest.mark.parametrize("error, reason", [
+    (OSError(28, "No space left on device", "/out/metrics.jsonl"), r"/out/metrics\.jsonl: No space left on device"),
+    (OSError(13, "Permission denied", "/out/final"), r"/out/final: Permission denied"),
+    (RuntimeError("learner pool: RayTaskError: ... OSError: [Errno 28] No space left on device"), r".*: No space left on device"),
+])
+def test_a_refused_write_names_what_and_where(tmp_path, error, reason):
+    with pytest.raises(checkpoint.WriteFailed, match=r"could not write the run's files to " + reason):
+        with checkpoint.writing("the run's files", tmp_path):
+            raise error
+    with pytest.raises(ValueError):  # not the disk's fault: the error passes unchanged
+        with checkpoint.writing("the run's files", tmp_path):
+            raise ValueError("a bug")
+
+
+def test_a_full_disk_during_a_checkpoint_write_says_so(tmp_path):
+    """A real full disk (a 1 MiB tmpfs): DCP's own error is 'unexpected pos 704 vs 598'."""
+    import subprocess
+    import torch.distributed.checkpoint as dcp
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        with pytest.raises(checkpoint.WriteFailed, match=r"checkpoint step_2 to .*disk/step_2.*full \(0 MiB free"):
+            with checkpoint.writing("checkpoint step_2", disk / "step_2"):
+                dcp.save({"w": torch.zeros(1 << 20)}, checkpoint_id=str(disk / "step_2"))
+    finally:
+        subprocess.run(["umount", str(disk)])
