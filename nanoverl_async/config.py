@@ -73,6 +73,10 @@ class AgentConfig:
     max_total_tokens: int = 96  # prompt + every turn; the episode ends when it is reached
     tool_timeout_s: float = 5.0  # a tool call running longer becomes an error observation
     max_tool_calls: int = 8  # tool calls per episode; one more ends it ("max_tool_calls", reward 0)
+    # how the `python` tool (sandbox.py) isolates model-written code: bwrap (bubblewrap; refused where it is
+    # missing) | unsafe_no_isolation (only rlimits and a wall clock: the code can read, write and connect
+    # as this user)
+    sandbox: str = "bwrap"
     # the environment: builtin:multiply | builtin:chat | pkg.module:Name | path/file.py:Name;
     # "" = builtin:chat when data.train_files is set, else builtin:multiply
     env: str = ""

@@ -1,4 +1,4 @@
-"""A sandboxed Python tool: run untrusted code in a killable subprocess with hard limits.
+"""A sandboxed Python tool: run model-written code under OS isolation (bubblewrap), with hard limits.
 
     from nanoverl_async.sandbox import python          # a tool: async def python(code: str) -> str
     class MyEnv(Environment):
@@ -6,25 +6,36 @@
 
     result = await run_python("print(2**10)", SandboxLimits(cpu_s=2, wall_s=5))   # SandboxResult
 
-What confines the child (Linux; each step is best effort where the platform refuses it, see `applied`):
-  - resource rlimits set before exec: CPU seconds (RLIMIT_CPU, then SIGKILL), address space
-    (RLIMIT_AS: a huge allocation raises MemoryError), file size (RLIMIT_FSIZE), open files, no core
-    dumps, and processes (RLIMIT_NPROC);
-  - no network: a fresh network namespace (unshare(CLONE_NEWNET), only loopback, down), as root or
-    through an unprivileged user namespace; where neither is allowed, an audit hook in the child
-    refuses socket creation (best effort: Python code can be stopped that way, native code cannot);
-  - when started as root the child drops to uid/gid 65534 (nobody), so RLIMIT_NPROC is enforced (the
-    kernel ignores it for root), if nobody can run the interpreter (a Python under /root cannot: then
-    the child stays root, `applied` lacks "nobody"; set `interpreter`, e.g. /usr/bin/python3); an
-    audit hook refuses fork/exec/spawn from Python code in every case;
-  - wall clock: the whole process group is killed at `wall_s`;
-  - a fresh empty working directory, `python -I` (no user site, no PYTHONPATH), a minimal environment;
-  - stdout+stderr are cut to `max_output_chars` (head and tail kept).
+What confines the code (isolation "bwrap", the default; `agent.sandbox` in the config):
+  - bubblewrap (`bwrap`, Debian package bubblewrap) puts it in fresh user, PID, network, IPC, UTS and
+    mount namespaces, in a new session (no TIOCSTI into our terminal), with no capabilities and
+    no_new_privs (setuid binaries do not raise it);
+  - it runs as uid/gid 65534 on the kernel's side too: started as root, bwrap joins a user namespace
+    made once per process that maps only 0 (bwrap's own mount setup) and 65534, and `setpriv` drops to
+    65534 before the interpreter starts; started as another user, the code runs as that user mapped to
+    65534. So RLIMIT_NPROC holds (the kernel never applies it to uid 0), counted per user namespace:
+    concurrent calls of one process share the `max_processes` count;
+  - it sees a read-only /usr (and the /bin, /lib* beside it), /etc/ld.so.cache and this Python's prefix
+    and base prefix (a venv's site-packages with it), nothing else of the host: no home, no /root, no
+    /etc/shadow, no /work; a private size-capped tmpfs is /tmp and the working directory, the rest of the
+    root is read-only; a fresh /proc shows only the sandbox's processes, /dev only null, zero, random..;
+  - no network: a network namespace with only its own loopback (host ports and abstract sockets unreachable);
+  - rlimits set by the interpreter before it reads the code (RUNNER): CPU seconds (SIGXCPU at `cpu_s`,
+    SIGKILL a second later), address space (a huge allocation raises MemoryError), file size, open files,
+    processes, no core dumps; a wall clock: bwrap is killed at `wall_s` and, being PID 1's parent
+    (--die-with-parent), takes the whole PID namespace with it; when the code's main process exits, bwrap
+    exits too and the kernel kills whatever it left running.
+  Not filtered (no seccomp): system calls as such; the code may make a nested user namespace of its own,
+  which gives it nothing outside the sandbox (the mounts stay locked read-only).
+Where bubblewrap is missing or cannot create namespaces (probed once per process), `run_python` refuses
+with SandboxUnavailable, one line saying what to install, unless the isolation is "unsafe_no_isolation":
+then only the rlimits, the wall clock (on the process group) and a temporary working directory apply;
+the code runs as this user and can read, write and connect to whatever this user can.
 
 Invariants: `run_python` never raises for anything the code does (infinite loop, huge allocation, fork
-bomb, network attempt, crash): it returns a SandboxResult whose `error` says what happened, within
-about `wall_s` seconds, and leaves no process behind. Not a security boundary against a determined
-attacker (no seccomp): it contains mistakes and runaway RL samples.
+bomb, escape attempt, crash): it returns a SandboxResult whose `error` says what happened, within about
+`wall_s` seconds, and leaves no process behind. stdout+stderr are cut to `max_output_chars` (head and
+tail kept).
 
 Run alone: `python -m pytest tests/test_sandbox.py -q`.
 """
@@ -33,40 +44,52 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
+import functools
 import os
-import resource
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
-CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
+ISOLATIONS = ("bwrap", "unsafe_no_isolation")
+BWRAP = "bwrap"  # looked up on PATH
 NOBODY = 65534
+CLONE_NEWUSER = 0x10000000
+NAMESPACES = ("--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+              "--die-with-parent", "--new-session")
+ENVIRONMENT = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONIOENCODING": "utf-8", "LANG": "C.UTF-8"}
 
-# Runs in the child before the user's code (read from stdin): refuse what the rlimits cannot stop.
-PRELUDE = r"""
-import sys
-def _guard(event, args, _blocked=%(blocked)r):
-    if event in _blocked or (event == "socket.__new__" and %(block_sockets)r):
-        raise PermissionError(f"sandbox: {event} is not allowed")
-sys.addaudithook(_guard)
-del _guard
+# The interpreter's first code: set the rlimits (argv: NAME=soft:hard), then run the program from stdin.
+# In the interpreter, not before exec, so that bwrap's own processes do not count towards RLIMIT_NPROC.
+RUNNER = """import resource, sys
+for limit in sys.argv[1:]:
+    name, values = limit.split("=")
+    resource.setrlimit(getattr(resource, name), tuple(map(int, values.split(":"))))
+del sys.argv[1:], limit, name, values
+exec(compile(sys.stdin.read(), "<code>", "exec"), {"__name__": "__main__"})
 """
-BLOCKED_EVENTS = ("os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
-                  "subprocess.Popen", "os.kill", "os.killpg", "ctypes.dlopen")
+
+
+class SandboxUnavailable(RuntimeError):
+    """Isolation was asked for and this machine cannot provide it (the message says what to install)."""
 
 
 @dataclass
 class SandboxLimits:
-    cpu_s: int = 5  # CPU seconds (RLIMIT_CPU)
-    wall_s: float = 10.0  # wall clock, then the process group is killed
+    cpu_s: int = 5  # CPU seconds (RLIMIT_CPU: SIGXCPU, SIGKILL one second later)
+    wall_s: float = 10.0  # wall clock, then the sandbox is killed
     memory_mb: int = 512  # address space (RLIMIT_AS)
     file_mb: int = 16  # largest file the code may write (RLIMIT_FSIZE)
-    max_processes: int = 64  # RLIMIT_NPROC for the sandbox user (enforced when not root)
+    tmp_mb: int = 64  # size of the private /tmp (bwrap)
+    # RLIMIT_NPROC: uid 65534's processes in the sandbox's user namespace (as root: the interpreter and its
+    # children, shared by concurrent calls of this process; as another user: also bwrap's PID 1)
+    max_processes: int = 64
     max_output_chars: int = 4000  # stdout+stderr beyond this is cut
-    interpreter: str = ""  # the Python that runs the code; "" = this one (sys.executable)
+    isolation: str = "bwrap"  # bwrap | unsafe_no_isolation (no isolation: only rlimits and the wall clock)
 
 
 @dataclass
@@ -74,79 +97,149 @@ class SandboxResult:
     output: str  # stdout and stderr interleaved, truncated
     returncode: Optional[int]
     error: Optional[str]  # None on success; "timeout", "cpu time limit", "exit code 1", ...
-    applied: list = field(default_factory=list)  # which confinements took effect (for logs and tests)
+    isolation: str = "bwrap"
 
     def observation(self) -> str:
         return self.output if self.error is None else f"error: {self.error}\n{self.output}".rstrip()
 
 
-def _unshare_network() -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWNET) == 0:
-        return True
-    return os.geteuid() != 0 and libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0
+TOOL_LIMITS = SandboxLimits()  # what the `python` tool runs under
 
 
-def _world_executable(path: str) -> bool:
-    """Whether uid nobody can run `path`: the file and every folder above it are o+x."""
-    path = os.path.realpath(path)
-    parts = [path] + [os.path.dirname(path)]
-    while parts[-1] != os.path.dirname(parts[-1]):
-        parts.append(os.path.dirname(parts[-1]))
-    return all(os.stat(p).st_mode & 0o001 for p in parts)
+def set_isolation(isolation: str) -> None:
+    """The `python` tool's isolation in this process (the run's `agent.sandbox`)."""
+    global TOOL_LIMITS
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"sandbox isolation must be one of {ISOLATIONS}, got {isolation!r}")
+    TOOL_LIMITS = dataclasses.replace(TOOL_LIMITS, isolation=isolation)
 
 
-def _confine(limits: SandboxLimits, workdir: str, report_fd: int, drop_user: bool) -> None:
-    """Runs in the child between fork and exec (preexec_fn): namespaces, rlimits, user."""
-    applied = []
+def refusal(why: str) -> str:
+    return (f"sandbox: {why}; install bubblewrap (apt-get install bubblewrap) on a kernel that allows user "
+            f"namespaces, or set agent.sandbox=unsafe_no_isolation to run model-written code without isolation")
+
+
+@dataclass(frozen=True)
+class _Bwrap:
+    args: tuple  # bwrap and its arguments that do not depend on the limits
+    fds: tuple  # file descriptors they name (the user namespace, as root)
+    drop: tuple  # command prefix that becomes uid 65534 (as root: setpriv)
+
+
+@functools.lru_cache(maxsize=None)
+def _bwrap() -> Union[_Bwrap, str]:
+    """How to start a sandbox here, found once per process; a str says why there is none."""
+    path = shutil.which(BWRAP)
+    if path is None:
+        return f"bubblewrap ({BWRAP}) is not installed"
+    if os.geteuid() != 0:
+        sandbox = _Bwrap((path, "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY)), (), ())
+    else:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            return "setpriv (util-linux) is not installed"
+        try:
+            userns = _user_namespace()
+        except (OSError, subprocess.SubprocessError) as error:
+            return f"cannot create a user namespace ({error})"
+        sandbox = _Bwrap((path, "--userns", str(userns)), (userns,),
+                         (setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
+                          "--bounding-set=-all", "--"))
+    sandbox = dataclasses.replace(sandbox, args=sandbox.args + NAMESPACES + _filesystem())
     try:
-        if _unshare_network():
-            applied.append("netns")
-    except OSError:
-        pass
-    cpu = limits.cpu_s
-    for name, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_AS, (limits.memory_mb << 20,) * 2),
-                        (resource.RLIMIT_FSIZE, (limits.file_mb << 20,) * 2), (resource.RLIMIT_CORE, (0, 0)),
-                        (resource.RLIMIT_NOFILE, (64, 64)), (resource.RLIMIT_NPROC, (limits.max_processes,) * 2)):
-        resource.setrlimit(name, value)
-    applied.append("rlimits")
-    if drop_user:
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
-        applied.append("nobody")
-    os.chdir(workdir)
-    os.write(report_fd, ",".join(applied).encode())
-    os.close(report_fd)
+        probe = subprocess.run([*_argv(sandbox, SandboxLimits()), "/bin/true"], pass_fds=sandbox.fds,
+                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"bubblewrap cannot run ({error})"
+    if probe.returncode != 0:
+        return f"bubblewrap cannot isolate here ({(probe.stderr.strip() or 'no message').splitlines()[-1]})"
+    return sandbox
 
 
-async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Run `code` with `python -I` under the limits above -> SandboxResult (never raises for the code)."""
-    workdir = tempfile.mkdtemp(prefix="nanoverl_sandbox_")
-    interpreter = limits.interpreter or sys.executable
-    drop_user = os.geteuid() == 0 and _world_executable(interpreter)
-    if drop_user:
-        os.chown(workdir, NOBODY, NOBODY)
-    read_fd, write_fd = os.pipe()
+def _user_namespace() -> int:
+    """(As root) a user namespace mapping only 0 and 65534, as an fd bwrap joins: bwrap mounts as its 0,
+    which may read a root-only folder above the interpreter; the code then runs as 65534, which is not root
+    on the host. Made once: one per call would cost a fork of this (possibly large) process."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def unshare() -> None:
+        if libc.unshare(CLONE_NEWUSER) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER)")
+
+    holder = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, preexec_fn=unshare)
+    try:
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{holder.pid}/{name}", "w") as ids:
+                ids.write(f"0 0 1\n{NOBODY} {NOBODY} 1\n")
+        return os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        holder.communicate(b"")
+
+
+def _filesystem() -> tuple:
+    """Read-only binds of what the interpreter needs: /usr, the /bin and /lib* beside it, the loader's
+    cache, this Python's prefixes (the folders above them readable: the real ones, e.g. /root, may not be)."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(name):
+            args += ["--symlink", os.readlink(name), name]
+        elif os.path.isdir(name):
+            args += ["--ro-bind", name, name]
+    args += [*_parents("/etc/ld.so.cache"), "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    for prefix in sorted({sys.base_prefix, sys.prefix}):
+        if prefix != "/usr" and not prefix.startswith("/usr/"):
+            args += [*_parents(prefix), "--ro-bind", prefix, prefix]
+    return tuple(args + ["--proc", "/proc", "--dev", "/dev", "--clearenv"]
+                 + [arg for key, value in ENVIRONMENT.items() for arg in ("--setenv", key, value)])
+
+
+def _parents(path: str) -> list:
+    """bwrap arguments that make `path`'s folders 0755 (bwrap would make them 0700: nobody could look in)."""
+    folders = [os.path.dirname(path)]
+    while folders[-1] != "/":
+        folders.append(os.path.dirname(folders[-1]))
+    return [arg for folder in reversed(folders[:-1]) for arg in ("--dir", folder)]
+
+
+def _argv(sandbox: _Bwrap, limits: SandboxLimits) -> list:
+    """bwrap's command line up to the program: the private /tmp, the read-only root, the drop to 65534."""
+    return [*sandbox.args, "--perms", "1777", "--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp",
+            "--remount-ro", "/", "--chdir", "/tmp", "--", *sandbox.drop]
+
+
+def _rlimits(limits: SandboxLimits) -> list:
+    cpu, memory, files = limits.cpu_s, limits.memory_mb << 20, limits.file_mb << 20
+    return [f"RLIMIT_CPU={cpu}:{cpu + 1}", f"RLIMIT_AS={memory}:{memory}", f"RLIMIT_FSIZE={files}:{files}",
+            f"RLIMIT_NPROC={limits.max_processes}:{limits.max_processes}", "RLIMIT_NOFILE=64:64", "RLIMIT_CORE=0:0"]
+
+
+async def run_python(code: str, limits: Optional[SandboxLimits] = None) -> SandboxResult:
+    """Run `code` isolated under `limits` (default: the tool's) -> SandboxResult (never raises for the code;
+    raises SandboxUnavailable when isolation is asked for and missing)."""
+    limits = limits or TOOL_LIMITS
+    if limits.isolation not in ISOLATIONS:
+        raise ValueError(f"sandbox isolation must be one of {ISOLATIONS}, got {limits.isolation!r}")
+    interpreter = [sys.executable, "-I", "-c", RUNNER, *_rlimits(limits)]
+    workdir, fds = None, ()
+    if limits.isolation == "bwrap":
+        sandbox = _bwrap()
+        if isinstance(sandbox, str):
+            raise SandboxUnavailable(refusal(sandbox))
+        argv, fds = _argv(sandbox, limits) + interpreter, sandbox.fds
+    else:
+        argv, workdir = interpreter, tempfile.mkdtemp(prefix="nanoverl_sandbox_")
     try:
         process = await asyncio.create_subprocess_exec(
-            interpreter, "-I", "-", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, start_new_session=True, pass_fds=(write_fd,), cwd="/",
-            env={"PATH": "/usr/bin:/bin", "PYTHONIOENCODING": "utf-8"},
-            preexec_fn=lambda: _confine(limits, workdir, write_fd, drop_user))
-        os.close(write_fd)
-        write_fd = -1
-        applied = os.read(read_fd, 256).decode().split(",")
-        prelude = PRELUDE % {"blocked": BLOCKED_EVENTS, "block_sockets": "netns" not in applied}
-        return await _communicate(process, prelude + code, limits, applied)
+            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True, pass_fds=fds, cwd=workdir or "/", env=ENVIRONMENT)
+        result = await _communicate(process, code, limits)
     finally:
-        os.close(read_fd)
-        if write_fd >= 0:
-            os.close(write_fd)
-        shutil.rmtree(workdir, ignore_errors=True)
+        if workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return dataclasses.replace(result, isolation=limits.isolation)
 
 
-async def _communicate(process, source: str, limits: SandboxLimits, applied: list) -> SandboxResult:
+async def _communicate(process, source: str, limits: SandboxLimits) -> SandboxResult:
     async def read_all() -> bytes:
         process.stdin.write(source.encode())
         await process.stdin.drain()
@@ -165,7 +258,7 @@ async def _communicate(process, source: str, limits: SandboxLimits, applied: lis
     except (asyncio.TimeoutError, BrokenPipeError, ConnectionResetError) as exc:
         raw, error = b"", "timeout" if isinstance(exc, asyncio.TimeoutError) else "the process closed its input"
     finally:
-        _kill_group(process.pid)
+        _kill_group(process.pid)  # bwrap (PID 1's parent: the sandbox goes with it) or the unisolated group
         await process.wait()
     output = raw.decode("utf-8", errors="replace")
     if len(output) > limits.max_output_chars:  # keep the head and the tail (where the error is)
@@ -173,9 +266,16 @@ async def _communicate(process, source: str, limits: SandboxLimits, applied: lis
         output = f"{output[:half]}\n... ({len(output) - 2 * half} chars cut) ...\n{output[-half:]}"
     code = process.returncode
     if error is None and code != 0:
-        error = "cpu time limit" if code in (-signal.SIGXCPU, -signal.SIGKILL) else (
-            f"killed by signal {-code}" if code < 0 else f"exit code {code}")
-    return SandboxResult(output, code, error, applied)
+        error = _exit_reason(code, bwrap=limits.isolation == "bwrap")
+    return SandboxResult(output, code, error)
+
+
+def _exit_reason(code: int, bwrap: bool) -> str:
+    """bwrap reports a signal s as exit code 128 + s; a plain child as -s."""
+    signum = -code if code < 0 else code - 128 if bwrap and code > 128 else 0
+    if signum in (signal.SIGXCPU, signal.SIGKILL):  # SIGKILL: the hard CPU limit, SIGXCPU ignored
+        return "cpu time limit"
+    return f"killed by signal {signum}" if signum else f"exit code {code}"
 
 
 def _kill_group(pid: int) -> None:

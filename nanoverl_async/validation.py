@@ -62,6 +62,7 @@ def choices() -> dict[str, Any]:
         "weight_sync.mode": ("interrupt", "drain"),
         "generator.sglang.weight_transport": ("disk", "nccl"),
         "generator.sglang.pause_mode": ("abort", "retract"),
+        "agent.sandbox": ("bwrap", "unsafe_no_isolation"),
     }
 
 

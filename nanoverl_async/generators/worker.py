@@ -38,6 +38,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from nanoverl_async import sandbox
 from nanoverl_async.config import Config, GeneratorConfig
 from nanoverl_async.env import env_factory
 from nanoverl_async.models import load_tokenizer, resolve_model_path
@@ -68,6 +69,7 @@ class GeneratorWorker:
         self.group_size = cfg.data.samples_per_prompt
         # One environment per episode: `env` (a no-argument factory) or agent.env (filled in by preflight.py).
         self.make_env = env or env_factory(cfg.agent.env, load_reward(cfg.reward.path, cfg.reward.name))
+        sandbox.set_isolation(cfg.agent.sandbox)  # the `python` tool runs in this process
         self.tokenizer = tokenizer or load_tokenizer(model_path)
         if engine is None:  # generator.engine picks it: transformers or sglang (make_engine below)
             engine = make_engine(cfg.generator, model_path, generator_id=generator_id, seed=cfg.run.seed,
