@@ -3,7 +3,8 @@
     python bench/attention_kernels.py [--device cuda]
 
 Shapes of Qwen2.5-0.5B's attention (14 query heads sharing 2 kv heads of 64): a decode step (one query per row
-over the slot cache, as `llama_forward` lays it) and a block of prompts. Variants: SDPA with grouped heads under
+over its blocks of the paged cache, gathered through a block table as `llama_forward` does: the gather is in
+every variant's time, and timed alone) and a span of prompts. Variants: SDPA with grouped heads under
 the engine's backends (hf_engine.ATTENTION_BACKENDS: no cuDNN), SDPA with torch's default backends (cuDNN first
 on Hopper), SDPA over the kv heads repeated (`_expanded_sdpa`, the engine's for blocks of queries on CUDA) and the
 grouped matmuls (`_one_query_attention`, the engine's for decode). On CUDA each is also captured in a CUDA graph
@@ -28,21 +29,30 @@ from nanoverl_async.generators.hf_engine import ATTENTION_BACKENDS
 from nanoverl_async.generators.llama_forward import _expanded_sdpa, _gqa_sdpa, _one_query_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
-# (name, rows, queries per row, cache positions, attended positions), on CUDA and on the CPU
-SHAPES = {"cuda": [("decode, 256 rows", 256, 1, 512, 512), ("decode, 64 rows", 64, 1, 512, 512),
-                   ("64 prompts x 128", 64, 128, 256, 128)],
-          "cpu": [("decode, 64 rows", 64, 1, 128, 128), ("8 prompts x 32", 8, 32, 64, 32)]}
+BLOCK = 16  # positions per KV block (generator.kv_block_size's default)
+# (name, rows, queries per row, attended positions), on CUDA and on the CPU
+SHAPES = {"cuda": [("decode, 256 rows x 512", 256, 1, 512), ("decode, 64 rows x 8k", 64, 1, 8192),
+                   ("64 prompts x 128", 64, 128, 128)],
+          "cpu": [("decode, 64 rows x 128", 64, 1, 128), ("8 prompts x 32", 8, 32, 32)]}
 
 
-def inputs(device: str, dtype: torch.dtype, rows: int, width: int, capacity: int, length: int):
-    """q [rows, heads, width, d] (a transposed view, as the engine's), k, v [rows, kv_heads, length, d] (views
-    of a larger cache) and the additive mask [rows, 1, width, length] of rows at random lengths."""
+def inputs(device: str, dtype: torch.dtype, rows: int, width: int, length: int):
+    """q [rows, heads, width, d] (a transposed view, as the engine's), the pool [k|v, kv_heads, blocks, BLOCK, d]
+    (twice the blocks the rows hold), the rows' blocks (a random block table, flat) and the additive mask
+    [rows, 1, width, length] of rows at random lengths."""
     q = torch.randn(rows, width, HEADS, HEAD_DIM, device=device, dtype=dtype).transpose(1, 2)
-    cache = torch.randn(2, rows, KV_HEADS, capacity, HEAD_DIM, device=device, dtype=dtype)
+    columns = -(-length // BLOCK)
+    pool = torch.randn(2, KV_HEADS, 2 * rows * columns, BLOCK, HEAD_DIM, device=device, dtype=dtype)
+    table = torch.randperm(2 * rows * columns, device=device)[: rows * columns]
     lens = torch.randint(max(width, length // 2), length + 1, (rows,), device=device)
     at = (lens[:, None] - width + torch.arange(width, device=device))[..., None]
-    mask = torch.where(torch.arange(length, device=device) <= at, 0.0, float("-inf")).to(dtype)[:, None]
-    return q, cache[0, ..., :length, :], cache[1, ..., :length, :], mask
+    mask = torch.where(torch.arange(columns * BLOCK, device=device) <= at, 0.0, float("-inf")).to(dtype)[:, None]
+    return q, pool, table, mask
+
+
+def gathered(pool: torch.Tensor, table: torch.Tensor, rows: int) -> torch.Tensor:
+    """The rows' keys and values [k|v, kv_heads, rows, positions, d], as llama_forward gathers them."""
+    return pool.index_select(2, table).view(2, KV_HEADS, rows, -1, HEAD_DIM)
 
 
 def per_call_ms(call, device: str, repeats: int = 20) -> float:
@@ -77,23 +87,34 @@ def main() -> None:
                         f"({name}, {dtype}, torch {torch.__version__})")
     for column in ("shape", "variant", "ms", *(["ms, replayed graph"] if device == "cuda" else []), "max |diff|"):
         table.add_column(column, justify="right")
-    for label, rows, width, capacity, length in SHAPES[device]:
-        q, k, v, mask = inputs(device, dtype, rows, width, capacity, length)
-        variants = [("SDPA, grouped heads, engine's backends", _gqa_sdpa, ATTENTION_BACKENDS),
-                    ("SDPA, grouped heads, torch's default", _gqa_sdpa, None),
-                    ("SDPA, kv heads repeated (_expanded_sdpa)", _expanded_sdpa, ATTENTION_BACKENDS)]
+    for label, rows, width, length in SHAPES[device]:
+        q, pool, blocks, mask = inputs(device, dtype, rows, width, length)
+
+        def by_rows(attention):  # the SDPA variants take [rows, kv_heads, positions, d]
+            return lambda q, k, v, attn_mask: attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=attn_mask)
+
+        variants = [("SDPA, grouped heads, engine's backends", by_rows(_gqa_sdpa), ATTENTION_BACKENDS),
+                    ("SDPA, grouped heads, torch's default", by_rows(_gqa_sdpa), None),
+                    ("SDPA, kv heads repeated (_expanded_sdpa)", by_rows(_expanded_sdpa), ATTENTION_BACKENDS)]
         if width == 1:
             variants.append(("grouped matmuls (_one_query_attention)", _one_query_attention, ATTENTION_BACKENDS))
         reference = None
         for variant, attention, backends in variants:
             with torch.inference_mode(), sdpa_kernel(backends) if backends else nullcontext():
                 def call():
-                    return attention(q, k, v, attn_mask=mask)
+                    cached = gathered(pool, blocks, rows)
+                    return attention(q, cached[0], cached[1], attn_mask=mask)
 
                 out = call().float()
                 reference = out if reference is None else reference
                 timings = [f"{per_call_ms(call, device):.3f}", *([replayed_ms(call)] if device == "cuda" else [])]
             table.add_row(label, variant, *timings, f"{(out - reference).abs().max().item():.1e}")
+        with torch.inference_mode():
+            def gather():
+                return gathered(pool, blocks, rows)
+
+            timings = [f"{per_call_ms(gather, device):.3f}", *([replayed_ms(gather)] if device == "cuda" else [])]
+        table.add_row(label, "the gather through the block table alone", *timings, "-")
     Console(width=200).print(table)
 
 

@@ -76,17 +76,18 @@ def default_job_batch(vocab: int, seed: int = 0):
     return with_advantages(collate(trajectories), GROUP_SIZE, AlgorithmConfig(), KLConfig(), MAX_TOTAL_TOKENS)
 
 
-def qwen_batch(vocab: int, seed: int = 0):
-    """64 sequences of 128 prompt + 896 sampled tokens, groups of 8, with GRPO advantages."""
+def qwen_batch(vocab: int, seed: int = 0, sequences: int = QWEN_SEQUENCES, prompt: int = QWEN_PROMPT,
+               sampled: int = QWEN_SAMPLED):
+    """64 sequences of 128 prompt + 896 sampled tokens (or as given), groups of 8, with GRPO advantages."""
     rng = np.random.default_rng(seed)
-    length = QWEN_PROMPT + QWEN_SAMPLED
-    mask = np.array([0] * QWEN_PROMPT + [1] * QWEN_SAMPLED, np.uint8)
+    length = prompt + sampled
+    mask = np.array([0] * prompt + [1] * sampled, np.uint8)
     trajectories = [Trajectory(
         id=str(i), group_id=i // GROUP_SIZE, prompt_index=i // GROUP_SIZE, sample_index=i % GROUP_SIZE,
         token_ids=rng.integers(10, vocab, length).astype(np.int32), loss_mask=mask,
         behaviour_logprobs=np.where(mask == 1, -rng.uniform(3, 6, length), 0).astype(np.float32),
         versions=np.where(mask == 1, 0, -1).astype(np.int32), reward=float(rng.random() < 0.5))
-        for i in range(QWEN_SEQUENCES)]
+        for i in range(sequences)]
     return with_advantages(collate(trajectories), GROUP_SIZE, AlgorithmConfig(), KLConfig(), length + 1)
 
 
@@ -120,7 +121,7 @@ class BareLoop:
             if self.packed:
                 packing = pack(mb.input_ids, mb.attention_mask, prompts=prompt_lengths(mb.loss_mask),
                                attention_cost=self.attention_cost).to(self.device)
-                logprobs = packing.logprobs(packing.forward(self.model), 1.0)
+                logprobs = packing.logprobs(self.model, 1.0)
             else:
                 logprobs = sequence_logprobs(self.model(input_ids=ids, attention_mask=attention).logits, ids, 1.0)
         ratio = torch.exp((logprobs - old) * mask)

@@ -10,6 +10,8 @@ downloaded where the GPU is; throughput depends on the shape alone).
                                           # mean nothing: samples/s does
     wide_vocab_model(directory)           # a small body (4 layers, hidden 256) with that vocabulary: where
                                           # the LM head costs what it does with a real tokenizer (CPU)
+    qwen2_5_config("3b")                  # Qwen2.5-{0.5B,1.5B,3B,7B}-Instruct's architecture (QWEN2_5), and
+    random_model(config, directory, "cuda")  # random weights for it, initialised on a device, saved in bfloat16
 
 Run alone: python bench/qwen_shape.py DIR   (writes the first into DIR)
 """
@@ -24,6 +26,32 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 QWEN_BODY = dict(hidden_size=896, intermediate_size=4_864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+# Qwen2.5-*-Instruct's config.json (hidden, intermediate, layers, attention heads, key-value heads, tied
+# embeddings, vocabulary), from the model cards' repositories
+QWEN2_5 = {"0.5b": (896, 4_864, 24, 14, 2, True, 151_936), "1.5b": (1_536, 8_960, 28, 12, 2, True, 151_936),
+           "3b": (2_048, 11_008, 36, 16, 2, True, 151_936), "7b": (3_584, 18_944, 28, 28, 4, False, 152_064)}
+
+
+def qwen2_5_config(size: str) -> Qwen2Config:
+    """The architecture of Qwen2.5-`size`-Instruct (a key of QWEN2_5)."""
+    hidden, intermediate, layers, heads, kv_heads, tied, vocab = QWEN2_5[size]
+    return Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=tied,
+                       rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=32_768,
+                       bos_token_id=151_643, eos_token_id=151_645)
+
+
+def random_model(config: Qwen2Config, directory: str, device: str = "cpu") -> str:
+    """A Qwen2 of `config` with random weights, initialised on `device` (a 3B model initialises in seconds
+    on a GPU, minutes on a CPU), saved in bfloat16 into `directory`; nothing of it stays on the device."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(directory)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return directory
 
 
 def qwen_shaped_model(directory: str) -> str:

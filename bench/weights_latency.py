@@ -1,22 +1,23 @@
-"""How long a weight version takes from the learner to a generator on one host, and where the time goes,
-for a model the size of the GPU benches' (bench/qwen_shape.py), through the real classes.
+"""How long a weight version takes from the learner to a generator on one host, through the socket (the payload
+sent over ZeroMQ) against shared memory (the payload left in place, read by path), through the real classes.
 
-    python bench/weights_latency.py [--model qwen-body|tiny] [--versions 4]
+    python bench/weights_latency.py [--models tiny,qwen-body] [--versions 3]
 
-qwen-body (the default): the Qwen2.5-0.5B body on the tiny tokenizer, ~358M parameters, float32 master
-weights in a one-rank `LearnerRank` (FSDP2), published in bfloat16 (717 MB on the wire); tiny: the built-in
-model in float32. Prints one table: `LearnerRank.publish_weights` (rank 0 gathers each tensor, casts it and
-copies it into the wire payload; it returns once the payload is queued), then the whole path from calling
-it to a `WeightSubscriber.poll_newest` returning the version (the publisher's checksum and send, ZeroMQ
-over TCP loopback, the subscriber's checksum, tensors viewing the frame), min-max (median) over
---versions versions, each published once the previous one was received, as the learner publishes one per
-step; and the checksum alone, xxh3-128 against blake2b-128, on the same payload.
+tiny: the built-in model in float32; qwen-body: the Qwen2.5-0.5B body on the tiny tokenizer, ~358M parameters,
+float32 master weights in a one-rank `LearnerRank` (FSDP2), published in bfloat16 (717 MB a version). Per model
+and transport, in the order socket, shared memory, shared memory, socket (A B B A: a drift of the machine's
+load shows as a difference between the two blocks of one transport), --versions versions each, published one
+at a time as the learner publishes one per step: `LearnerRank.publish_weights` (rank 0 copies each tensor,
+cast, into a payload; it returns once the payload is queued), and the whole path from calling it until a
+generator's copy of the model holds it (the publisher's checksum and send; the subscriber's copy and checksum,
+or the socket's transfer and checksum; `load_state_dict` into a model in the run's dtype). min-max (median),
+and the median of each block in the order run.
+A first version per block warms the payloads (the learner reuses them) and is not counted.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import socket
 import statistics
@@ -25,14 +26,16 @@ import time
 
 from rich.console import Console
 from rich.table import Table
+from transformers import AutoModelForCausalLM
 
 from nanoverl_async.config import LearnerConfig, ModelConfig
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.learners.setup import LearnerSetup
 from nanoverl_async.models import DTYPES, resolve_model_path
-from nanoverl_async.weights import WeightSubscriber, checksum, serialise
+from nanoverl_async.weights import WeightSubscriber
 
 TIMEOUT_S = 120
+ORDER = ("socket", "shared memory", "shared memory", "socket")  # A B B A
 
 
 def model(name: str) -> tuple[str, str]:
@@ -45,58 +48,63 @@ def model(name: str) -> tuple[str, str]:
     return qwen_body_with_tiny_tokenizer(), "bfloat16"
 
 
-def seconds(work) -> float:
-    started = time.perf_counter()
-    work()
-    return time.perf_counter() - started
-
-
-def learner_to_generator(rank: LearnerRank, versions: int) -> tuple[list[float], list[float]]:
-    """([publish_weights s], [publish_weights called -> poll_newest returned s]) per version."""
+def block(rank: LearnerRank, generator_model, first_version: int, versions: int) -> tuple[list[float], list[float]]:
+    """([publish_weights s], [publish_weights called -> the generator's model holds it s]) for versions
+    first_version + 1 .. first_version + versions (first_version itself warms up)."""
     subscriber = WeightSubscriber(rank.weights_endpoint())
-    publishing, received = [], []
+    publishing, applied = [], []
     try:
-        for version in range(1, versions + 1):
+        for version in range(first_version, first_version + versions + 1):
             started = time.perf_counter()
             rank.publish_weights(version)
-            publishing.append(time.perf_counter() - started)
-            while subscriber.poll_newest(version - 1) is None:
+            published = time.perf_counter() - started
+            while (newest := subscriber.poll_newest(version - 1)) is None:
                 assert time.perf_counter() - started < TIMEOUT_S, f"version {version} not received"
-                time.sleep(0.002)
-            received.append(time.perf_counter() - started)
+                time.sleep(0.001)
+            generator_model.load_state_dict(newest[1], strict=False)
+            if version > first_version:
+                publishing.append(published)
+                applied.append(time.perf_counter() - started)
     finally:
         subscriber.close()
-    return publishing, received
+    return publishing, applied
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen-body", choices=("qwen-body", "tiny"))
-    parser.add_argument("--versions", type=int, default=4)
+    parser.add_argument("--models", default="tiny,qwen-body", help="comma-separated: tiny, qwen-body")
+    parser.add_argument("--versions", type=int, default=3, help="timed versions per block (4 blocks a model)")
     args = parser.parse_args()
-    path, dtype = model(args.model)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    rank = LearnerRank(LearnerSetup(model=ModelConfig(path=path, dtype=dtype), learner=LearnerConfig(torch_threads=2)),
-                       0, "127.0.0.1", port)
-    try:
-        publishing, received = learner_to_generator(rank, args.versions)
-        payload = serialise({name: tensor.full_tensor().to(DTYPES[dtype])
-                             for name, tensor in rank.model.state_dict().items()})
-    finally:
-        rank.shutdown()
-    table = Table(title=f"Weights from the learner to a generator, one host: {args.model}, "
-                        f"{sum(p.numel() for p in rank.model.parameters()) / 1e6:.0f}M parameters, {dtype} on the wire "
-                        f"({payload.nbytes / 1e6:,.0f} MB a version), 2 torch threads")
-    table.add_column("")
-    table.add_column("seconds", justify="right")
-    span = lambda values: f"{min(values):.2f}-{max(values):.2f} ({statistics.median(values):.2f})"  # noqa: E731
-    table.add_row(f"LearnerRank.publish_weights, {args.versions} versions: min-max (median)", span(publishing))
-    table.add_row("publish_weights called -> the generator's poll_newest returns it", span(received))
-    table.add_row("checksum alone: xxh3-128 (the wire's)", f"{seconds(lambda: checksum(payload)):.3f}")
-    table.add_row("checksum alone: blake2b-128, for comparison",
-                  f"{seconds(lambda: hashlib.blake2b(payload, digest_size=16).digest()):.3f}")
+    table = Table(title="Weights from the learner to a generator, one host, 2 torch threads: socket vs shared memory")
+    for column in ("model", "MB a version", "transport", "publish_weights s", "publish -> applied s",
+                   "applied: median per block"):
+        table.add_column(column, justify="left" if column in ("model", "transport") else "right")
+    span = lambda values: f"{min(values):.3f}-{max(values):.3f} ({statistics.median(values):.3f})"  # noqa: E731
+    for name in args.models.split(","):
+        path, dtype = model(name)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        setup = LearnerSetup(model=ModelConfig(path=path, dtype=dtype), learner=LearnerConfig(torch_threads=2))
+        rank = LearnerRank(setup, 0, "127.0.0.1", port)
+        generator_model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        results: dict[str, tuple[list, list, list]] = {}
+        try:
+            version = 1
+            for transport in ORDER:
+                rank.publisher.shared_memory = transport == "shared memory"
+                publishing, applied = block(rank, generator_model, version, args.versions)
+                version += args.versions + 1
+                results.setdefault(transport, ([], [], []))
+                results[transport][0].extend(publishing)
+                results[transport][1].extend(applied)
+                results[transport][2].append(statistics.median(applied))
+        finally:
+            rank.shutdown()
+        megabytes = sum(p.numel() for p in generator_model.state_dict().values()) * DTYPES[dtype].itemsize / 1e6
+        for transport, (publishing, applied, blocks) in results.items():
+            table.add_row(f"{name} ({dtype})", f"{megabytes:,.1f}", transport, span(publishing), span(applied),
+                          ", ".join(f"{median:.3f}" for median in blocks))
     Console(width=160).print(table)
 
 

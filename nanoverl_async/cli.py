@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from nanoverl_async.config import ConfigError, load_config, to_yaml
-from nanoverl_async.preflight import prepare
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,28 +52,46 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "validate":
+            from nanoverl_async.preflight import prepare  # launch's own import of it overlaps Ray's start
+
             print(to_yaml(prepare(cfg)), end="")
             return 0
     except ConfigError as error:
         return config_error(error)
 
-    from nanoverl_async.checkpoint import WriteFailed
-    from nanoverl_async.launcher import RunFailed, launch  # heavy imports (torch, ray) only when launching
-    from nanoverl_async.reaper import Reaper
+    import ray
 
+    from nanoverl_async.reaper import Reaper
+    from nanoverl_async.startup import phase, process_start, start_ray_while_importing
+
+    # start-up (time/startup_s) counts from this process's start when it is the command, else from here
+    started = process_start() if argv is None else time.time()
     watcher = Reaper()  # if this process is killed, it ends every process the run started (reaper.py)
+    started_ray = False
     try:
-        launch(cfg)  # checks files, user code and the output directory before anything starts
+        phase(started, "starting Ray, importing torch and transformers meanwhile")
+        started_ray, launcher = start_ray_while_importing(cfg.ray, "nanoverl_async.launcher")  # heavy: only now
+        return launch_run(launcher, cfg, started)
+    finally:
+        if started_ray:
+            ray.shutdown()
+        watcher.release()
+
+
+def launch_run(launcher, cfg, started: float) -> int:
+    """`launcher.launch`, its failures as one line and an exit status."""
+    from nanoverl_async.checkpoint import WriteFailed
+
+    try:
+        launcher.launch(cfg, started)
     except ConfigError as error:
         return config_error(error)
-    except (RunFailed, WriteFailed) as error:
+    except (launcher.RunFailed, WriteFailed) as error:
         print(f"nanoverl-async: run failed: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("nanoverl-async: interrupted", file=sys.stderr)
         return 130
-    finally:
-        watcher.release()
     return 0
 
 

@@ -118,6 +118,11 @@ class GeneratorConfig:
     # GPUs Ray reserves for each transformers-engine replica on cuda; a fraction shares one GPU (e.g. 0.5
     # beside learner.gpus_per_rank=0.5 on a one-GPU machine). SGLang replicas take servers x tp_size.
     gpus_per_replica: float = 1.0
+    # The paged KV cache of a transformers-engine replica (generators/hf_engine.py): <= 1 is a fraction of the
+    # device memory free once the model is loaded (cuda: GPU memory; cpu: RAM available), > 1 is GiB; 0 = auto
+    # (0.5 on cuda, 2 GiB on cpu). While it is full, requests wait and the latest rows are preempted.
+    kv_cache_memory: float = 0.0
+    kv_block_size: int = 16  # positions per KV block: the unit of allocation and of shared prefixes
 
 
 @dataclass
@@ -133,6 +138,8 @@ class LearnerConfig:
     ppo_epochs: int = 1  # passes over each batch; optimizer steps per batch = ppo_epochs x minibatches
     minibatches: int = 1  # optimizer steps per pass (must divide the batch into equal per-rank shards)
     micro_batch_tokens: int = 0  # forward/backward chunks of at most this many padded tokens (0 = no bound)
+    activation_checkpointing: bool = False  # keep only each decoder layer's input for backward, recompute the rest
+    logits_chunk_tokens: int = 0  # LM head + log-softmax over at most this many sampled tokens at once (0 = all)
 
 
 @dataclass
@@ -229,7 +236,7 @@ class RewardConfig:
 class WireConfig:
     # Where the buffer and the weight publisher bind ZeroMQ: "auto" = 127.0.0.1 on one machine and, on a
     # cluster (ray.address), the address of the node each one is placed on; or one address for all.
-    # Anything but loopback turns on CURVE with per-run keys (wire_auth.py).
+    # Every socket, loopback included, uses CURVE with keys made for each run (wire_auth.py).
     host: str = "auto"
 
 
@@ -289,15 +296,20 @@ def read_yaml(path: str) -> Any:
     a non-mapping is one ConfigError line naming the file."""
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"config file '{path}' does not exist")
+        raise ConfigError(f"config file '{path}' {'is a folder, not a YAML file' if file.is_dir() else 'does not exist'}")
     try:
-        loaded = yaml.safe_load(file.read_text())
+        loaded = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, OSError) as error:  # a binary file, a Latin-1 one, an unreadable one
+        what = f"is not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start})" \
+            if isinstance(error, UnicodeDecodeError) else f"cannot be read ({error.strerror})"
+        raise ConfigError(f"config file '{path}' {what}") from None
     except yaml.YAMLError as error:  # the parser's message carries line and column
         where = getattr(error, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
         raise ConfigError(f"config file '{path}' is not valid YAML{at}: {getattr(error, 'problem', error)}") from None
-    if loaded is None:
-        loaded = {}
+    if loaded is None:  # empty or only comments: most likely the wrong file, so not silently the defaults
+        raise ConfigError(f"config file '{path}' is empty; write at least one section (e.g. run:), or {{}} "
+                          f"for the defaults")
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping of sections, not a {type(loaded).__name__}")
     return OmegaConf.create(loaded)

@@ -28,7 +28,10 @@ a math-verify scorer; nanoverl_async/rewards.py).
 
 Invariants: `reset` and `step` may be sync or async; `step` returning `done=False` appends its
 `messages` (e.g. a user follow-up) with mask 0 and the episode goes on; an episode cut by a limit
-(turns, tokens, tool calls) before any `step` gets reward 0.
+(turns, tokens, tool calls) before any `step` gets reward 0. A Step's reward is a finite number
+(`Step(reward=None)` raises where it is written, so the error names that line); the tools an environment
+class or rollout function declares are built when `env_factory` loads it, so one without a docstring or
+type hints is refused before any role starts (tools.as_tool).
 
 Run alone: `python -m pytest tests/test_env_data.py -q`.
 """
@@ -39,7 +42,8 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from nanoverl_async.rewards import score_sample
+from nanoverl_async.rewards import is_reward, score_sample
+from nanoverl_async.tools import as_tool
 from nanoverl_async.user_code import load_object
 
 
@@ -51,6 +55,11 @@ class Step:
     done: bool = True  # False: append `messages` (mask 0) and sample another turn
     messages: list = field(default_factory=list)  # observations, e.g. [{"role": "user", "content": ...}]
     info: dict = field(default_factory=dict)  # JSON-able extras, kept in trajectory.info["reward_info"]
+
+    def __post_init__(self):  # runs in the user's step(): the error's traceback ends at their line
+        if not is_reward(self.reward):
+            raise ValueError(f"Step(reward={self.reward!r:.40}): the reward must be a finite number, "
+                             f"not {type(self.reward).__name__}")
 
 
 class Environment:
@@ -86,11 +95,11 @@ class FunctionEnv(Environment):
     `rollout_tools` declared on it."""
 
     def __init__(self, rollout: Callable):
-        self._rollout = rollout
+        self.function = rollout  # the user's, named in errors (agent_loop.user_hook)
         self.tools, self.tool_format = getattr(rollout, "tools", ()), getattr(rollout, "tool_format", "hermes")
 
     async def rollout(self, episode, sample: dict) -> float:
-        return await self._rollout(episode, sample)
+        return await self.function(episode, sample)
 
 
 def env_factory(spec: str, reward_fn: Optional[Callable] = None) -> Callable[[], Any]:
@@ -106,6 +115,9 @@ def env_factory(spec: str, reward_fn: Optional[Callable] = None) -> Callable[[],
             return FunctionEnv(target)
     else:
         raise ValueError(f"agent.env '{spec}' is neither a class nor an async rollout function")
+    tools = getattr(target, "tools", ())  # the class's (or @rollout_tools's) list; one set in __init__ is built later
+    for tool in tools if isinstance(tools, (list, tuple)) else ():
+        as_tool(tool)  # a ValueError naming an undocumented or untyped tool, now rather than in every episode
 
     def new_env():
         env = make()

@@ -18,7 +18,6 @@ the restored weights first, and continues at the checkpoint's step.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 from contextlib import contextmanager
@@ -34,40 +33,50 @@ from nanoverl_async.config import Config, ConfigError, RayConfig, load_config, t
 from nanoverl_async.data import load_samples
 from nanoverl_async.learners.pool import LearnerPool
 from nanoverl_async.metrics import MetricsLogger, step_metrics
-from nanoverl_async.models import load_tokenizer, resolve_model_path, vocab_size
+from nanoverl_async.models import check_positions, load_tokenizer, resolve_model_path, vocab_size
 from nanoverl_async.preflight import prepare
 from nanoverl_async.role_actors import BufferRole, GeneratorRole
+from nanoverl_async.startup import phase, start_ray
 from nanoverl_async.trace import PipelineTrace, TracedRole
-from nanoverl_async.wire_auth import CurveKeys, run_keys
+from nanoverl_async.wire_auth import run_keys
 
 
 class RunFailed(RuntimeError):
     """A role died or a wait timed out; the message names the role."""
 
 
-def launch(cfg: Config) -> Path:
-    """Run one training job; returns the output directory (metrics.jsonl, final/)."""
+def launch(cfg: Config, started: Optional[float] = None) -> Path:
+    """Run one training job; returns the output directory (metrics.jsonl, final/). `started`: the time.time()
+    start-up counts from (the CLI's process start; default: now), up to the first trained step (time/startup_s)."""
+    started = time.time() if started is None else started
     cfg = prepare(cfg)  # files, user code and run.resume checked; user paths made absolute
+    phase(started, f"model {cfg.model.path}" + (" (built on first use, then cached)" if ":" in cfg.model.path else ""))
     try:  # a missing model, or a tokenizer that drops whitespace, fails here in one line, not in each role
         model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
         load_tokenizer(model_path)
     except (ValueError, OSError) as error:  # transformers raises OSError for a model it cannot find
         raise ConfigError(f"config key 'model.path': {str(error).strip().splitlines()[0]}") from None
+    check_positions(model_path, cfg.agent.max_total_tokens)  # the buffer drops longer trajectories
     output_dir = Path(cfg.run.output_dir)
     resume_from = checkpoint.open_output_dir(cfg)  # None: a fresh run (into an empty or overwritten dir)
     (output_dir / "config.yaml").write_text(to_yaml(cfg))
     start = checkpoint.read_meta(resume_from)["step"] if resume_from else 0
     if resume_from:
         warn_config_changes(cfg, resume_from)
+    if not ray.is_initialized():  # the CLI starts it while it imports this module (startup.py)
+        phase(started, "starting Ray")
     started_ray = start_ray(cfg.ray)
+    phase(started, f"placing the buffer, {cfg.generator.replicas} generator(s) and {cfg.learner.world_size} learner "
+                   f"rank(s), each building its model")
     roles = Roles(cfg, model_path, resume_from, start)
+    phase(started, "roles ready; generating the first batch")
     logger = MetricsLogger(output_dir, cfg.run.total_steps, cfg.run.progress,
                            wandb_config=to_dict(cfg) if cfg.run.wandb else None, start_step=start,
                            log_samples=cfg.run.log_samples, print_sample_every=cfg.run.print_sample_every)
     trace = PipelineTrace(output_dir, roles.traced(), start) if cfg.run.trace else None  # trace.json (trace.py)
     try:
         with checkpoint.writing("the run's files", output_dir):  # a full disk names itself
-            train(cfg, roles, logger, start, trace)
+            train(cfg, roles, logger, start, trace, started)
         with checkpoint.writing("the final model", output_dir / checkpoint.FINAL), roles.failures("learner pool"):
             checkpoint.publish_final(output_dir, lambda folder: roles.learners.save_pretrained(str(folder)))
     finally:
@@ -81,13 +90,16 @@ def launch(cfg: Config) -> Path:
 
 
 def train(cfg: Config, roles: "Roles", logger: MetricsLogger, start: int = 0,
-          trace: Optional[PipelineTrace] = None) -> None:
-    """The RL dataflow (docs/design.md "Processes and data flow"), generation running ahead in the background."""
+          trace: Optional[PipelineTrace] = None, started: Optional[float] = None) -> None:
+    """The RL dataflow (docs/design.md "Processes and data flow"), generation running ahead in the background.
+    With `started` (launch's start), the first step logs time/startup_s: seconds from then until it is trained."""
     samples_trained = start * cfg.data.prompts_per_step * cfg.data.samples_per_prompt  # every batch is B x G
     last_step_end = time.monotonic()
     for step in range(start, cfg.run.total_steps):
         batch = roles.next_batch(step)  # blocks until B complete groups with step - version <= eta
         waited = time.monotonic() - last_step_end
+        if started is not None and step == start:
+            phase(started, f"first batch ready; training step {step}")
         with roles.failures("learner pool"):
             train_batch = roles.learners.prepare(batch)  # proximal logprobs (version `step`), advantages
             prepared = time.monotonic()
@@ -98,6 +110,8 @@ def train(cfg: Config, roles: "Roles", logger: MetricsLogger, start: int = 0,
         now = time.monotonic()
         learner_metrics.update({"time/wait_batch_s": waited, "time/train_s": trained - last_step_end - waited,
                                 "time/publish_s": now - trained})  # publish: the gather (+ nccl: the load)
+        if started is not None and step == start:
+            learner_metrics["time/startup_s"] = time.time() - started
         if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
             learner_metrics.update(roles.evaluate(step + 1))  # eval/*: data.val_files on generator 0's weights
         logger.log(step_metrics(step, cfg.staleness.max, batch, learner_metrics, now - last_step_end,
@@ -145,7 +159,7 @@ def replay(run_dir: str) -> dict:
     learners = None
     try:
         with role_failures("learner pool"):
-            learners = LearnerPool(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+            learners = LearnerPool(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir), run_keys())
             for step, trajectories in enumerate(batches):
                 learners.update(learners.prepare(Batch(step, trajectories, {})))
             learners.save_pretrained(str(Path(run_dir) / "replay" / "final"))
@@ -166,26 +180,35 @@ class Roles:
     def __init__(self, cfg: Config, model_path: str, resume_from: Optional[Path] = None, start: int = 0):
         self.cfg = cfg
         check_placement(cfg.ray)
-        curve = run_keys(cfg.wire.host)  # off loopback, only processes holding this run's keys may connect
+        # Every socket, loopback included, admits only processes holding this run's keys (kept in memory only)
+        curve = self.curve = run_keys()
         # run.eval_every's prompts (validation checked that data.val_files is set), loaded once
         self.val_samples = [{**s, "index": i} for i, s in enumerate(load_samples(cfg.data.val_files))] \
             if cfg.run.eval_every else []
-        self.buffer = ray.remote(num_cpus=0, max_concurrency=4, resources=cfg.ray.resources("buffer"))(
-            BufferRole).remote(cfg, vocab_size(model_path), curve=curve,
-                               state=(resume_from / "buffer.msgpack").read_bytes() if resume_from else b"")
-        # Every role's process starts at once (each spends seconds importing torch and loading a model);
-        # generators connect to the buffer and the weights only once both exist.
+        # Every role's process starts at once (each spends seconds importing torch and loading a model), the
+        # learner ranks first (the slowest: on a small machine they get Ray's prestarted workers), the buffer
+        # last (it starts fast); generators connect to the buffer and the weights only once both exist.
+        with role_failures("learner pool"):
+            self.learners = LearnerPool(cfg, model_path, curve)
         generator_actor = ray.remote(num_cpus=0, num_gpus=generator_gpus(cfg),
                                      resources=cfg.ray.resources("generator"))(GeneratorRole)
         self.generators = [generator_actor.remote(generator_id=i, cfg=cfg, model_path=model_path)
                            for i in range(cfg.generator.replicas)]
+        self.buffer = ray.remote(num_cpus=0, max_concurrency=4, resources=cfg.ray.resources("buffer"))(
+            BufferRole).remote(cfg, vocab_size(model_path), curve=curve,
+                               state=(resume_from / "buffer.msgpack").read_bytes() if resume_from else b"")
         with role_failures("learner pool"):
-            self.learners = LearnerPool(cfg, model_path, curve)
+            self.learners.ready()
             if resume_from:
                 self.learners.load_checkpoint(str(resume_from / "learner"), start)
+        if cfg.learner.device == cfg.generator.device == "cuda" and cfg.generator.engine == "transformers":
+            with role_failures("generators"):  # on one GPU with learner rank 0: weights by CUDA IPC handles
+                gpus = ray.get([gen.gpu.remote() for gen in self.generators], timeout=cfg.run.step_timeout_s)
+            with role_failures("learner pool"):
+                self.learners.share_gpu_with(gpus)
         with role_failures("buffer"):
             buffer_endpoints = ray.get(self.buffer.endpoints.remote(), timeout=60)
-        self.nodes = self._placement(buffer_endpoints, curve) if cfg.ray.address else {}  # role -> node
+        self.nodes = self._placement(buffer_endpoints) if cfg.ray.address else {}  # role -> node
         self.generator_runs = {gen.run.remote(buffer_endpoints, self.learners.weights_endpoint, curve):
                                f"generator {i}" for i, gen in enumerate(self.generators)}
         sglang = cfg.generator.sglang
@@ -200,7 +223,7 @@ class Roles:
         if resume_from:  # generators start on the base weights; the restored buffer leases only to `start`
             self.publish_weights(version=start)
 
-    def _placement(self, buffer_endpoints: dict, curve: Optional[CurveKeys]) -> dict[str, str]:
+    def _placement(self, buffer_endpoints: dict) -> dict[str, str]:
         """On a cluster: the node each role runs on (every failure names it), printed once with the
         endpoints the roles bound there."""
         with role_failures("generators"):  # each answers once its constructor is done
@@ -211,7 +234,7 @@ class Roles:
                      "buffer": ray.get(self.buffer.node.remote(), timeout=60),
                      **{f"generator {i}": node for i, node in enumerate(generator_nodes)}}
         print(f"placed: {'; '.join(f'{role} on {node}' for role, node in nodes.items())}. wire: buffer "
-              f"{buffer_endpoints['leases']}, weights {self.learners.weights_endpoint}{' (CURVE)' if curve else ''}",
+              f"{buffer_endpoints['leases']}, weights {self.learners.weights_endpoint} (CURVE)",
               file=sys.stderr)
         return nodes
 
@@ -306,25 +329,3 @@ def check_placement(cfg: RayConfig) -> None:
             raise ConfigError(f"config key 'ray.{key}': no node of the Ray cluster offers the resource {name!r} "
                               f"(custom resources offered: {', '.join(custom) or 'none'}); start the node meant "
                               f"for it with ray start --resources='{{\"{name}\": 1}}'")
-
-
-def start_ray(cfg: RayConfig) -> bool:
-    """Local Ray by default, a cluster when `ray.address` is set; returns whether we started it. Every
-    role runs this very checkout's code: on a cluster the package is shipped to the nodes (py_modules);
-    on this machine the workers import it from where the driver did, whatever else is installed."""
-    if ray.is_initialized():
-        return False
-    if not cfg.address:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local runs need no token (Ray >= 2.60)
-    quiet = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    os.environ.update(quiet)
-    package = Path(__file__).resolve().parent
-    runtime_env = None
-    if cfg.address:
-        runtime_env = {"env_vars": quiet, "py_modules": [str(package)]}
-    else:  # workers inherit this environment; a runtime_env would bar them from Ray's prestarted ones (~1.3 s)
-        paths = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
-        os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(package.parent), *paths]))
-    ray.init(address=cfg.address or None, num_cpus=cfg.num_cpus or None, include_dashboard=False,
-             logging_level="WARNING", runtime_env=runtime_env)
-    return True

@@ -17,6 +17,8 @@ from typing import Any, Optional
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from nanoverl_async.rewards import MISSING_GROUND_TRUTH
+
 
 # Stats the buffer computes once per batch at hand-out (buffer/service.py: batch_stats and its counters),
 # logged under these names; every other numeric stat is logged as `buffer/<name>`.
@@ -35,6 +37,11 @@ BUFFER_STAT_KEYS = {
 }
 
 
+def engine_total(trajectories: list, key: str) -> int:
+    """A generation counter the engine reported per request (engine.Completion), summed over the batch."""
+    return sum(t.info.get("engine", {}).get(key, 0) for t in trajectories)
+
+
 def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, step_seconds: float,
                  samples_trained: int) -> dict:
     """Everything logged for step `step`; `batch` is the buffer's Batch, `learner` the pool's metrics."""
@@ -45,7 +52,7 @@ def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, ste
     for key, name in BUFFER_STAT_KEYS.items():
         value = stats[key]
         metrics[name] = {str(k): v for k, v in value.items()} if isinstance(value, dict) else value
-    tool_calls = sum(t.tool_calls for t in trajectories)
+    tool_calls, tool_errors = sum(t.tool_calls for t in trajectories), sum(t.tool_errors for t in trajectories)
     metrics.update({
         "reward/std": float(np.std([t.reward for t in trajectories])),
         "staleness/limit": staleness_limit,
@@ -56,10 +63,19 @@ def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, ste
         "weights/version_lag_max": (step - min(generator_versions.values())) if generator_versions else 0,
         "episodes/tool_use_frac": float(np.mean([t.tool_calls > 0 for t in trajectories])),
         # errors / calls over the batch (malformed, unknown tool, bad arguments, raised, timed out)
-        "episodes/tool_error_rate": sum(t.tool_errors for t in trajectories) / max(1, tool_calls),
+        "episodes/tool_error_rate": tool_errors / max(1, tool_calls),
+        "episodes/tool_calls": tool_calls, "episodes/tool_errors": tool_errors,  # the batch's, for the console
+        # episodes scored against no ground truth (their sample lacked it: rewards.score_sample)
+        "episodes/ground_truth_missing": sum(MISSING_GROUND_TRUTH in t.info.get("reward_info", {})
+                                             for t in trajectories),
         "episodes/tool_latency_s": sum(t.timings.get("tool", 0.0) for t in trajectories)
         / max(1, tool_calls),  # mean seconds per tool call
         "episodes/length_mean": float(np.mean([len(t.token_ids) for t in trajectories])),
+        # the engine's prefix cache: the share of the batch's prefilled context tokens served from cached
+        # blocks (a group's shared prompt, an episode's earlier turns), and rows preempted for KV memory
+        "generator/prefix_cache_hit_frac": engine_total(trajectories, "cached_tokens")
+        / max(1, engine_total(trajectories, "prefill_tokens")),
+        "generator/preemptions": engine_total(trajectories, "preemptions"),
         "episodes/generated_tokens_mean": float(np.mean([t.num_generated for t in trajectories])),
         "batch/tied_groups_frac": tied_groups_fraction(trajectories),
         # which prompts this step trained on: a resumed run never trains on one twice (tests/test_cli_run.py)
@@ -80,7 +96,8 @@ def reward_info_means(trajectories: list) -> dict:
     values: dict[str, list[float]] = {}
     for t in trajectories:
         for key, value in t.info.get("reward_info", {}).items():
-            values.setdefault(key, []).append(value)
+            if key != MISSING_GROUND_TRUTH:  # counted as episodes/ground_truth_missing instead
+                values.setdefault(key, []).append(value)
     return {f"reward/{key}": float(np.mean(v)) for key, v in sorted(values.items())}
 
 
@@ -133,7 +150,7 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.progress = progress
         self.started = time.monotonic()
-        self.tied_steps, self.warned_tied = 0, False
+        self.tied_steps, self.warned = 0, set()  # the warnings given: each at most once a run
         self.bar = None
         if progress and sys.stdout.isatty():  # a live bar in a terminal; plain lines when piped to a file
             self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=20),
@@ -163,19 +180,40 @@ class MetricsLogger:
         if self.progress:
             self._print_line(metrics)
         self._warn_if_nothing_to_learn(metrics)
+        self._warn_if_silently_wrong(metrics, trajectories)
+
+    def _warn(self, kind: str, message: str) -> None:
+        if kind not in self.warned:
+            self.warned.add(kind)
+            print(f"warning: {message}", file=sys.stderr, flush=True)
 
     def _warn_if_nothing_to_learn(self, m: dict) -> None:
         self.tied_steps = self.tied_steps + 1 if m["batch/tied_groups_frac"] == 1.0 else 0
-        if self.tied_steps == TIED_STEPS_WARNING and not self.warned_tied:
-            self.warned_tied = True
-            print(f"warning: steps {m['step'] - TIED_STEPS_WARNING + 1}-{m['step']}: within every group all "
-                  f"rewards are equal (batch mean {m['reward/mean']:.3g}), so group-relative advantages are 0 "
-                  f"and nothing is learned (learner/grad_norm 0). Likely the reward function never (or always) "
-                  f"gives credit: check a few episodes' answers against it (reward.path, agent.env), or make "
-                  f"the task easier for this model", file=sys.stderr, flush=True)
+        if self.tied_steps == TIED_STEPS_WARNING:
+            self._warn("tied", f"steps {m['step'] - TIED_STEPS_WARNING + 1}-{m['step']}: within every group all "
+                       f"rewards are equal (batch mean {m['reward/mean']:.3g}), so group-relative advantages are 0 "
+                       f"and nothing is learned (learner/grad_norm 0). Likely the reward function never (or always) "
+                       f"gives credit: check a few episodes' answers against it (reward.path, agent.env), or make "
+                       f"the task easier for this model")
+
+    def _warn_if_silently_wrong(self, m: dict, trajectories: list) -> None:
+        """Once a run each: most of a step's tool calls failed; every reward is 0 and samples lacked the
+        ground truth the reward function was given."""
+        calls, errors, missing = m["episodes/tool_calls"], m["episodes/tool_errors"], m["episodes/ground_truth_missing"]
+        if 2 * errors > calls:  # more than half
+            first = next((t.info["first_tool_error"] for t in trajectories if t.info.get("first_tool_error")), "")
+            self._warn("tools", f"step {m['step']}: {errors} of {calls} tool calls failed"
+                       + (f" (first: {first})" if first else "") + "; the model reads each error as the tool's "
+                       "result. Check the tools of agent.env and the call format the model writes (tool_format)")
+        if missing and m["reward/mean"] == 0 and m["reward/std"] == 0:
+            self._warn("ground_truth", f"step {m['step']}: every reward is 0, and {missing} of {len(trajectories)} "
+                       f"episodes were scored against no ground truth: their samples have no "
+                       f"reward_model.ground_truth (nor answer). Add it to the rows of data.train_files (or to "
+                       f"what data.task returns)")
 
     def _print_line(self, m: dict) -> None:
         info = (f"reward {m['reward/mean']:.3f}  tools {m['episodes/tool_use_frac']:.2f}  "
+                f"tool_err {m['episodes/tool_errors']}/{m['episodes/tool_calls']}  "
                 f"staleness {m['staleness/mean']:.2f}/{m['staleness/max']}<={m['staleness/limit']}  "
                 f"{m['samples/per_s']:.0f} samples/s  {m['tokens/generated_per_s']:.0f} tok/s")
         if self.bar is not None:

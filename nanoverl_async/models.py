@@ -5,6 +5,7 @@
                                                  # `file.py:fn` names a builder of one's own
     tokenizer = load_tokenizer(path)             # the generator, the learner's save and tests all use this
     vocab_size(path)                             # what bounds every token id (the buffer checks them)
+    check_positions(path, max_total_tokens)      # agent.max_total_tokens fits the model's positions
     require_model_dir(path, "node 10.0.0.2")     # each placed role, on its own node
     on_device(tensor, device)                    # a host tensor on the role's device, without a host wait
 
@@ -25,6 +26,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from nanoverl_async import smollm2, tiny_model
 from nanoverl_async.user_code import load_object
+from nanoverl_async.validation import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BUILTIN_MODELS = {  # name -> builder(cache_dir) -> directory (built once, cached: model_cache.py)
@@ -74,6 +76,16 @@ def load_tokenizer(path: str):
 def vocab_size(path: str) -> int:
     """The size of the model's embedding table: every token id it is given must be below it."""
     return AutoConfig.from_pretrained(path).get_text_config().vocab_size
+
+
+def check_positions(path: str, max_total_tokens: int) -> None:
+    """The buffer drops every trajectory longer than agent.max_total_tokens; one that the model's position
+    table (max_position_embeddings, where its config names one) cannot hold must not be trained either, so
+    a run whose episodes could outgrow the model is refused at start, naming both numbers."""
+    positions = getattr(AutoConfig.from_pretrained(path).get_text_config(), "max_position_embeddings", None)
+    if positions is not None and max_total_tokens > positions:
+        raise ConfigError(f"config key 'agent.max_total_tokens': {max_total_tokens} is more than the model's "
+                          f"{positions} positions (max_position_embeddings of {path})")
 
 
 def on_device(tensor: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:

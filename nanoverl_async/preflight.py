@@ -5,7 +5,8 @@
 `validation.py` checks values and touches nothing; this module checks the world the config names:
 data files exist and every row has a chat `prompt`, the environment, the prompt function and the
 reward function load (user code runs here, once, in the launching process), `run.resume` names a
-checkpoint, and `wire.host` can be bound. Each failure is one ConfigError naming the key. The returned
+checkpoint, `wire.host` can be bound, and the learner's weights, gradients and optimizer states fit in the
+memory of its devices (`check_learner_fits`). Each failure is one ConfigError naming the key. The returned
 config has `agent.env`'s default filled in and every user path absolute, so roles in other processes (and
 a later resume) load exactly the same code, and `wire.host` placed (wire_auth.placed_host: "auto" is
 loopback on one machine, each role's own node address on a cluster).
@@ -14,15 +15,22 @@ loopback on one machine, each role's own node address on a cluster).
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
+import subprocess
 from pathlib import Path
+from typing import Optional
 
-from nanoverl_async import checkpoint
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+from nanoverl_async import checkpoint, sandbox
 from nanoverl_async.config import Config, ConfigError
 from nanoverl_async.data import load_samples, prompt_source
 from nanoverl_async.env import env_factory
+from nanoverl_async.learners.memory import learner_fit_error
 from nanoverl_async.rewards import load_reward
-from nanoverl_async.user_code import absolute_spec
+from nanoverl_async.user_code import absolute_spec, load_object
 from nanoverl_async.wire_auth import placed_host
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -58,6 +66,7 @@ def prepare(cfg: Config) -> Config:
             load()
         except (ValueError, ImportError, SyntaxError) as error:
             raise ConfigError(f"config key '{key}': {error}") from None
+    check_sandbox(cfg)
     checkpoint.find_checkpoint(cfg.run)  # a run.resume path that is not a checkpoint fails here
     if cfg.wire.host != "auto":  # one address for every role (auto: each binds on its own node, wire_auth.py)
         try:
@@ -66,5 +75,70 @@ def prepare(cfg: Config) -> Config:
         except (OSError, UnicodeError) as error:
             raise ConfigError(f"config key 'wire.host': cannot bind {cfg.wire.host!r} on this machine "
                               f"({error})") from None
+    check_learner_fits(cfg)
     return dataclasses.replace(cfg, wire=dataclasses.replace(cfg.wire, host=placed_host(cfg.wire.host,
                                                                                       bool(cfg.ray.address))))
+
+
+def check_sandbox(cfg: Config) -> None:
+    """An environment with the `python` tool is refused now, not in every episode, where bubblewrap cannot
+    isolate model-written code on this machine (unless agent.sandbox=unsafe_no_isolation)."""
+    tools = getattr(load_object(cfg.agent.env, "agent.env"), "tools", ())
+    uses_python = any(getattr(tool, "fn", tool) is sandbox.python for tool in tools
+                      if isinstance(tools, (list, tuple)))
+    if cfg.agent.sandbox == "bwrap" and uses_python and sandbox.unavailable():
+        raise ConfigError(f"config key 'agent.sandbox': {sandbox.refusal(sandbox.unavailable())}")
+
+
+def check_learner_fits(cfg: Config) -> None:
+    """One ConfigError line if the learner's persistent state (learners/memory.py: 16 bytes a trained
+    parameter, 4 a frozen one, over learner.world_size ranks) exceeds the memory its ranks run in: on cuda,
+    each GPU's (the smallest nvidia-smi lists here); on cpu, this machine's, which every local rank shares.
+    Skipped where that is not knowable here: on a Ray cluster (ray.address: the ranks' machines are not this
+    one), without nvidia-smi, and for a model.path given as builtin:NAME (small) or a builder file.py:fn
+    (its directory is made later); a directory or Hub id is counted from its config alone (meta device)."""
+    counted = learner_parameters(cfg)
+    memory = learner_memory(cfg) if counted else None
+    if memory:
+        error = learner_fit_error(*counted, cfg.learner.world_size, *memory, ranks_share_it=cfg.learner.device == "cpu")
+        if error:
+            raise ConfigError(f"config key 'model.path': {error}")
+
+
+def learner_parameters(cfg: Config) -> Optional[tuple[int, int]]:
+    """(trained, frozen) parameter counts: the policy and, for gae, the critic trained; the KL reference
+    frozen. None if a path is not a directory or Hub id, or its config cannot be read (launch says why)."""
+    def count(path: str, model_class, **config) -> Optional[int]:
+        if ":" in path and not Path(path).expanduser().is_dir():
+            return None
+        try:
+            with torch.device("meta"):  # shapes only: no memory, no initialisation
+                return sum(p.numel() for p in model_class.from_config(AutoConfig.from_pretrained(path, **config))
+                           .parameters())
+        except (OSError, ValueError):
+            return None
+
+    paths = [(cfg.model.path, AutoModelForCausalLM, {}, True)]
+    if cfg.kl.loss_coef > 0 or cfg.kl.reward_coef > 0:
+        paths.append((cfg.reference.path or cfg.model.path, AutoModelForCausalLM, {}, False))
+    if cfg.algorithm.advantage == "gae":
+        paths.append((cfg.critic.path or cfg.model.path, AutoModelForTokenClassification, {"num_labels": 1}, True))
+    counts = [(count(path, model_class, **config), trained) for path, model_class, config, trained in paths]
+    if any(number is None for number, _ in counts):
+        return None
+    return sum(n for n, trained in counts if trained), sum(n for n, trained in counts if not trained)
+
+
+def learner_memory(cfg: Config) -> Optional[tuple[int, str]]:
+    """(bytes, what they are) of the memory one learner rank runs in, where this machine can tell."""
+    if cfg.ray.address:
+        return None
+    if cfg.learner.device == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory (CPU ranks share it)"
+    try:  # not torch.cuda: that would hold a CUDA context in the controller for the whole run
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,name", "--format=csv,noheader,nounits"],
+                                capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    mib, name = min((int(row.split(",")[0]), row.split(",", 1)[1].strip()) for row in listed.strip().splitlines())
+    return mib * 2**20, f"GPU memory ({name})"

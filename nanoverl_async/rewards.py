@@ -10,7 +10,10 @@ checks the last \\boxed{...} (or the whole answer) against the ground truth with
 package; where math-verify is not installed it falls back to an exact match of the normalised strings.
 
 Invariants: the reward is a finite float (a function returning NaN, inf or a wrong type raises
-ValueError naming the function, so a broken scorer fails the run loudly instead of training on it).
+ValueError naming the function, and one that raises a UserCodeError naming it and its file:line, so a
+broken scorer fails the run loudly instead of training on it). A sample without a ground truth is still
+scored (against None: a custom function may not need one), and its reward info says so
+(`MISSING_GROUND_TRUTH`), so that metrics.py can count such episodes and warn when they earn nothing.
 
 Run alone: `python -m pytest tests/test_env_data.py -q`.
 """
@@ -18,11 +21,14 @@ Run alone: `python -m pytest tests/test_env_data.py -q`.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import threading
 from typing import Any, Callable, Optional
 
-from nanoverl_async.user_code import load_object, maybe_await
+from nanoverl_async.user_code import call_user, load_object
+
+MISSING_GROUND_TRUTH = "ground_truth_missing"  # reward info of an episode whose sample had no ground truth
 
 
 def load_reward(path: str, name: str = "compute_score") -> Optional[Callable]:
@@ -67,19 +73,24 @@ def math_compute_score(data_source: str, solution_str: str, ground_truth: Any, e
     return float(_normalise(answer) == _normalise(str(ground_truth)))
 
 
+def is_reward(value: Any) -> bool:
+    """A finite real number (numpy's too), but not a bool: True is a comparison someone forgot to float()."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+
+
 async def score_sample(reward_fn: Optional[Callable], sample: dict, solution_str: str) -> tuple[float, dict]:
     """Call a verl-style reward function on one sample -> (reward, extra numeric info)."""
     fn = reward_fn or math_compute_score
+    name = getattr(fn, "__name__", fn)
     ground_truth = (sample.get("reward_model") or {}).get("ground_truth", sample.get("answer"))
-    result = await maybe_await(fn(sample.get("data_source", ""), solution_str, ground_truth,
-                                  sample.get("extra_info") or {}))
-    info: dict = {}
+    result = await call_user(f"reward function {name}", fn, sample.get("data_source", ""), solution_str,
+                             ground_truth, sample.get("extra_info") or {})
+    info: dict = {} if ground_truth is not None else {MISSING_GROUND_TRUTH: 1.0}
     if isinstance(result, dict):
         if "score" not in result:
-            raise ValueError(f"reward function {getattr(fn, '__name__', fn)} returned a dict without 'score'")
-        info = {k: float(v) for k, v in result.items()
-                if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            raise ValueError(f"reward function {name} returned a dict without 'score'")
+        info.update({k: float(v) for k, v in result.items() if k != "score" and is_reward(v)})
         result = result["score"]
-    if isinstance(result, bool) or not isinstance(result, (int, float)) or not math.isfinite(result):
-        raise ValueError(f"reward function {getattr(fn, '__name__', fn)} returned {result!r}, not a finite number")
+    if not is_reward(result):
+        raise ValueError(f"reward function {name} returned {result!r:.40}, not a finite number")
     return float(result), info

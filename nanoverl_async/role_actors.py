@@ -27,7 +27,7 @@ class BufferRole:
         self.service = BufferService(cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max,
                                      cfg.buffer, host, cfg.generator, vocab_size,
                                      prompt_source(cfg.data, cfg.run.seed), cfg.algorithm.group_filter, curve,
-                                     trace=cfg.run.trace)
+                                     trace=cfg.run.trace, max_tokens=cfg.agent.max_total_tokens)
         if state:  # a checkpoint's buffer.msgpack, before any generator connects (Roles starts them afterwards)
             self.service.restore(state)
 
@@ -85,6 +85,15 @@ class GeneratorRole:
 
     async def evaluate(self, samples: list, min_version: int) -> dict:
         return await self.worker.evaluate(samples, min_version)
+
+    async def gpu(self) -> str:
+        """The UUID of the GPU this generator's engine computes on ("" on CPU), for LearnerPool.share_gpu_with."""
+        import torch
+
+        engine_device = getattr(self.worker.engine, "device", None)
+        if engine_device is None or torch.device(engine_device).type != "cuda":
+            return ""
+        return str(torch.cuda.get_device_properties(torch.device(engine_device)).uuid)
 
     async def sglang_endpoints(self) -> list[dict]:
         """This generator's SGLang servers (url, tp_size, server_version, legacy_protocol), for learner rank 0

@@ -126,6 +126,12 @@ class _Bwrap:
     drop: tuple  # command prefix that becomes uid 65534 (as root: setpriv)
 
 
+def unavailable() -> Optional[str]:
+    """Why bubblewrap cannot isolate code on this machine (None: it can); checked once per process."""
+    found = _bwrap()
+    return found if isinstance(found, str) else None
+
+
 @functools.lru_cache(maxsize=None)
 def _bwrap() -> Union[_Bwrap, str]:
     """How to start a sandbox here, found once per process; a str says why there is none."""

@@ -13,6 +13,8 @@
 The schema is OpenAI/Hermes function format, `{"type": "function", "function": {"name", "description",
 "parameters": JSON schema}}`, built from the type hints (str, int, float, bool, list[...], dict, Literal,
 Optional) and the Google-style docstring ("Args:" section; the first paragraph is the description).
+A function without a docstring, or with a parameter without a type hint, is refused (ValueError naming
+it): env.env_factory builds every declared tool when the run starts, so that is a config error then.
 
 Invariants: `call_tool` never raises (except cancellation): unknown arguments, missing or wrongly typed
 arguments, a raising tool and a timeout each come back as `ToolResult(text="error: ...", error=True)`,
@@ -62,23 +64,31 @@ def as_tool(fn: Callable | Tool, name: Optional[str] = None, timeout_s: Optional
     """A function (or a Tool, returned as is) -> Tool with a schema from its signature and docstring."""
     if isinstance(fn, Tool):
         return fn
-    hints = typing.get_type_hints(fn)
-    description, arg_docs = parse_docstring(inspect.getdoc(fn) or "")
+    if not callable(fn):
+        raise ValueError(f"tool {fn!r:.40} is a {type(fn).__name__}, not a function")
+    name = name or fn.__name__
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception as error:  # noqa: BLE001 - e.g. a NameError from a hint naming an unimported type
+        raise ValueError(f"tool '{name}': its type hints do not resolve ({type(error).__name__}: {error})") from None
+    params = [p for p in inspect.signature(fn).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    # The model sees only the schema: without a description or types it can but guess how to call the tool.
+    untyped, doc = [p.name for p in params if p.name not in hints], inspect.getdoc(fn) or ""
+    missing = ([f"a type hint on {', '.join(untyped)}"] if untyped else []) + ([] if doc else ["a docstring"])
+    if missing:
+        raise ValueError(f"tool '{name}' needs {' and '.join(missing)}: its JSON schema, all the model "
+                         f"sees of it, is built from them (nanoverl_async/tools.py)")
+    description, arg_docs = parse_docstring(doc)
     properties, required = {}, []
-    for param in inspect.signature(fn).parameters.values():
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            continue
-        hint = hints.get(param.name, str)
-        properties[param.name] = {**json_schema(hint), **({"description": arg_docs[param.name]}
-                                                          if param.name in arg_docs else {})}
+    for param in params:
+        properties[param.name] = {**json_schema(hints[param.name]), **({"description": arg_docs[param.name]}
+                                                                       if param.name in arg_docs else {})}
         if param.default is inspect.Parameter.empty:
             required.append(param.name)
-    name = name or fn.__name__
     schema = {"type": "function", "function": {
         "name": name, "description": description,
         "parameters": {"type": "object", "properties": properties, "required": required}}}
-    return Tool(fn=fn, name=name, schema=schema, timeout_s=timeout_s,
-                hints={p: hints.get(p, str) for p in properties})
+    return Tool(fn=fn, name=name, schema=schema, timeout_s=timeout_s, hints={p: hints[p] for p in properties})
 
 
 def parse_docstring(doc: str) -> tuple[str, dict[str, str]]:

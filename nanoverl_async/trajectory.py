@@ -13,14 +13,14 @@ results) in order, with per-token masks, behaviour logprobs and weight versions.
 
 Wire: msgpack, numpy arrays as raw little-endian bytes with dtype and shape (decoded zero-copy with
 np.frombuffer). Never pickle. `decode` raises WireError naming the bad field; `check_bounds` adds what
-only the receiver knows (the model's vocabulary, the newest published version).
+only the receiver knows (the run's length limit, the model's vocabulary, the newest published version).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Optional
 
 import msgpack
 import numpy as np
@@ -28,6 +28,10 @@ import numpy as np
 
 class WireError(ValueError):
     """A message that does not decode to a valid trajectory."""
+
+
+class TooLong(WireError):
+    """A trajectory longer than the run allows (counted apart: buffer/too_long)."""
 
 
 ARRAY_DTYPES = {
@@ -170,10 +174,16 @@ def _check_spans(spans: list) -> None:
             raise WireError(f"field 'spans': entry {i} ({span[0]}) lies outside the episode's span")
 
 
-def check_bounds(t: Trajectory, vocab_size: int, newest_version: int) -> None:
-    """A decoded trajectory against the run it claims to belong to: token ids inside the model's
+def check_bounds(t: Trajectory, vocab_size: int, newest_version: int, max_tokens: Optional[int] = None) -> None:
+    """A decoded trajectory against the run it claims to belong to: at most `max_tokens` tokens
+    (agent.max_total_tokens, which the launcher checked against the model's positions; a longer one would
+    cost the learner out of all proportion, or outrun the model; TooLong), token ids inside the model's
     vocabulary (an id beyond it would fail the learner's embedding lookup) and no token from weights
-    newer than the newest version published (it would train as negative staleness). WireError otherwise."""
+    newer than the newest version published (it would train as negative staleness). WireError otherwise.
+    `max_tokens=None`: no length limit (a component tested alone)."""
+    if max_tokens is not None and len(t.token_ids) > max_tokens:
+        raise TooLong(f"field 'token_ids': {len(t.token_ids)} tokens, more than the run's {max_tokens} "
+                      f"(agent.max_total_tokens)")
     if t.token_ids.max() >= vocab_size:
         raise WireError(f"field 'token_ids': id {int(t.token_ids.max())} >= vocabulary size {vocab_size}")
     if t.versions.max() > newest_version:

@@ -99,9 +99,19 @@ def user_frames(error: BaseException, limit: int = 3) -> str:
     that are neither this package, nor the standard library, nor installed packages."""
     skip = (str(Path(__file__).parent), sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
             sysconfig.get_paths()["platlib"])
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(skip)]
+    frames = [f for f in traceback.extract_tb(error.__traceback__)  # "<string>": generated (a dataclass __init__)
+              if not f.filename.startswith(skip) and not f.filename.startswith("<")]
     return " at " + " <- ".join(f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in frames[::-1][:limit]) \
         if frames else ""
+
+
+def defined_at(function: Callable) -> str:
+    """' (defined at file.py:12)' for a user's function or method; '' where its source cannot be found."""
+    try:
+        function = inspect.unwrap(function)
+        return f" (defined at {Path(inspect.getsourcefile(function)).name}:{inspect.getsourcelines(function)[1]})"
+    except (TypeError, OSError):  # a builtin, or code without a file
+        return ""
 
 
 async def maybe_await(value: Any) -> Any:

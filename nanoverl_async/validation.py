@@ -124,14 +124,16 @@ def _check_run(cfg: Config) -> None:
 
 POSITIVE = ("run.total_steps", "data.prompts_per_step", "data.samples_per_prompt", "agent.max_turns",
             "agent.max_new_tokens", "agent.max_total_tokens", "agent.tool_timeout_s", "agent.max_tool_calls",
-            "generator.replicas", "generator.max_groups_in_flight", "generator.torch_threads", "learner.world_size",
+            "generator.replicas", "generator.max_groups_in_flight", "generator.torch_threads", "generator.kv_block_size",
+            "learner.world_size",
             "learner.torch_threads", "run.step_timeout_s", "weight_sync.timeout_s", "buffer.lease_timeout_s",
             "generator.temperature", "learner.lr", "algorithm.is_cap", "generator.sglang.servers",
             "generator.sglang.tp_size", "generator.sglang.mem_fraction_static", "generator.sglang.launch_timeout_s",
             "generator.sglang.request_timeout_s", "generator.sglang.control_timeout_s")
 NON_NEGATIVE = ("staleness.max", "run.seed", "run.eval_every", "run.save_every", "run.keep_checkpoints",
                 "run.log_samples", "run.print_sample_every", "learner.weight_decay", "learner.grad_clip",
-                "algorithm.clip.low", "algorithm.clip.high", "ray.num_cpus")
+                "learner.logits_chunk_tokens", "algorithm.clip.low", "algorithm.clip.high", "ray.num_cpus",
+                "generator.kv_cache_memory")
 
 
 def _check_numbers(cfg: Config) -> None:

@@ -1,18 +1,29 @@
-"""Versioned weights from learner rank 0 to the generators over ZeroMQ PUB/SUB (no pickle, ever).
+"""Versioned weights from learner rank 0 to the generators, newest wins; ZeroMQ PUB/SUB carries every
+version's notice (no pickle, ever), and the weights themselves go one of three ways.
 
 Wire (one multipart message per version):
-    frame 0: msgpack {"version": int, "nbytes": int, "checksum": str}
+    frame 0: msgpack {"version": int, "nbytes": int, "checksum": str[, "segment": {...}]}
     frame 1: the full state dict in safetensors' layout (`serialise`; safetensors.torch.load reads it too):
-             an 8-byte little-endian header size, a JSON header {name: {dtype, shape, data_offsets}}, data
-    checksum = xxhash.xxh3_128(frame 1).hexdigest()
+             an 8-byte little-endian header size, a JSON header {name: {dtype, shape, data_offsets}}, data;
+             empty when "segment" names where the payload lies instead
+How the payload travels (the publisher picks, per version):
+  - socket: in frame 1; the only way between machines (a publisher bound beyond loopback);
+  - shared memory (a publisher on loopback, so every subscriber is on its machine, and Linux): the payload
+    is a memfd segment the learner wrote (shared_payloads.py), "segment": {"path": ...};
+  - CUDA IPC (`device_handles`, set when learner rank 0 and every generator share one GPU): the payload is
+    on that GPU, "segment": {"cuda": handle}; no host round trip at all.
+A subscriber copies a segment's payload into memory of its own (two buffers, alternating) and checks the
+copy, so a payload the learner rewrote meanwhile (it reuses one only after a newer version was sent) fails
+the check and is dropped, never applied: the newer one is on its way.
+checksum = xxh3_128 of the payload's bytes, or `shared_payloads.sum64` (computed on the GPU) for CUDA IPC.
 The checksum catches a payload damaged or mis-framed on its way (CURVE, when on, authenticates the sender):
 xxh3 hashes a 358M-parameter bfloat16 version in about 0.05 s on one core, where blake2b took 1.0-1.2 s at
-each end of a 3.2-5.1 s learner-to-generator latency, now about 1.1 s (bench/weights_latency.py).
+each end (bench/weights_latency.py times the paths).
 Both ends are written here rather than with safetensors' own functions, which hold the GIL while they copy
 a whole model (about 1 s each way for 360M bfloat16 parameters on 2 cores), stalling the learner's
 training thread beside the publisher's and the generator's event loop. Here the learner copies each tensor
 straight into its slot of the payload (`empty_payload`; torch copies, GIL released, from a GPU into pinned
-memory), and the receiver's tensors view the received frame: one copy on the host in all.
+memory), and the receiver's tensors view the received frame or its own copy of the segment.
 
 Invariants:
   - `WeightPublisher.publish` never blocks the training loop: the checksum and sending happen on one
@@ -22,16 +33,18 @@ Invariants:
     is an XPUB socket), so it never waits a whole training step for its first weights.
   - A payload handed to `publish` is the publisher's until `take_spare` hands it back, which it does only
     once a newer version was sent after it and ZeroMQ is done with every send of it (tracked): no version
-    is overwritten on its way.
-  - `WeightSubscriber.poll_newest` never blocks: it drains what is queued, drops (counts and logs) any
-    message whose framing, nbytes or checksum is wrong, and returns only the newest version greater than
-    the caller's. Every wait that can block (`close`) has a timeout.
+    is overwritten on the socket; one in place may be, while a subscriber copies it, and then fails the check.
+  - `WeightSubscriber.poll_newest` never blocks on the socket: it drains what is queued, drops (counts and
+    logs) any message whose framing, nbytes or checksum is wrong, and returns only the newest version greater
+    than the caller's, a version in place once copied and checked. Every wait that can block (`close`) has a
+    timeout.
 
 Run alone: `python -m pytest tests/test_weights.py -q`.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import math
@@ -44,6 +57,7 @@ import torch
 import xxhash
 import zmq
 
+from nanoverl_async import shared_payloads
 from nanoverl_async.wire_auth import CurveKeys, admit_run_clients, connect, serve
 
 log = logging.getLogger(__name__)
@@ -63,12 +77,14 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch
 DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
-def empty_payload(entries: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                  pin_memory: bool = False) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
-    """A payload in safetensors' layout for tensors of these dtypes and shapes, header written, data not yet
-    (a numpy array: bytes to zmq and xxhash without a copy), and each tensor's slot in it, a view to copy that tensor into (`serialise`; the learner copies straight
-    from its device, so a version is copied once on the host). Every key gets its own bytes (tied tensors
-    too), widest dtypes first, so that every slot starts aligned to its element size."""
+def empty_payload(entries: dict[str, tuple[torch.dtype, tuple[int, ...]]], pin_memory: bool = False,
+                  device: Optional[torch.device] = None) -> tuple[np.ndarray | torch.Tensor, dict[str, torch.Tensor]]:
+    """A payload in safetensors' layout for tensors of these dtypes and shapes, header written, data not yet,
+    and each tensor's slot in it, a view to copy that tensor into (`serialise`; the learner copies straight
+    from its device, so a version is copied once). On a CUDA `device`, a uint8 tensor there; else a numpy
+    array (bytes to zmq and xxhash without a copy) in pinned memory, or in shared memory where this machine
+    offers it (shared_payloads.py). Every key gets its own bytes (tied tensors too), widest dtypes first, so
+    that every slot starts aligned to its element size."""
     header, offset = {}, 0
     for name in sorted(entries, key=lambda name: -entries[name][0].itemsize):
         dtype, shape = entries[name]
@@ -78,13 +94,19 @@ def empty_payload(entries: dict[str, tuple[torch.dtype, tuple[int, ...]]],
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     prefix = bytearray(len(encoded).to_bytes(8, "little") + encoded)
-    payload = torch.empty(len(prefix) + offset, dtype=torch.uint8, pin_memory=pin_memory)  # not zero-filled
-    payload[:len(prefix)] = torch.frombuffer(prefix, dtype=torch.uint8)
+    size = len(prefix) + offset
+    if device is not None and device.type == "cuda":
+        payload = torch.empty(size, dtype=torch.uint8, device=device)
+    elif pin_memory or not shared_payloads.AVAILABLE:
+        payload = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)  # not zero-filled
+    else:
+        payload = torch.from_numpy(shared_payloads.shared_bytes(size))
+    payload[:len(prefix)] = torch.frombuffer(prefix, dtype=torch.uint8).to(payload.device)
     data, slots = payload[len(prefix):], {}
     for name, (dtype, shape) in entries.items():
         start, stop = header[name]["data_offsets"]
         slots[name] = data[start:stop].view(dtype).view(shape)
-    return payload.numpy(), slots
+    return (payload if payload.is_cuda else payload.numpy()), slots
 
 
 def serialise(state_dict: dict[str, torch.Tensor]) -> np.ndarray:
@@ -95,13 +117,16 @@ def serialise(state_dict: dict[str, torch.Tensor]) -> np.ndarray:
     return payload
 
 
-def deserialise(payload: memoryview) -> dict[str, torch.Tensor]:
-    """`serialise`'s bytes -> tensors that view `payload` (and keep it alive); ValueError for a header that
-    does not fit the payload."""
-    size = int.from_bytes(payload[:8], "little")
+def deserialise(payload: memoryview | torch.Tensor) -> dict[str, torch.Tensor]:
+    """`serialise`'s bytes (or `empty_payload`'s uint8 tensor on a GPU) -> tensors that view `payload` (and
+    keep it alive); ValueError for a header that does not fit the payload."""
+    on_device = isinstance(payload, torch.Tensor)
+    read = (lambda start, stop: payload[start:stop].cpu().numpy().tobytes()) if on_device else \
+        (lambda start, stop: bytes(payload[start:stop]))
+    size = int.from_bytes(read(0, 8), "little")
     if not 0 < size <= len(payload) - 8:
         raise ValueError(f"header of {size} bytes in a payload of {len(payload)}")
-    header = json.loads(bytes(payload[8:8 + size]))
+    header = json.loads(read(8, 8 + size))
     data = payload[8 + size:]
     tensors = {}
     for name, entry in header.items():
@@ -113,15 +138,32 @@ def deserialise(payload: memoryview) -> dict[str, torch.Tensor]:
         count = math.prod(shape)
         if not 0 <= start <= stop <= len(data) or stop - start != count * dtype.itemsize:
             raise ValueError(f"tensor {name!r}: bytes {start}-{stop} of {len(data)} for {count} x {dtype}")
-        tensors[name] = torch.frombuffer(data, dtype=dtype, count=count, offset=start).view(shape) if count \
-            else torch.empty(shape, dtype=dtype)
+        if not count:
+            tensors[name] = torch.empty(shape, dtype=dtype, device=payload.device if on_device else "cpu")
+        elif on_device:  # our own payloads only: every slot is aligned (empty_payload)
+            tensors[name] = data[start:stop].view(dtype).view(shape)
+        else:
+            tensors[name] = torch.frombuffer(data, dtype=dtype, count=count, offset=start).view(shape)
     return tensors
 
 
-class WeightPublisher:
-    """Binds an XPUB socket on `host` (random port); `endpoint` is what generators connect to."""
+def _on_loopback(host: str) -> bool:
+    """Bound there, only processes of this machine can subscribe."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
 
-    def __init__(self, host: str = "127.0.0.1", curve: Optional[CurveKeys] = None):
+
+class WeightPublisher:
+    """Binds an XPUB socket on `host` (random port); `endpoint` is what generators connect to. On loopback
+    (Linux) payloads in shared memory are sent by path (`shared_memory`; None: decide so); `device_handles`
+    (off until the launcher finds rank 0 and every generator on one GPU) puts them on the GPU, sent by handle."""
+
+    def __init__(self, host: str = "127.0.0.1", curve: Optional[CurveKeys] = None,
+                 shared_memory: Optional[bool] = None):
+        self.shared_memory = _on_loopback(host) and shared_payloads.AVAILABLE if shared_memory is None else shared_memory
+        self.device_handles = False
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._bound = threading.Event()
@@ -150,7 +192,20 @@ class WeightPublisher:
             self.counts["published"] += 1
         self._wake.set()
 
-    def take_spare(self) -> Optional[np.ndarray]:
+    def writable_payload(self, entries: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                         device: torch.device) -> tuple[np.ndarray | torch.Tensor, dict[str, torch.Tensor]]:
+        """Where learner rank 0 (on `device`) writes its next version, and the slots in it: a spare
+        (`take_spare`) of this layout and kind, else a new `empty_payload`, on the GPU with `device_handles`,
+        else pinned from a GPU (its copies do not block), else in shared memory where available."""
+        on_device = device.type == "cuda" and self.device_handles
+        payload = self.take_spare()
+        if payload is not None and isinstance(payload, torch.Tensor) == on_device:
+            slots = deserialise(payload if on_device else memoryview(payload))
+            if {name: (slot.dtype, tuple(slot.shape)) for name, slot in slots.items()} == entries:
+                return payload, slots
+        return empty_payload(entries, pin_memory=device.type == "cuda", device=device if on_device else None)
+
+    def take_spare(self) -> Optional[np.ndarray | torch.Tensor]:
         """A payload published earlier that is no longer needed (a newer version was sent after it, and
         ZeroMQ has let go of it), to write the next version into: a fresh one of a large model spends as long
         in page faults as in the copy. None if there is none yet."""
@@ -174,6 +229,18 @@ class WeightPublisher:
         if self._thread.is_alive():
             log.error("weight publisher thread did not stop within %.0f s", timeout_s)
 
+    def _frames(self, version: int, payload: np.ndarray | torch.Tensor) -> list:
+        """A version's message: its notice, and its payload unless the notice names where it lies."""
+        notice = {"version": version, "nbytes": len(payload)}
+        if isinstance(payload, torch.Tensor):  # on the GPU: only ever with device_handles
+            notice |= {"checksum": shared_payloads.sum64(payload), "segment": {"cuda": shared_payloads.device_handle(payload)}}
+            return [msgpack.packb(notice), b""]
+        notice["checksum"] = checksum(payload)
+        path = shared_payloads.path_of(payload) if self.shared_memory else None
+        if path is None:
+            return [msgpack.packb(notice), payload]
+        return [msgpack.packb({**notice, "segment": {"path": path}}), b""]
+
     def _run(self, host: str, curve: Optional[CurveKeys]) -> None:
         context = zmq.Context()
         authenticator = admit_run_clients(context, curve)  # only the run's generators may subscribe
@@ -181,7 +248,7 @@ class WeightPublisher:
         serve(socket, curve)
         socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
         socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # see every subscription, not only the first per topic
-        latest: Optional[list] = None  # the frames of the newest version sent, for late subscribers
+        latest: Optional[tuple[list, np.ndarray | torch.Tensor]] = None  # newest version sent (frames, payload)
         sends: list[zmq.MessageTracker] = []  # latest's sends: to every subscriber, then to each late one
         try:
             port = socket.bind_to_random_port(f"tcp://{host}")
@@ -196,17 +263,15 @@ class WeightPublisher:
                 if pending is not None:
                     version, payload = pending
                     del pending
-                    header = msgpack.packb({"version": version, "nbytes": len(payload),
-                                            "checksum": checksum(payload)})
                     if latest is not None:
                         with self._lock:
                             self._retire(sends, latest[1])
-                    latest = [header, payload]
-                    sends = [socket.send_multipart(latest, copy=False, track=True)]
+                    latest = (self._frames(version, payload), payload)
+                    sends = [socket.send_multipart(latest[0], copy=False, track=True)]
                     self.sent_version = version
                     self.counts["sent"] += 1
                 elif new_subscriber and latest is not None:
-                    sends.append(socket.send_multipart(latest, copy=False, track=True))
+                    sends.append(socket.send_multipart(latest[0], copy=False, track=True))
                     self.counts["resent_to_new_subscribers"] += 1
                 if self._closing and self._pending is None:
                     break
@@ -224,7 +289,9 @@ class WeightPublisher:
 
 
 class WeightSubscriber:
-    """Connects a SUB socket to a WeightPublisher's endpoint; `counts` holds received/dropped totals."""
+    """Connects a SUB socket to a WeightPublisher's endpoint; `counts` holds received/dropped totals. A state
+    dict `poll_newest` returns stays valid until it returns a newer one (it views the frame, or one of the
+    two copies of shared payloads, which alternate)."""
 
     def __init__(self, endpoint: str, curve: Optional[CurveKeys] = None):
         self.endpoint = endpoint
@@ -234,11 +301,15 @@ class WeightSubscriber:
         self._socket.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self._socket.connect(endpoint)
-        self.counts = {"received": 0, "dropped": 0, "stale": 0}
+        self.counts = {"received": 0, "dropped": 0, "stale": 0, "from_shared_memory": 0}
+        self._segments = shared_payloads.SegmentReader()
+        self._copies: list = [None, None]  # this process's copies of shared payloads; [_next_copy] is free
+        self._next_copy = 0
 
     def poll_newest(self, current_version: int) -> Optional[tuple[int, dict[str, torch.Tensor]]]:
-        """(version, state_dict) of the newest valid queued version > current_version, else None. Never blocks."""
-        best: Optional[tuple[int, memoryview]] = None
+        """(version, state_dict) of the newest valid queued version > current_version, else None. Never blocks
+        on the socket; a payload in shared memory is copied (only the newest) and checked first."""
+        best: Optional[tuple[int, Optional[memoryview], dict]] = None
         while True:
             try:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -254,15 +325,56 @@ class WeightSubscriber:
             best = checked
         if best is None:
             return None
+        payload = best[1] if best[1] is not None else self._copy_segment(best[0], best[2])
+        if payload is None:
+            return None
         try:
-            return best[0], deserialise(best[1])
+            return best[0], deserialise(payload)
         except Exception as error:  # a checksummed payload that is not safetensors: a sender bug
             self.counts["dropped"] += 1
             log.warning("dropped weights version %d from %s: not safetensors (%s)", best[0], self.endpoint, error)
             return None
 
-    def _check(self, frames: list) -> Optional[tuple[int, memoryview]]:
-        """(version, payload) of a well-formed message, or None (dropped, counted, logged)."""
+    def _copy_segment(self, version: int, notice: dict) -> Optional[memoryview | torch.Tensor]:
+        """Our copy of the payload a notice names, if its checksum matches (else None: dropped, counted, logged).
+        RuntimeError when this process cannot map it at all: then no version ever could be applied."""
+        segment, nbytes = notice["segment"], notice["nbytes"]
+        try:
+            if "cuda" in segment:
+                source = shared_payloads.open_device_handle(segment["cuda"], nbytes)
+            else:
+                source = self._segments.view(segment["path"], nbytes)
+        except (FileNotFoundError, ValueError) as error:  # freed or replaced since: a newer version was sent
+            return self._drop(f"version {version}: payload gone ({error})")
+        except (OSError, RuntimeError) as error:
+            raise RuntimeError(f"weights version {version}: cannot map the learner's payload ({error}); learner "
+                               f"rank 0 must share this machine (and, for CUDA IPC, this GPU)") from error
+        copy = self._copies[self._next_copy]
+        if "cuda" in segment:
+            if copy is None or not isinstance(copy, torch.Tensor) or copy.numel() != nbytes or copy.device != source.device:
+                copy = torch.empty(nbytes, dtype=torch.uint8, device=source.device)
+            copy.copy_(source)
+            del source  # the learner may free or reuse it once no reader maps it
+            digest = shared_payloads.sum64(copy)
+        else:
+            if copy is None or not isinstance(copy, np.ndarray) or copy.nbytes != nbytes:
+                copy = np.empty(nbytes, dtype=np.uint8)
+            np.copyto(copy, source)
+            digest = checksum(copy)
+        self._copies[self._next_copy] = copy
+        if digest != notice["checksum"]:
+            return self._drop(f"version {version}: checksum mismatch (rewritten while it was read)")
+        self._next_copy ^= 1
+        self.counts["from_shared_memory"] += 1
+        return copy if isinstance(copy, torch.Tensor) else memoryview(copy)
+
+    def _drop(self, problem: str) -> None:
+        self.counts["dropped"] += 1
+        log.warning("dropped a weights message from %s: %s", self.endpoint, problem)
+
+    def _check(self, frames: list) -> Optional[tuple[int, Optional[memoryview], dict]]:
+        """(version, payload, notice) of a well-formed message, or None (dropped, counted, logged); the payload
+        is None when the notice names a segment (checked once copied: `_copy_segment`)."""
         problem = None
         if len(frames) != 2:
             problem = f"{len(frames)} frames, expected 2"
@@ -272,18 +384,24 @@ class WeightSubscriber:
             except Exception as error:
                 header, problem = None, f"header is not msgpack ({type(error).__name__})"
             payload = frames[1].buffer
-            if problem is None and (not isinstance(header, dict) or set(header) != {"version", "nbytes", "checksum"}
+            keys = {"version", "nbytes", "checksum"}
+            if problem is None and (not isinstance(header, dict) or not keys <= set(header) <= keys | {"segment"}
                                     or not isinstance(header["version"], int)):
                 problem = f"bad header {header!r:.200}"
+            elif problem is None and "segment" in header:
+                segment = header["segment"]
+                if len(payload) or not isinstance(segment, dict) or not (
+                        isinstance(segment.get("path"), str) or isinstance(segment.get("cuda"), dict)):
+                    problem = f"version {header['version']}: bad segment {segment!r:.200}"
+                else:
+                    return header["version"], None, header
             elif problem is None and header["nbytes"] != len(payload):
                 problem = f"version {header['version']}: {len(payload)} bytes, header says {header['nbytes']}"
             elif problem is None and header["checksum"] != checksum(payload):
                 problem = f"version {header['version']}: checksum mismatch"
         if problem is not None:
-            self.counts["dropped"] += 1
-            log.warning("dropped a weights message from %s: %s", self.endpoint, problem)
-            return None
-        return header["version"], payload
+            return self._drop(problem)
+        return header["version"], payload, header
 
     def close(self) -> None:
         self._socket.close(linger=0)

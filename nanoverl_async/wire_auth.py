@@ -1,23 +1,26 @@
-"""Where the run's ZeroMQ sockets bind, and CURVE on every one beyond loopback: only the run's roles connect.
+"""Where the run's ZeroMQ sockets bind, and CURVE on every one, loopback included: only the run's roles connect.
 
     host = placed_host(cfg.wire.host, on_cluster)   # preflight, once: "auto" -> 127.0.0.1, or NODE on a cluster
-    keys = run_keys(host)                  # the controller, once per run: None on 127.0.0.1
+    keys = run_keys()                      # the controller, once per run
     bind_host(host, node_ip)               # a role that binds, on the node Ray placed it on
     admit_run_clients(context, keys)       # a role that binds (buffer, weights publisher), per context,
     serve(socket, keys)                    #   and per socket, before socket.bind
     connect(socket, keys)                  # a role that connects (generators), before socket.connect
 
-Why: on 127.0.0.1 only processes of this machine can reach the sockets, but a `wire.host` on a network
-lets any peer lease prompts, push trajectories or subscribe to the weights. With keys, every connection
-is encrypted (CurveZMQ: Curve25519 keys, the server's public key must be known to start a handshake) and
-a ZAP handler admits only clients presenting the run's client key; a peer without it never completes
-the handshake, so its messages never reach the buffer. The keys are made fresh by the controller for
-each run and handed to the roles as arguments: never written to the config, the logs or the checkpoint.
+Why: a `wire.host` on a network lets any peer reach the sockets, and on 127.0.0.1 any process of this
+machine (another user's included) could lease prompts as a generator, push trajectories that get trained,
+or subscribe to the weights. With keys, every connection is encrypted (CurveZMQ: Curve25519 keys, the
+server's public key must be known to start a handshake) and a ZAP handler admits only clients presenting
+the run's client key; a peer without it never completes the handshake, so its messages never reach the
+buffer and it learns nothing of the run's state. Cost: one handshake per connection, then encryption of
+every byte sent (the weights are the largest messages), on ZeroMQ's I/O threads.
+The keys are made fresh by the controller for each run and handed to the roles as arguments: never
+written to the config, the logs or the checkpoint. `keys=None` (plain sockets) is for tests and benches
+that build one component alone; every role of a run gets the keys.
 """
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,15 +34,6 @@ class CurveKeys:
     server_secret: bytes
     client_public: bytes
     client_secret: bytes
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        return False
 
 
 NODE = "node"  # bind on the address of the node the role was placed on (Ray's node IP)
@@ -58,10 +52,9 @@ def bind_host(host: str, node_ip: str) -> str:
     return node_ip if host == NODE else host
 
 
-def run_keys(host: str) -> Optional[CurveKeys]:
-    """Fresh keys for a run whose sockets bind on `host`; None on loopback, which needs none."""
-    if is_loopback(host):
-        return None
+def run_keys() -> CurveKeys:
+    """Fresh keys for one run: a server pair (the buffer's and the publisher's sockets) and a client pair
+    (every generator), each made by libsodium from the OS's random source."""
     server_public, server_secret = zmq.curve_keypair()
     client_public, client_secret = zmq.curve_keypair()
     return CurveKeys(server_public, server_secret, client_public, client_secret)

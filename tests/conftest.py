@@ -1,11 +1,21 @@
 """Shared fixtures: one local Ray instance for every test that places roles in-process, and one short real
-run with every observation key on, which the plot, trace, replay and simulator tests all read."""
+run with every observation key on, which the plot, trace, replay and simulator tests all read; and the
+Hypothesis profile every property test runs under."""
+
+import os
 
 import pytest
 import ray
+from hypothesis import settings
 
 from nanoverl_async.config import load_config
 from nanoverl_async.launcher import start_ray
+
+# Hypothesis draws the same examples on every run (seeded from a hash of each test), so a failure replays and a
+# pass means the same thing everywhere; no example database. HYPOTHESIS_PROFILE=default explores at random.
+# Loaded before any test module builds its own settings(...), which inherit these values.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")
@@ -32,4 +42,5 @@ def observed_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("observed")
     result = run_cli(path, *OBSERVED_RUN)
     assert result.returncode == 0, result.stderr[-3000:]
+    (path / "console.txt").write_text(result.stderr)  # the start-up phase lines (test_cli_run.py)
     return path

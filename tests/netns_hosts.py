@@ -149,7 +149,7 @@ def _serve(host: str) -> None:
     from nanoverl_async.config import BufferConfig, GeneratorConfig
     from nanoverl_async.wire_auth import run_keys
 
-    keys = run_keys(host)
+    keys = run_keys()
     service = BufferService(1, 1, 0, BufferConfig(lease_timeout_s=30), host, GeneratorConfig(replicas=1), 110,
                             lambda index: {"index": index}, curve=keys)
     print(json.dumps({"endpoint": service.endpoints["leases"],

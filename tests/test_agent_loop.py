@@ -102,7 +102,8 @@ def test_malformed_and_raising_calls_become_error_observations(tokenizer):
 
 
 def test_slow_async_tool_times_out(tokenizer):
-    async def slow_tool(expression):
+    async def slow_tool(expression: str) -> str:
+        """Never answers in time."""
         await asyncio.sleep(10)
 
     class SlowEnv(multiply_task.MultiplyEnv):
@@ -199,10 +200,11 @@ def test_user_errors_name_the_hook_and_the_users_own_frames(tokenizer, tmp_path)
         episode(ScriptedEngine(tokenizer, ["42<|end|>"]), tokenizer, sample,
                 env=load_object(f"{tmp_path}/my_env.py:Typo")())
     message = str(raised.value)
-    assert message.startswith("agent.env step() raised KeyError: 'answr' at my_env.py:6 in lookup <- "
+    assert message.startswith("agent.env Typo.step() raised KeyError: 'answr' at my_env.py:6 in lookup <- "
                               "my_env.py:11 in step"), message
     assert "agent_loop" not in message and "\n" not in message
-    with pytest.raises(UserCodeError, match=r"step\(\) returned float 1.0; return a nanoverl_async.env.Step"):
+    with pytest.raises(UserCodeError, match=r"^agent.env ReturnsFloat.step\(\) \(defined at my_env.py:15\) returned "
+                                            r"float 1.0; return a nanoverl_async.env.Step"):
         episode(ScriptedEngine(tokenizer, ["42<|end|>"]), tokenizer, sample,
                 env=load_object(f"{tmp_path}/my_env.py:ReturnsFloat")())
 

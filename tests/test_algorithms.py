@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from nanoverl_async.algorithms import (ADVANTAGES, LossInputs, drgrpo_advantages, entropy_bonus, gae_advantages,
-                                      grpo_advantages, kl_estimates, kl_per_token, kl_reward_penalty,
+from nanoverl_async.algorithms import (ADVANTAGES, CORRECTIONS, LossInputs, drgrpo_advantages, entropy_bonus,
+                                      gae_advantages, grpo_advantages, kl_estimates, kl_per_token, kl_reward_penalty,
                                       outcome_token_rewards, overlong_penalty, policy_loss,
                                       reinforce_pp_advantages, rloo_advantages, token_entropy, token_logprobs,
                                       token_logprobs_and_entropy)
@@ -328,6 +328,23 @@ def test_policy_loss_matches_naive(n, t, mask_kind, correction):
     x = (p_old - mu)[on]
     assert metrics["behaviour_kl"].item() == pytest.approx((torch.exp(x) - 1 - x).sum().item() / normaliser)
     assert metrics["behaviour_kl_k1"].item() == pytest.approx(-x.sum().item() / normaliser)
+
+
+def test_is_weights_at_the_cap_and_the_floor():
+    """mis keeps low <= w <= cap (both ends inclusive) and drops the rest; tis truncates w > cap to cap and
+    counts only those as truncated. w = exp(p_old - mu) is exactly 1 where p_old == mu, so each bound is
+    met exactly by a weight of 1, and missed by exp(+-1e-3)."""
+    mu = torch.full((1, 3), -1.0)
+    mask = torch.ones(1, 3)
+    p_old = mu + torch.tensor([[0.0, 1e-3, -1e-3]])  # w = 1, just above 1, just below 1
+    at_cap = CORRECTIONS["mis"](p_old, mu, mask, cap=1.0, low=0.5)
+    assert at_cap.keep.tolist() == [[True, False, True]] and at_cap.weight[0, 0] == 1.0
+    at_floor = CORRECTIONS["mis"](p_old, mu, mask, cap=2.0, low=1.0)
+    assert at_floor.keep.tolist() == [[True, True, False]] and at_floor.weight[0, 2] == 0.0
+    assert at_floor.metrics["is_masked_fraction"].tolist() == [[0.0, 0.0, 1.0]]
+    tis = CORRECTIONS["tis"](p_old, mu, mask, cap=1.0)
+    assert tis.weight[0, :2].tolist() == [1.0, 1.0] and tis.weight[0, 2] < 1.0
+    assert tis.metrics["is_truncated_fraction"].tolist() == [[0.0, 1.0, 0.0]]
 
 
 def test_token_logprobs_and_entropy():

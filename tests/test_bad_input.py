@@ -1,13 +1,16 @@
 """The bad-input corpus: configs, datasets, checkpoints, user hooks and wire messages a careless user,
 a faulty generator or a hostile peer could produce. Each case either stops the launch with ONE line
 naming the culprit (the key, file, row, hook or field) before anything starts, or is counted and
-ignored by the running buffer service while a good batch still arrives. Nothing here starts Ray.
+ignored by the running buffer service while a good batch still arrives, or (a run that would go silently
+wrong: failing tools, no ground truth) shows on the console line and is warned about once, with counts.
+Nothing here starts Ray.
 
 Run alone: `python -m pytest tests/test_bad_input.py -q` (~30 s).
 """
 
 import asyncio
 import json
+import re
 
 import msgpack
 import numpy as np
@@ -16,13 +19,18 @@ import zmq
 
 from nanoverl_async import multiply_task
 from nanoverl_async.buffer.service import BufferService
+from nanoverl_async.cli import main
 from nanoverl_async.config import AgentConfig, BufferConfig, ConfigError, GeneratorConfig, load_config
+from nanoverl_async.env import Environment
 from nanoverl_async.generators.agent_loop import run_episode
 from nanoverl_async.launcher import launch
+from nanoverl_async.metrics import MetricsLogger, step_metrics
+from nanoverl_async.tiny_model import build_tokenizer
 from nanoverl_async.trajectory import encode
 from nanoverl_async.user_code import UserCodeError, load_object
 from test_agent_loop import ScriptedEngine
 from test_buffer_service import VOCAB, make_trajectory
+from test_metrics import make_batch
 
 ONE_LINE_TIMEOUT_S = 60
 
@@ -76,6 +84,31 @@ def test_bad_config_values_fail_in_one_line(override, culprit):
     with pytest.raises(ConfigError) as raised:
         load_config("configs/agent_grpo.yaml", [override])
     assert_one_line(raised.value, culprit)
+
+
+# --- the config file itself, as the CLI is handed it -> one line naming the file, exit status 2
+CONFIG_FILE_CASES = {  # name -> (file name, its bytes; None: a folder), what the line says after the file's name
+    "not-utf8": ("latin1.yaml", "run:\n  output_dir: caf\xe9\n".encode("latin-1"), "is not UTF-8 text (byte 0xe9 at"),
+    "empty": ("empty.yaml", b"", "is empty; write at least one section"),
+    "only-comments": ("comments.yaml", b"# run:\n#   total_steps: 3\n", "is empty; write at least one section"),
+    "a-folder": ("configs", None, "is a folder, not a YAML file"),
+}
+
+
+@pytest.mark.parametrize("command", ["validate", "launch"])
+@pytest.mark.parametrize("case", CONFIG_FILE_CASES)
+def test_a_bad_config_file_is_one_line_naming_it_and_status_2(tmp_path, capsys, case, command):
+    name, contents, culprit = CONFIG_FILE_CASES[case]
+    path = tmp_path / name
+    if contents is None:
+        path.mkdir()
+    else:
+        path.write_bytes(contents)
+    assert main([command, str(path), f"run.output_dir={tmp_path}/out"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"nanoverl-async: config error: config file '{path}' {culprit}"), err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("override,culprit", LAUNCH_CASES, ids=[c[0] for c in LAUNCH_CASES])
@@ -174,29 +207,157 @@ class RolloutReturnsText:
 class RolloutRaises:
     async def rollout(self, episode, sample):
         return 1 / 0
+
+
+class StepRewardNone(Environment):
+    async def step(self, sample, message):
+        return Step(reward=None)
+
+
+class StepRewardSetLater(Environment):
+    async def step(self, sample, message):
+        step = Step()
+        step.reward = "1"
+        return step
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info):
+    return {"score": 1.0, "ratio": len(solution_str) / 0}
+
+
+class RewardFunctionRaises(Environment):
+    reward_fn = staticmethod(compute_score)
 '''
 HOOK_CASES = [
-    ("StepRaises", "agent.env step() raised KeyError: 'answr' at user_envs.py:7 in step"),
-    ("ResetRaises", "agent.env reset() raised RuntimeError: no prompt for you at user_envs.py:12 in reset"),
-    ("StepReturnsFloat", "agent.env step() returned float 1.0; return a nanoverl_async.env.Step"),
-    ("StepReturnsNone", "agent.env step() returned NoneType None; return a nanoverl_async.env.Step"),
-    ("RolloutReturnsText", "agent.env rollout() returned str '1.0'; return the episode's reward as a float"),
-    ("RolloutRaises", "agent.env rollout() raised ZeroDivisionError: division by zero at user_envs.py:33 in rollout"),
+    ("StepRaises", "agent.env StepRaises.step() raised KeyError: 'answr' at user_envs.py:7 in step"),
+    ("ResetRaises", "agent.env ResetRaises.reset() raised RuntimeError: no prompt for you at user_envs.py:12 in reset"),
+    ("StepReturnsFloat", "agent.env StepReturnsFloat.step() (defined at user_envs.py:16) returned float 1.0; return a "
+                         "nanoverl_async.env.Step with a finite reward"),
+    ("StepReturnsNone", "agent.env StepReturnsNone.step() (defined at user_envs.py:21) returned NoneType None;"),
+    ("RolloutReturnsText", "agent.env RolloutReturnsText.rollout() (defined at user_envs.py:26) returned str '1.0'; "
+                           "return the episode's reward as a finite number"),
+    ("RolloutRaises", "agent.env RolloutRaises.rollout() raised ZeroDivisionError: division by zero at "
+                      "user_envs.py:33 in rollout"),
+    ("StepRewardNone", "agent.env StepRewardNone.step() raised ValueError: Step(reward=None): the reward must be a "
+                       "finite number, not NoneType at user_envs.py:38 in step"),  # the user's line, not the Step's
+    ("StepRewardSetLater", "agent.env StepRewardSetLater.step() (defined at user_envs.py:42) returned Step "
+                           "Step(reward='1', done=True"),
+    ("RewardFunctionRaises", "reward function compute_score raised ZeroDivisionError: division by zero at "
+                             "user_envs.py:49 in compute_score"),
 ]
 
 
 @pytest.mark.parametrize("name,culprit", HOOK_CASES, ids=[c[0] for c in HOOK_CASES])
 def test_user_hook_errors_name_the_hook_and_the_line(tmp_path, name, culprit):
-    from nanoverl_async.tiny_model import build_tokenizer
-
     (tmp_path / "user_envs.py").write_text(USER_ENVS)
-    tokenizer = build_tokenizer()
     env = load_object(f"{tmp_path}/user_envs.py:{name}")()
-    sample = multiply_task.make_prompt(0, 1)
     with pytest.raises(UserCodeError) as raised:
-        asyncio.run(run_episode(ScriptedEngine(tokenizer, ["7<|end|>"]), tokenizer, sample, env,
-                                AgentConfig(max_turns=2, max_new_tokens=8, max_total_tokens=64), 1.0))
+        one_episode(env, multiply_task.make_prompt(0, 1), ["7<|end|>"])
     assert_one_line(raised.value, culprit)
+
+
+def one_episode(env, sample: dict, turns: list[str]):
+    tokenizer = build_tokenizer()
+    return asyncio.run(run_episode(ScriptedEngine(tokenizer, turns), tokenizer, sample, env,
+                                   AgentConfig(max_turns=2, max_new_tokens=12, max_total_tokens=64), 1.0))
+
+
+# --- tools the model could only guess how to call -> refused at launch, naming the tool and what it lacks
+TOOL_ENVS = '''
+from nanoverl_async import rollout_tools
+from nanoverl_async.multiply_task import MultiplyEnv
+
+
+def untyped(key):
+    return key
+
+
+def undocumented(key: str, limit: int = 3) -> str:
+    return key
+
+
+class Untyped(MultiplyEnv):
+    tools = [untyped]
+
+
+class Undocumented(MultiplyEnv):
+    tools = [undocumented]
+
+
+@rollout_tools(untyped, tool_format="builtin")
+async def rollout(episode, sample):
+    return 0.0
+'''
+TOOL_CASES = [
+    ("Untyped", "tool 'untyped' needs a type hint on key and a docstring"),
+    ("Undocumented", "tool 'undocumented' needs a docstring:"),
+    ("rollout", "tool 'untyped' needs a type hint on key and a docstring"),
+]
+
+
+@pytest.mark.parametrize("name,culprit", TOOL_CASES, ids=[c[0] for c in TOOL_CASES])
+def test_a_tool_without_type_hints_or_docstring_is_refused_at_launch(tmp_path, name, culprit):
+    (tmp_path / "tool_envs.py").write_text(TOOL_ENVS)
+    cfg = load_config("configs/agent_grpo.yaml", [f"agent.env={tmp_path}/tool_envs.py:{name}",
+                                                  f"run.output_dir={tmp_path}/out"])
+    with pytest.raises(ConfigError) as raised:
+        launch(cfg)
+    assert_one_line(raised.value, f"config key 'agent.env': {culprit}")
+    assert not (tmp_path / "out").exists()
+
+
+# --- silent wrong runs: what the run can see go wrong is on the console line, or a warning (once, with counts)
+def broken_calculator(expression: str) -> str:
+    """Multiply two numbers, "A*B"."""
+    raise ConnectionError("calculator backend down")
+
+
+class BrokenCalculatorEnv(multiply_task.MultiplyEnv):
+    tools = [broken_calculator]
+
+
+def log_steps(tmp_path, steps: list[list]) -> MetricsLogger:
+    logger = MetricsLogger(tmp_path, total_steps=len(steps), progress=True)  # not a terminal: plain lines
+    for step, trajectories in enumerate(steps):
+        batch = make_batch(step, trajectories, dropped_stale=0, generators_gated_frac=0.0)
+        logger.log(step_metrics(step, 1, batch, {}, step_seconds=1.0, samples_trained=4), trajectories)
+    logger.close()
+    return logger
+
+
+def test_failing_tool_calls_are_on_the_console_line_and_warned_about_once_past_half(tmp_path, capsys):
+    sample = multiply_task.make_prompt(0, 3)
+    call = [f"<call>{sample['a']}*{sample['b']}</call>", f"{sample['answer']}<|end|>"]
+
+    def episodes(failing: int) -> list:
+        return [one_episode(BrokenCalculatorEnv() if i < failing else multiply_task.MultiplyEnv(), sample, call)
+                for i in range(4)]
+
+    log_steps(tmp_path, [episodes(2), episodes(3), episodes(4)])  # exactly half fail, then three quarters, all
+    out, err = capsys.readouterr()
+    assert [re.search(r"tool_err \S+", line).group() for line in out.splitlines()] == [
+        "tool_err 2/4", "tool_err 3/4", "tool_err 4/4"]
+    assert err.count("tool calls failed") == 1 and err.startswith(  # then the tied-rewards warning of steps 0-2
+        "warning: step 1: 3 of 4 tool calls failed (first: broken_calculator: error: calculator backend down);"), err
+
+
+def test_every_reward_zero_without_ground_truth_is_warned_about_once(tmp_path, capsys):
+    """The default scorer compares an answer with the sample's reward_model.ground_truth; a dataset without
+    that field scores every answer 0, silently so until now."""
+    def episodes(with_truth: list) -> list:
+        prompt = {"messages": [{"role": "user", "content": "2+2?"}], "data_source": "toy"}
+        return [one_episode(Environment(), {**prompt, **({"reward_model": {"ground_truth": truth}} if truth else {})},
+                            ["4<|end|>"]) for truth in with_truth]
+
+    steps = [episodes(["4", None]), episodes(["5", "5"]), episodes([None, None]), episodes([None, None])]
+    assert [t.reward for t in steps[0]] == [1.0, 0.0]
+    log_steps(tmp_path, steps)  # a reward earned; all 0 with every truth present; all 0 and none (twice)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["episodes/ground_truth_missing"] for row in rows] == [1, 0, 2, 2]
+    assert not any(key.startswith("reward/ground_truth") for key in rows[0])  # a count, not a reward part
+    err = capsys.readouterr().err  # (and, after 3 steps of tied groups, the tied-rewards warning)
+    assert err.count("no ground truth") == 1 and err.startswith(
+        "warning: step 2: every reward is 0, and 2 of 2 episodes were scored against no ground truth"), err
 
 
 # --- the wire: what a faulty generator or a hostile peer sends -> counted and ignored; the run goes on

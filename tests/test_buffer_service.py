@@ -1,6 +1,8 @@
 """The buffer service over real ZeroMQ sockets on 127.0.0.1 (no Ray): leases, trajectories, a corrupt
 message and malformed requests (dropped, counted, the service keeps running), batches and their stats,
-the consumption check and lease expiry through the service, a clear TimeoutError, a prompt close()."""
+the consumption check and lease expiry through the service, a clear TimeoutError, a prompt close(), and
+every bound at the door exact at its edge (length, vocabulary, versions, max_groups; the model's positions
+at start)."""
 
 import itertools
 import time
@@ -13,7 +15,9 @@ import zmq
 from nanoverl_async.buffer.service import BufferService, GatedClock, parse_request
 from nanoverl_async.data import prompt_source
 from nanoverl_async import multiply_task
-from nanoverl_async.config import BufferConfig, DataConfig, GeneratorConfig
+from nanoverl_async.config import BufferConfig, ConfigError, DataConfig, GeneratorConfig
+from nanoverl_async.metrics import step_metrics
+from nanoverl_async.models import check_positions
 from nanoverl_async.trajectory import Trajectory, encode
 
 _ids = itertools.count()
@@ -58,10 +62,11 @@ class Client:
 def make_service():
     made = []
 
-    def make(B, G, eta, lease_timeout_s=30.0, replicas=8, max_groups_in_flight=16):
+    def make(B, G, eta, lease_timeout_s=30.0, replicas=8, max_groups_in_flight=16, max_tokens=None):
         service = BufferService(B, G, eta, BufferConfig(lease_timeout_s=lease_timeout_s), "127.0.0.1",
                                 GeneratorConfig(replicas=replicas, max_groups_in_flight=max_groups_in_flight),
-                                VOCAB, lambda index: {"index": index, "question": f"{index}*3?"})
+                                VOCAB, lambda index: {"index": index, "question": f"{index}*3?"},
+                                max_tokens=max_tokens)
         client = Client(service.endpoints)
         made.append((service, client))
         return service, client
@@ -242,18 +247,58 @@ def test_a_group_takes_each_trajectory_id_once(make_service):
 
 
 def test_lease_requests_are_checked_against_what_the_buffer_knows(make_service):
-    """A peer claiming unpublished weights, a generator the run does not have, or hundreds of groups is
-    refused or capped and counted; the versions the buffer reports stay those of the run's generators."""
+    """A peer claiming unpublished weights, a generator the run does not have, or more groups than a
+    generator may hold is refused and counted, each at the exact edge (version == newest and max_groups ==
+    generator.max_groups_in_flight pass, one more does not); a refusal never names the newest version; the
+    versions the buffer reports stay those of the run's generators."""
     service, client = make_service(B=4, G=1, eta=2, replicas=2, max_groups_in_flight=3)
-    claims = [({"version": 10**6, "max_groups": 400, "generator_id": 0}, "'version': 1000000 was never published"),
-              ({"version": 0, "max_groups": 4, "generator_id": 99}, "'generator_id': 99 is not one of this run's 2"),
-              ({"version": 1, "max_groups": 1, "generator_id": 1}, "'version': 1 was never published")]
-    for claim, error in claims:
-        assert error in client.ask({"op": "lease", **claim})["error"]
-    assert "never published" in client.ask({"op": "report", "generator_id": 0, "version": 5})["error"]
-    assert len(client.lease(version=0, max_groups=400, generator_id=0)) == 3  # capped at max_groups_in_flight
-    assert client.lease(version=0, max_groups=400, generator_id=0) == []  # its 3 are still in flight
-    assert len(client.lease(version=0, max_groups=1, generator_id=1)) == 1  # the gate had room for others
+    service.publishing(7)
+    claims = [((10**6, 1, 0), "field 'version': 1000000 was never published"),
+              ((8, 1, 1), "field 'version': 8 was never published"),
+              ((0, 1, 2), "field 'generator_id': 2 is not one of this run's 2"),
+              ((7, 4, 0), "field 'max_groups': 4 is more than a generator may hold (generator.max_groups_in_flight=3)"),
+              ((7, 2**63, 0), f"field 'max_groups': {2**63} is more")]
+    for (version, max_groups, generator_id), error in claims:
+        refusal = client.ask({"op": "lease", "version": version, "max_groups": max_groups,
+                              "generator_id": generator_id})["error"]
+        assert refusal.startswith(error) and "7" not in refusal.replace(str(max_groups), "")  # newest: not named
+    refusal = client.ask({"op": "report", "generator_id": 0, "version": 8})["error"]
+    assert refusal == "field 'version': 8 was never published"
+    assert service.stats()["leased"] == 0
+    assert len(client.lease(version=7, max_groups=3, generator_id=0)) == 3  # the newest version, the whole share
+    assert client.lease(version=7, max_groups=3, generator_id=0) == []  # its 3 are still in flight
+    assert len(client.lease(version=7, max_groups=1, generator_id=1)) == 1  # the gate had room for others
     stats = service.stats()
-    assert stats["malformed_requests"] == 4 and stats["leased"] == 4
-    assert stats["generator_versions"] == {0: 0, 1: 0}
+    assert stats["malformed_requests"] == 6 and stats["oversized_leases"] == 2 and stats["leased"] == 4
+    assert stats["generator_versions"] == {0: 7, 1: 7}
+
+
+def test_trajectory_bounds_hold_at_their_exact_edges(make_service):
+    """max_tokens (agent.max_total_tokens) tokens pass, one more is dropped and counted as too_long; id
+    VOCAB - 1 passes, VOCAB does not; a token of the newest version passes, of newest + 1 does not. The
+    counters reach the step's metrics as buffer/too_long and buffer/malformed."""
+    service, client = make_service(B=1, G=3, eta=0, max_tokens=7)
+    service.publishing(1)
+    (lease,) = client.lease(version=1, max_groups=1)
+    longest = make_trajectory(lease, 0, [1, 1, 1, 1])  # 2 prompt + 4 sampled + 1 tool token = 7
+    too_long = make_trajectory(lease, 0, [1, 1, 1, 1, 1])
+    last_id, beyond_vocab = make_trajectory(lease, 1, [1]), make_trajectory(lease, 1, [1])
+    last_id.token_ids[0], beyond_vocab.token_ids[0] = VOCAB - 1, VOCAB
+    for bad in (too_long, beyond_vocab, make_trajectory(lease, 2, [1, 2])):
+        client.push.send(encode(bad))
+    wait_for(service, lambda s: s["malformed"] == 3)
+    assert service.stats()["too_long"] == 1 and service.stats()["tokens_generated"] == 0
+    for good in (longest, last_id, make_trajectory(lease, 2, [1, 1])):
+        client.push.send(encode(good))
+    batch = service.next_batch(step=1, timeout_s=5.0)
+    assert [len(t.token_ids) for t in batch.trajectories] == [7, 4, 5]
+    metrics = step_metrics(1, 0, batch, {}, 1.0, 3)
+    assert metrics["buffer/too_long"] == 1 and metrics["buffer/malformed"] == 3
+    assert metrics["buffer/oversized_leases"] == 0
+
+
+def test_a_run_longer_than_the_models_positions_is_refused_at_start(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 256, "vocab_size": 110}')
+    check_positions(str(tmp_path), max_total_tokens=256)
+    with pytest.raises(ConfigError, match="'agent.max_total_tokens': 257 is more than the model's 256 positions"):
+        check_positions(str(tmp_path), max_total_tokens=257)

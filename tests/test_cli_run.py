@@ -46,6 +46,15 @@ def test_a_run_with_every_observation_key_on(observed_run):
     assert [s["step"] for s in samples] == [step for step in range(steps) for _ in range(3)]
     assert all(s["messages"][0]["role"] == "user" and s["versions"] for s in samples)
     assert any(m["role"] == "tool" for s in samples for m in s["messages"])  # the warm start calls tools
+    phases = ["] starting Ray", "] model builtin:tiny", "] placing the buffer, 2 generator(s) and 1 learner rank(s)",
+              "] roles ready", "] first batch ready; training step 0"]
+    console = (observed_run / "console.txt").read_text()
+    assert all(line in console for line in phases), console[-2000:]
+    assert sorted(phases, key=console.index) == phases  # in order, one line each, with seconds since launch
+    rows = read_metrics(observed_run)
+    elapsed = [float(console.split(line)[0].rsplit("[", 1)[1].split(" s")[0]) for line in phases]
+    assert elapsed == sorted(elapsed) and elapsed[-1] < rows[0]["time/startup_s"]
+    assert all("time/startup_s" not in row for row in rows[1:])  # the first trained step's only
 
 
 def test_cli_runs_two_ranks_two_generators_synchronously_with_drain(ray_session, tmp_path):
@@ -73,6 +82,35 @@ def test_cli_bad_config_fails_before_starting(tmp_path):
     assert result.returncode == 2
     assert "staleness.max" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+NONE_REWARD_ENV = '''
+from nanoverl_async import Step
+from nanoverl_async.multiply_task import MultiplyEnv
+
+
+class NoneReward(MultiplyEnv):
+    async def step(self, sample, message):
+        if sample["index"] >= 4:  # from the third group on: synchronously with 2 groups a step, after step 1
+            return Step(reward=None)
+        return await super().step(sample, message)
+'''
+
+
+def test_a_non_number_reward_fails_the_run_in_one_line_and_keeps_what_was_logged(ray_session, tmp_path, capsys):
+    (tmp_path / "none_env.py").write_text(NONE_REWARD_ENV)
+    out = tmp_path / "out"
+    assert launch_in_process(out, "run.total_steps=6", "staleness.max=0", "data.prompts_per_step=2",
+                             "data.samples_per_prompt=4", "run.log_samples=2",
+                             f"agent.env={tmp_path}/none_env.py:NoneReward") == 1
+    err = capsys.readouterr().err
+    assert ("nanoverl-async: run failed: generator 0: UserCodeError: agent.env NoneReward.step() raised ValueError: "
+            "Step(reward=None): the reward must be a finite number, not NoneType at none_env.py:9 in step\n") in err
+    assert "Traceback" not in err
+    steps = [row["step"] for row in read_metrics(out)]
+    assert steps[:2] == [0, 1] and steps == list(range(len(steps)))  # index 4 is leased at version 2 at the earliest
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [step for step in steps for _ in range(2)]
 
 
 def test_cli_saves_and_resumes_the_whole_async_state(ray_session, tmp_path, capsys):

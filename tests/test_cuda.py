@@ -10,19 +10,24 @@ test_fsdp.py, on the other device). Ran on an H200 (see README "What runs where"
 
 import asyncio
 import dataclasses
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
+from safetensors.torch import load as safetensors_load
 
 from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
 from nanoverl_async.learners.checkpoint import full_state_dict
 from nanoverl_async.learners.fsdp_rank import LearnerRank
-from nanoverl_async.weights import WeightSubscriber
+from nanoverl_async.weights import WeightPublisher, WeightSubscriber
 from test_engine import tiny_qwen2
 from test_fsdp import (LEARNER, bfloat16_rank_matches_a_float32_pass, free_port, make_batch, plain_reference,
                        published_versions_equal_held, setup, write_model_dir)
-from weight_waits import wait_newest
+from test_weights import READER
+from weight_waits import wait_newest, wait_sent
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TOL = 1e-4  # fp32 on both devices; kernels differ in summation order
@@ -119,6 +124,43 @@ def test_each_published_version_is_the_weights_held_also_written_into_a_reused_p
     finally:
         learner.shutdown()
     assert spares[:2] == [None, None] and any(spare is not None for spare in spares[2:])
+
+
+def test_a_process_on_the_same_gpu_reads_each_version_in_place_by_cuda_ipc_and_a_torn_one_is_refused(tmp_path):
+    """Learner rank 0's side with `device_handles`: the payload stays on the GPU, the notice carries its CUDA IPC
+    handle and sum64; a second process maps it, copies it on the GPU and checks it (test_weights.py: the same
+    logic through host shared memory)."""
+    publisher = WeightPublisher("127.0.0.1")
+    publisher.device_handles = True
+    generator = torch.Generator().manual_seed(0)
+    sent = {"w": torch.randn(257, 33, generator=generator).to(torch.bfloat16), "ids": torch.arange(5)}
+    try:
+        for version, tear in ((1, True), (2, False)):
+            payload, slots = publisher.writable_payload({n: (t.dtype, tuple(t.shape)) for n, t in sent.items()},
+                                                        torch.device("cuda"))
+            assert isinstance(payload, torch.Tensor) and payload.is_cuda
+            for name, tensor in sent.items():
+                slots[name].copy_(tensor)
+            torch.cuda.synchronize()
+            publisher.publish(version, payload)
+            wait_sent(publisher, version, 30)
+            if tear:  # written after its checksum: what a reader sees when the learner reuses it meanwhile
+                payload[-1] ^= 0xFF
+                torch.cuda.synchronize()
+            out = tmp_path / f"v{version}.safetensors"
+            reader = subprocess.run([sys.executable, "-c", READER, publisher.endpoint, str(out), "5" if tear else "60"],
+                                    capture_output=True, text=True, timeout=90)
+            if tear:  # nothing valid to read: the reader times out having dropped the version
+                assert reader.returncode != 0 and "checksum mismatch" in reader.stderr
+                continue
+            assert reader.returncode == 0, reader.stderr[-2000:]
+            report = json.loads(reader.stdout.splitlines()[-1])
+            assert report["version"] == 2 and report["devices"] == ["cuda"] and report["from_shared_memory"] == 1
+            got = safetensors_load(out.read_bytes())
+            for name, tensor in sent.items():
+                assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    finally:
+        publisher.close(timeout_s=5)
 
 
 def test_nccl_weight_group_beside_the_learners_nccl_world(tmp_path):

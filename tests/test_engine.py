@@ -1,16 +1,17 @@
-"""TransformersEngine: continuous batching with our own forward and slot KV cache, checked against a
-full forward pass.
+"""TransformersEngine: continuous batching with our own forward and paged KV cache, checked against a
+full forward pass (the cache's budget, preemption, copy on write and prefix hashes: test_kv_blocks.py).
 
 Fast CPU tests on tiny random models (hidden 64, 2 layers): logprobs of concurrent requests of
 different lengths, and of requests that join a running batch at different steps (rows leaving and
-moving slots, the cache growing), equal those of a recomputed unpadded forward pass; a late request
+moving in the block table), equal those of a recomputed unpadded forward pass; a late request
 finishes while a long one still decodes; stop tokens and max_new_tokens hold; an interrupt-mode weight
 swap re-tags later tokens with the new version and samples them from the new weights; the Llama family
 (Llama untied without bias, Qwen2 with qkv bias, Qwen3 q/k norms, Mistral sliding window) matches HF;
 lengths are not capped at max_position_embeddings; other model types and rope types are refused; an
-episode's later turns reuse its kept cache and still match a full forward of the whole history; a group
+episode's later turns find its blocks by hash and still match a full forward of the whole history; a group
 that joins running rows computes its prompt once and still matches; seeded random workloads that mix all
-of these (and a cancelled request) match token by token under each token's version, also with the decode
+of these (a cancelled request, small pools that preempt rows, blocks of 1, 4 and 16 positions) match token
+by token under each token's version, also with the decode
 step of CUDA graphs emulated on the CPU (each replay runs the captured step again, first checking that the
 engine still keeps every tensor the step reads where the capture found it, as a real graph would read there),
 and no step reads a value back from its tensors (HostWaits).
@@ -42,9 +43,13 @@ def tiny_qwen2(vocab_size: int = VOCAB, seed: int = 0) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config).eval()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    torch.set_num_threads(1)  # the tests' models are tiny: more threads only wait for each other
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    torch.set_num_threads(1)
     path = tmp_path_factory.mktemp("tiny_qwen2")
     tiny_qwen2().save_pretrained(path)
     return str(path)
@@ -261,7 +266,7 @@ def test_rows_joining_at_different_steps_match_a_full_forward(model_dir):
     engine = TransformersEngine(model_dir, seed=5)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     completions = staggered(engine, STAGGERED)
-    assert engine._kv.shape[2] >= 12 and engine._kv.shape[4] > 64  # the cache grew while rows were running
+    assert engine.cache.pool.in_use() == 0 and engine.cache.pool.peak >= 8  # every block back in the pool
     for (_, prompt, limit), completion in zip(STAGGERED, completions):
         assert len(completion.token_ids) == limit and completion.finish_reason == "length"
         expected = reference_logprobs(reference, prompt, completion.token_ids, 0.9)
@@ -287,15 +292,22 @@ def test_swap_mid_decode_recomputes_every_running_row(model_dir):
     assert swapped_mid_row >= 4
 
 
-def test_lengths_are_not_capped_at_max_position_embeddings(model_dir):
-    """As before the slot cache (HF's positions extrapolate): prompt + max_new_tokens past the model's 256."""
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
+def test_lengths_are_not_capped_at_max_position_embeddings(model_dir, graphs, monkeypatch):
+    """As with HF (its positions extrapolate): prompt + max_new_tokens past the model's 256. The block table
+    widens from 256 positions mid-decode: a new tensor, so the decode graphs are captured again (the short
+    row, alone before and after the long one, would otherwise replay its first graph on the old table)."""
     engine = TransformersEngine(model_dir, seed=8)
+    captured = emulate_decode_graphs(engine, monkeypatch) if graphs else []
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
-    prompt = [1 + i % (VOCAB - 1) for i in range(250)]
-    completion = asyncio.run(engine.generate(prompt, SamplingParams(12, 1.0)))
-    assert len(completion.token_ids) == 12 and engine._kv.shape[4] > 256
-    assert completion.logprobs == pytest.approx(reference_logprobs(reference, prompt, completion.token_ids, 1.0),
-                                                abs=TOL)
+    requests = [(0, [1, 2, 3], 40), (3, [1 + i % (VOCAB - 1) for i in range(250)], 12)]
+    completions = staggered(engine, requests, temperature=1.0)
+    assert engine.cache.table.shape[1] * engine.cache.pool.block_size > 256  # the block table widened
+    assert not graphs or sum(graph.replays for graph in captured) >= 30
+    for (_, prompt, limit), completion in zip(requests, completions):
+        assert len(completion.token_ids) == limit
+        assert completion.logprobs == pytest.approx(reference_logprobs(reference, prompt, completion.token_ids, 1.0),
+                                                    abs=TOL)
 
 
 def randomized(model):
@@ -335,13 +347,13 @@ def test_llama_family_matches_hf(name, tmp_path):
 @pytest.mark.parametrize("name", ["qwen2-qkv-bias", "mistral-sliding-window"])
 def test_later_turns_reuse_the_episodes_cache_and_match_a_full_forward(name, tmp_path):
     """Episodes of 3 turns, with tool tokens between turns and turns that join a running batch: each later
-    turn computes only its new tokens on top of the kept cache, and every logprob still equals one full
-    forward over the whole history. A weight swap between turns drops the stale cache (recomputed, and
-    under the new weights); a turn that does not continue its episode's tokens gets no cache."""
+    turn finds the full blocks of its earlier turns by their prefix hashes and computes only the rest, and
+    every logprob still equals one full forward over the whole history; a turn that does not continue its
+    episode's tokens finds none."""
     cls, config = FAMILY[name]
     torch.manual_seed(0)
     randomized(cls(config)).save_pretrained(tmp_path)
-    engine = TransformersEngine(str(tmp_path), seed=8)
+    engine = TransformersEngine(str(tmp_path), seed=8, block_size=4)
     reference = cls.from_pretrained(tmp_path).eval()
     prompts = {f"e{i}": [5 + i, 6, 7 + i, 8, 9][: 2 + i % 4] for i in range(6)}
     turns = []  # (episode, context, completion, weights version at the end)
@@ -365,14 +377,15 @@ def test_later_turns_reuse_the_episodes_cache_and_match_a_full_forward(name, tmp
     continued = [context for key, context, _ in turns if len(context) > len(prompts[key]) and context[0] != 1]
     assert len(continued) == 2 * len(prompts) - 1  # every later turn but e5's rewritten one
     # a later turn's context = the previous context + completion + 2 tool tokens; the cache held all of it
-    # but the last sampled token
-    assert engine.reused_tokens == sum(len(context) - 3 for context in continued)
+    # but the last sampled token, its full blocks by hash
+    assert engine.reused_tokens == sum(4 * ((len(context) - 3) // 4) for context in continued)
+    assert engine.computed_tokens == sum(len(context) for _, context, _ in turns) - engine.reused_tokens
 
 
 def test_a_later_turn_admitted_beside_a_longer_prompt_fits_the_cache(model_dir):
-    # the later turn reuses 57 cached tokens and adds 3; padded to the new prompt's 20 tokens, its padding
-    # reaches position 76, past the 64 positions its own length needs
-    engine = TransformersEngine(model_dir, seed=2)
+    # the later turn reuses the 56 cached tokens of its 14 full blocks and computes 4 beside a 20-token prompt,
+    # in one span: both rows' 15 columns of the block table are read, the prompt's 10 past its own 5 masked
+    engine = TransformersEngine(model_dir, seed=2, block_size=4)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     prompt = list(range(10, 60))
     first = asyncio.run(engine.generate(prompt, SamplingParams(8, 1.0), episode_id="e"))
@@ -383,14 +396,14 @@ def test_a_later_turn_admitted_beside_a_longer_prompt_fits_the_cache(model_dir):
                                     engine.generate(fresh, SamplingParams(4, 1.0)))
 
     later, other = asyncio.run(together())
-    assert engine.reused_tokens == len(context) - 3
+    assert engine.reused_tokens == 56 and len(context) == 60
     for ids, completion in ((context, later), (fresh, other)):
         assert completion.logprobs == pytest.approx(reference_logprobs(reference, ids, completion.token_ids, 1.0),
                                                     abs=TOL)
 
 
-def test_a_weight_swap_between_turns_drops_the_kept_cache(model_dir):
-    engine = TransformersEngine(model_dir, seed=9)
+def test_a_weight_swap_between_turns_drops_the_cached_blocks(model_dir):
+    engine = TransformersEngine(model_dir, seed=9, block_size=4)
     new = tiny_qwen2(seed=3)
     first = asyncio.run(engine.generate([4, 5, 6], SamplingParams(5, 1.0), episode_id="e"))
     engine.stage_weights({k: v for k, v in new.state_dict().items() if k != "lm_head.weight"}, 1)
@@ -399,7 +412,8 @@ def test_a_weight_swap_between_turns_drops_the_kept_cache(model_dir):
     assert engine.reused_tokens == 0 and second.versions == [1] * 5
     assert second.logprobs == pytest.approx(reference_logprobs(new, context, second.token_ids, 1.0), abs=TOL)
     third = asyncio.run(engine.generate(context + second.token_ids + [2], SamplingParams(2, 1.0), episode_id="e"))
-    assert engine.reused_tokens == len(context) + 4 and len(third.token_ids) == 2  # same weights: reused
+    # same weights: the 3 full blocks of the 13 positions the second turn cached are reused
+    assert engine.reused_tokens == 12 and len(context) + 4 == 13 and len(third.token_ids) == 2
 
 
 def test_unsupported_models_are_refused_in_one_line(tmp_path):
@@ -467,9 +481,10 @@ def emulate_decode_graphs(engine: TransformersEngine, monkeypatch) -> list[Emula
     monkeypatch.setattr(llama_forward, "_gqa_sdpa", llama_forward._expanded_sdpa)
     graphs, captured = DecodeGraphs(engine.forward, engine._next, engine._lens), []
 
-    def capture(kv, rows, length):
-        captured.append(EmulatedGraph(lambda: graphs.step(kv, rows, length),
-                                      lambda: [engine._next, engine._lens, engine._kv, *engine.model.parameters()]))
+    def capture(kv, table, rows, length):
+        captured.append(EmulatedGraph(lambda: graphs.step(kv, table, rows, length),
+                                      lambda: [engine._next, engine._lens, engine.cache.table, engine.cache.kv,
+                                               *engine.model.parameters()]))
         return captured[-1], captured[-1].hidden
 
     graphs._capture = capture
@@ -481,20 +496,27 @@ def emulate_decode_graphs(engine: TransformersEngine, monkeypatch) -> list[Emula
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
 @pytest.mark.parametrize("seed", range(8))
 def test_random_workloads_match_a_full_forward_under_their_versions(seed, graphs, tmp_path, monkeypatch):
-    """Everything at once, drawn from `seed`: a few slots (requests queue), groups that repeat a prompt,
-    episodes of 1-3 turns with tool tokens and their own latencies (kept caches), stop tokens, a request
-    cancelled at the third step (running, or still queued), and a weight swap mid-decode. Every token's logprob equals a full forward
-    over its context under the weights of the version it is tagged with; stops and lengths hold; the engine
-    ends empty. Dropping the temperatures' move in `_compact`, or the copies' cache in `_step`, fails it."""
+    """Everything at once, drawn from `seed`: a few rows (requests queue), blocks of 1, 4 or 16 positions in
+    a pool that holds the longest request and little more (rows are preempted) or a large one, groups that
+    repeat a prompt, episodes of 1-3 turns with tool tokens and their own latencies (their blocks found by
+    hash), stop tokens, a request cancelled at the third step (running, or still queued), and a weight swap
+    mid-decode. Every token's logprob equals a full forward over its context under the weights of the
+    version it is tagged with; stops and lengths hold; after every step the blocks in use are those the
+    running rows hold, within the pool; the engine ends empty. Dropping the temperatures' move in
+    `_compact`, or the copies' blocks in `_share`, fails it."""
     rng = random.Random(seed)
     randomized(tiny_qwen2()).save_pretrained(tmp_path)
-    engine = TransformersEngine(str(tmp_path), seed=seed, max_batch_size=rng.choice([3, 6, 16]))
+    block_size, rows, tight = rng.choice([1, 4, 16]), rng.choice([3, 6, 16]), seed % 2 == 0
+    engine = TransformersEngine(str(tmp_path), seed=seed, max_batch_size=rows, block_size=block_size,
+                                num_blocks=-(-82 // block_size) + 1 if tight else 4096)  # a request: <= 82 positions
     captured = emulate_decode_graphs(engine, monkeypatch) if graphs else []
     waits, step = HostWaits(), engine._step  # the step's one wait (.tolist() of what it sampled) is no op here
 
     def watched_step():
         with waits:
             step()
+        held = {block for request in engine._rows for block in request.blocks}
+        assert engine.cache.pool.in_use() == len(held) <= engine.cache.pool.capacity
 
     engine._step = watched_step
     weights = [Qwen2ForCausalLM.from_pretrained(tmp_path).eval(), randomized(tiny_qwen2(seed=seed + 100))]
@@ -528,7 +550,8 @@ def test_random_workloads_match_a_full_forward_under_their_versions(seed, graphs
         return await asyncio.gather(cancelled(), swap(), *(episode(f"e{i}") for i in range(14)))
 
     assert isinstance(asyncio.run(main())[0], asyncio.CancelledError)
-    assert engine.in_flight() == 0 and engine.weight_swaps == 1
+    assert engine.in_flight() == 0 and engine.weight_swaps == 1 and engine.cache.pool.in_use() == 0
+    assert not (tight and rows > 3) or engine.preemptions > 0
     assert not graphs or sum(graph.replays for graph in captured) > engine.decode_steps / 2
     assert waits.ops == []  # on a GPU, each would stall the host before the next step's kernels
     for context, params, completion in turns:

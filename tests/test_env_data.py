@@ -5,11 +5,12 @@ import concurrent.futures
 import json
 import math
 
+import numpy as np
 import pytest
 
 from nanoverl_async.config import AgentConfig, ConfigError, load_config
 from nanoverl_async.data import DatasetPrompts
-from nanoverl_async.env import Environment, FunctionEnv, env_factory
+from nanoverl_async.env import Environment, FunctionEnv, Step, env_factory
 from nanoverl_async.preflight import prepare
 from nanoverl_async.generators.agent_loop import run_episode
 from nanoverl_async.generators.engine import Completion
@@ -127,6 +128,19 @@ def test_reward_functions(tmp_path):
     assert math_compute_score("", "\\boxed{\\frac{1}{2}}", "0.5") == 1.0
     assert math_compute_score("", "\\boxed{3}", "4") == 0.0
     assert load_reward("", "compute_score") is None
+
+
+def test_a_reward_is_a_finite_number_wherever_it_comes_from():
+    """Step, a rollout and a reward function share one rule (rewards.is_reward): numpy numbers pass, and
+    None, text, a bool, NaN and inf are refused where they are made."""
+    sample = {"reward_model": {"ground_truth": "4"}}
+    for good in (1, 0.5, np.float32(0.25), np.int64(-1)):
+        assert Step(reward=good).reward == good and asyncio.run(score_sample(lambda *a: good, sample, "")) == (good, {})
+    for bad in (None, "1", True, math.nan, -math.inf):
+        with pytest.raises(ValueError, match="the reward must be a finite number"):
+            Step(reward=bad)
+        with pytest.raises(ValueError, match="not a finite number"):
+            asyncio.run(score_sample(lambda *a: bad, sample, ""))
 
 
 class OneTurnEngine:

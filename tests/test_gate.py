@@ -2,6 +2,7 @@
 expiry, re-issued prompts leased first, counters. Fast, no sockets. (The randomised property test of
 gate + replay together lives in tests/test_replay.py.)"""
 
+import numpy as np
 import pytest
 
 from nanoverl_async.buffer.gate import AdmissionGate
@@ -85,3 +86,19 @@ def test_bad_arguments_fail_loudly():
         gate.lease(-1, 1, 0.0)
     with pytest.raises(KeyError):
         gate.release(12345)
+
+
+def test_each_gate_rule_at_its_exact_edge():
+    """A generator at version u may start groups while groups_started < (u + eta + 1) * B: exactly that
+    many, not one more; a resumed gate leases to version == min_version and refuses min_version - 1; a
+    lease expires at its deadline, not a moment before."""
+    gate = make_gate(B=3, eta=2, timeout=5.0)
+    assert gate.capacity(1) == (1 + 2 + 1) * 3 == 12
+    assert len(gate.lease(1, 12, now=0.0)) == 12 and gate.lease(1, 1, now=0.0) == []
+    assert len(gate.lease(2, 4, now=0.0)) == 3  # version 2 opens exactly B more
+    restored = make_gate(B=1, eta=0)
+    restored.restore(make_gate(B=1, eta=0).state(), min_version=4, now=0.0)
+    assert restored.lease(3, 1, now=0.0) == [] and len(restored.lease(4, 1, now=0.0)) == 1
+    gate = make_gate(B=1, eta=0, timeout=5.0)
+    (lease,) = gate.lease(0, 1, now=1.0)
+    assert gate.expire(np.nextafter(6.0, 0.0)) == [] and gate.expire(6.0) == [lease.group_id]

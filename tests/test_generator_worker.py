@@ -173,7 +173,7 @@ def test_failures_end_run_with_the_exception(model_dir):
             context.destroy(linger=0)
 
     env = BadEnv  # the worker makes one environment per episode
-    with pytest.raises(UserCodeError, match=r"agent.env step\(\) raised ZeroDivisionError: score exploded at "
+    with pytest.raises(UserCodeError, match=r"agent.env BadEnv.step\(\) raised ZeroDivisionError: score exploded at "
                                             r"test_generator_worker.py:\d+ in step"):
         asyncio.run(main(env, reply_error=False))
     with pytest.raises(RuntimeError, match="buffer refused"):

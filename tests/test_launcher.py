@@ -19,6 +19,7 @@ from nanoverl_async.config import ConfigError, RayConfig, load_config
 from nanoverl_async.preflight import prepare
 from nanoverl_async.launcher import Roles, RunFailed, check_placement, role_failures
 from nanoverl_async.tiny_model import TinyRecipe, build_model, build_tokenizer
+from nanoverl_async.wire_auth import connect
 
 pytestmark = pytest.mark.slow
 
@@ -79,16 +80,23 @@ def test_dead_role_fails_the_run_naming_it(ray_session, random_tiny_model, tmp_p
 
 def test_a_hostile_lease_request_during_a_run_is_refused_and_the_run_goes_on(ray_session, random_tiny_model,
                                                                              tmp_path):
-    """A peer on the wire claims weights from the future and 400 groups (once it starved the generator
-    until the gate timed out), and another claims a generator id the run does not have; both are refused
-    and counted while the run's own generator keeps the batches coming. Then its learner dies: the dead-role
-    test's third case, on this run instead of a run of its own (placing the roles takes ~10 s)."""
+    """A local process without the run's keys gets no reply at all (loopback is CURVE too). A peer holding
+    them claims weights from the future and 400 groups (once it starved the generator until the gate timed
+    out), and another claims a generator id the run does not have; both are refused and counted while the
+    run's own generator keeps the batches coming. Then its learner dies: the dead-role test's third case, on
+    this run instead of a run of its own (placing the roles takes ~10 s)."""
     roles = make_roles(random_tiny_model, tmp_path)
     context = zmq.Context()
     try:
         batch = roles.next_batch(0)  # the run is up and streaming
+        endpoint = ray.get(roles.buffer.endpoints.remote())["leases"]
+        outsider = context.socket(zmq.DEALER)
+        outsider.connect(endpoint)
+        outsider.send(msgpack.packb({"op": "lease", "generator_id": 0, "version": 0, "max_groups": 1}))
+        assert not outsider.poll(2_000)  # no keys, no handshake: its request never reaches the buffer
         dealer = context.socket(zmq.DEALER)
-        dealer.connect(ray.get(roles.buffer.endpoints.remote())["leases"])
+        connect(dealer, roles.curve)
+        dealer.connect(endpoint)
         for claim in ({"generator_id": 0, "version": 10**6, "max_groups": 400},
                       {"generator_id": 5, "version": 0, "max_groups": 400}):
             dealer.send(msgpack.packb({"op": "lease", **claim}))

@@ -31,11 +31,11 @@ def grouped_batch():
     return collate(episodes(GROUPS, seed=1, group_size=4, shared_prompts=True))
 
 
-def padded_and_packed(model, batch, prompts=None, attention_cost=0.0, wanted=None):
+def padded_and_packed(model, batch, prompts=None, attention_cost=0.0, wanted=None, chunk_tokens=0):
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     packing = pack(batch.input_ids, batch.attention_mask, prompts=prompts, attention_cost=attention_cost,
                    wanted=wanted)
-    return sequence_logprobs(logits, batch.input_ids, 0.8), packing.logprobs(packing.forward(model), 0.8), packing
+    return sequence_logprobs(logits, batch.input_ids, 0.8), packing.logprobs(model, 0.8, chunk_tokens), packing
 
 
 def scored(batch):
@@ -45,17 +45,18 @@ def scored(batch):
     return where
 
 
-def assert_same_logprobs_and_gradients(model, batch, prompts=None, attention_cost=0.0, wanted=None):
+def assert_same_logprobs_and_gradients(model, batch, prompts=None, attention_cost=0.0, wanted=None, chunk_tokens=0):
     """wanted=None: every token's logprob; else those tokens' alone (the head runs only where it predicts
-    them), the others 0. The loss (a weighted sum over sampled tokens) and its gradient are the same."""
-    padded, packed, packing = padded_and_packed(model, batch, prompts, attention_cost, wanted)
+    them), the others 0; chunk_tokens > 0: the head over that many at a time, each chunk recomputed in
+    backward. The loss (a weighted sum over sampled tokens) and its gradient are the same."""
+    padded, packed, packing = padded_and_packed(model, batch, prompts, attention_cost, wanted, chunk_tokens)
     read = scored(batch) if wanted is None else scored(batch) & wanted
     assert torch.allclose(packed[read], padded[read], atol=1e-5)
     assert packed[~read].abs().sum() == 0
     assert len(packing.outputs) <= int(read.sum()) and len(packing.predictor) == int(read.sum())
     weights = batch.loss_mask * torch.linspace(-1, 1, batch.size)[:, None]
     grads = []
-    for logprobs in padded_and_packed(model, batch, prompts, attention_cost, wanted)[:2]:
+    for logprobs in padded_and_packed(model, batch, prompts, attention_cost, wanted, chunk_tokens)[:2]:
         model.zero_grad()
         (logprobs * weights).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
@@ -88,7 +89,7 @@ def test_a_shared_prompt_is_computed_once_per_row_and_changes_nothing(model_dir)
     # the entropy and a per-position value (a critic's) are read at the same predicting positions
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     packed_logits = shared.forward(model)
-    _, entropy = shared.logprobs_and_entropy(packed_logits, 0.8, entropy_grad=False)
+    _, entropy = shared.logprobs_and_entropy(model, 0.8, entropy_grad=False)
     want = torch.cat([torch.zeros(batch.size, 1), token_entropy(logits[:, :-1], 0.8)], dim=1)
     assert torch.allclose(entropy[scored(batch)], want[scored(batch)], atol=1e-5)
     values = shared.predicted(packed_logits[..., 0])
@@ -163,8 +164,8 @@ def test_only_models_attending_to_the_whole_context_share_prompts(model_dir):
 @pytest.mark.parametrize("seed", range(8))
 def test_random_batches_pack_like_the_padded_layout(model_dir, seed):
     """Shapes drawn from `seed`: groups of 1-8 samples sharing prompts of 1-9 tokens, 1-3 turns of 1-12
-    tokens, rows as long as the longest sequence or twice that (attention_cost): the same logprobs and
-    gradients as the padded layout."""
+    tokens, rows as long as the longest sequence or twice that (attention_cost), the head over all tokens at
+    once or in chunks of 1-7: the same logprobs and gradients as the padded layout."""
     rng = random.Random(seed)
     group_size = rng.choice([1, 2, 3, 4, 8])
     shapes = [(prompt, [rng.randint(1, 12) for _ in range(rng.randint(1, 3))], float(rng.random() < 0.5))
@@ -173,4 +174,5 @@ def test_random_batches_pack_like_the_padded_layout(model_dir, seed):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cost, sampled_only = rng.choice([0.0, 1e-3, 1e-2]), rng.random() < 0.5  # the learner's: the sampled tokens
     assert_same_logprobs_and_gradients(model, batch, prompt_lengths(batch.loss_mask), attention_cost=cost,
-                                       wanted=batch.loss_mask.bool() if sampled_only else None)
+                                       wanted=batch.loss_mask.bool() if sampled_only else None,
+                                       chunk_tokens=rng.choice([0, 1, 3, 7]))

@@ -116,6 +116,16 @@ def test_consumption_check_drops_stale_group_and_gate_reissues_its_prompt():
     assert again.prompt_index == old.prompt_index and again.group_id != old.group_id
 
 
+def test_consumption_check_keeps_lag_eta_and_drops_eta_plus_one():
+    """t - u <= eta is fresh: at step 3 with eta 1, a version-2 group is taken and a version-1 group dropped."""
+    replay = ReplayBuffer(group_size=1)
+    for group_id, version in [(0, 1), (1, 2)]:
+        replay.open(group_id, prompt_index=group_id, lease_version=version)
+        assert fill(replay, group_id, group_id, [version]) == [COMPLETED]
+    groups, dropped = replay.take(step=3, batch_groups=1, staleness=1)
+    assert [g.group_id for g in groups] == [1] and [g.group_id for g in dropped] == [0]
+
+
 def test_gate_alone_does_not_bound_staleness_of_a_long_tail():
     """docs/design.md "The consumption check": the gate is exact only if groups finish in the order they started. A group leased at
     version 0 that finishes after two steps (B=1, eta=1) passes the gate; the consumption check drops it."""

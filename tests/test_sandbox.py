@@ -293,6 +293,24 @@ def test_without_bubblewrap_the_tool_refuses_in_one_line_unless_the_user_opts_ou
         sandbox._bwrap.cache_clear()
 
 
+def test_an_env_with_the_python_tool_is_refused_at_start_without_bubblewrap(monkeypatch, tmp_path):
+    from nanoverl_async.config import ConfigError, load_config
+    from nanoverl_async.preflight import prepare
+    (tmp_path / "coder.py").write_text("from nanoverl_async import Environment, python\n\n"
+                                       "class Coder(Environment):\n    tools = [python]\n")
+    config = ["configs/agent_grpo.yaml", [f"agent.env={tmp_path / 'coder.py'}:Coder"]]
+    monkeypatch.setattr(sandbox, "BWRAP", "/nonexistent/bwrap")
+    sandbox._bwrap.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=r"^config key 'agent\.sandbox': sandbox: bubblewrap .* is not "
+                                              r"installed; install bubblewrap"):
+            prepare(load_config(*config))
+        prepare(load_config(config[0], config[1] + ["agent.sandbox=unsafe_no_isolation"]))  # the user's choice
+        prepare(load_config("configs/agent_grpo.yaml"))  # an env without the python tool needs no sandbox
+    finally:
+        sandbox._bwrap.cache_clear()
+
+
 def test_where_bubblewrap_cannot_isolate_the_refusal_quotes_it(monkeypatch, tmp_path):
     fake = tmp_path / "bwrap"  # as bwrap fails where user namespaces are blocked
     fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")

@@ -31,6 +31,7 @@ async def slow(seconds: float) -> str:
 
 
 def boom(x: int) -> int:
+    """Fail."""
     raise RuntimeError("kaput")
 
 
@@ -50,6 +51,40 @@ def test_schema_from_signature_and_docstring():
     assert props["weight"] == {"type": "number"}
     assert function["parameters"]["required"] == ["query"]
     assert as_tool(tool) is tool and as_tool(slow, name="wait").name == "wait"
+
+
+def no_doc(x: int) -> int:
+    return x
+
+
+def half_typed(x: int, y) -> int:
+    """Add."""
+
+
+def unresolved(x: "Missing") -> int:  # noqa: F821 - the name is missing on purpose
+    """Add."""
+
+
+def now() -> str:
+    """The time: no parameters, so no hints needed."""
+
+
+def echo(text: str, *rest, **options):
+    """Echo; a return hint and hints on *rest, **options (not in the schema) are not needed."""
+
+
+@pytest.mark.parametrize("fn,problem", [
+    (no_doc, "tool 'no_doc' needs a docstring:"),
+    (half_typed, "tool 'half_typed' needs a type hint on y:"),
+    (lambda x: x, "tool '<lambda>' needs a type hint on x and a docstring:"),
+    (unresolved, "tool 'unresolved': its type hints do not resolve (NameError"),
+    ("calc", "tool 'calc' is a str, not a function"),
+])
+def test_a_tool_the_model_could_only_guess_how_to_call_is_refused(fn, problem):
+    with pytest.raises(ValueError) as raised:
+        as_tool(fn)
+    assert str(raised.value).startswith(problem), raised.value
+    assert as_tool(now).parameters == [] and as_tool(echo).parameters == ["text"]
 
 
 @pytest.mark.parametrize("arguments,problem", [

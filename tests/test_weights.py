@@ -1,6 +1,11 @@
-"""Weights wire protocol: round trip, newest wins, late joiners, spare payloads, corrupt payloads dropped (fast,
-CPU)."""
+"""Weights wire protocol: round trip, newest wins, late joiners, spare payloads, corrupt payloads dropped; in place
+through shared memory: a second process reads a version bit-equal, a payload rewritten or forged is refused
+(fast, CPU)."""
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import msgpack
@@ -11,6 +16,7 @@ import zmq
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
+from nanoverl_async import shared_payloads
 from nanoverl_async.weights import WeightPublisher, WeightSubscriber, deserialise, serialise
 from weight_waits import wait_newest, wait_sent
 
@@ -22,9 +28,9 @@ def state(value: float) -> dict:
             "steps": torch.tensor([int(value)], dtype=torch.int64)}
 
 
-@pytest.fixture
-def pair():
-    publisher = WeightPublisher("127.0.0.1")
+@pytest.fixture(params=["shared memory", "socket"])
+def pair(request):
+    publisher = WeightPublisher("127.0.0.1", shared_memory=request.param == "shared memory")
     subscriber = WeightSubscriber(publisher.endpoint)
     yield publisher, subscriber
     subscriber.close()
@@ -145,3 +151,145 @@ def test_corrupt_and_mismatched_payloads_are_dropped_and_counted():
         subscriber.close()
         sender.close(linger=0)
         context.term()
+
+
+needs_memfd = pytest.mark.skipif(not shared_payloads.AVAILABLE, reason="shared memory payloads need Linux")
+READER = """
+import json, sys
+from safetensors.torch import save_file
+from nanoverl_async.weights import WeightSubscriber
+sys.path.insert(0, "tests")
+from weight_waits import wait_newest
+subscriber = WeightSubscriber(sys.argv[1])
+version, received = wait_newest(subscriber, 0, float(sys.argv[3]) if len(sys.argv) > 3 else 60)
+save_file({name: tensor.cpu().clone() for name, tensor in received.items()}, sys.argv[2])
+print(json.dumps({"version": version, "devices": sorted({t.device.type for t in received.values()}), **subscriber.counts}))
+"""
+
+
+@needs_memfd
+def test_a_second_process_reads_the_version_bit_equal_through_shared_memory(tmp_path):
+    publisher = WeightPublisher("127.0.0.1")
+    assert publisher.shared_memory  # loopback on Linux: every subscriber is on this machine
+    sent = {"w": torch.randn(64, 33, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1)),
+            "b": torch.randn(7, generator=torch.Generator().manual_seed(2)), "ids": torch.arange(5)}
+    payload = serialise(sent)
+    assert shared_payloads.path_of(payload) is not None
+    try:
+        publisher.publish(3, payload)
+        wait_sent(publisher, 3, TIMEOUT_S)
+        reader = subprocess.run([sys.executable, "-c", READER, publisher.endpoint, str(tmp_path / "got.safetensors")],
+                                capture_output=True, text=True, timeout=120)
+        assert reader.returncode == 0, reader.stderr[-2000:]
+        report = json.loads(reader.stdout.splitlines()[-1])
+        assert report["version"] == 3 and report["from_shared_memory"] == 1 and report["dropped"] == 0
+        got = safetensors_load((tmp_path / "got.safetensors").read_bytes())
+        assert got.keys() == sent.keys()
+        for name, tensor in sent.items():  # bit-equal: the same bytes, not only close values
+            assert got[name].dtype == tensor.dtype and torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8))
+    finally:
+        publisher.close(timeout_s=5)
+
+
+@needs_memfd
+@pytest.mark.parametrize("pair", ["shared memory"], indirect=True)
+def test_a_shared_payload_rewritten_after_its_notice_is_refused_and_the_newest_valid_version_wins(pair):
+    publisher, subscriber = pair
+    torn = serialise(state(1.0))
+    publisher.publish(1, torn)
+    wait_sent(publisher, 1, TIMEOUT_S)
+    torn[-1] ^= 0xFF  # the learner writing the next version into it while the generator reads it
+    deadline = time.monotonic() + TIMEOUT_S
+    while subscriber.counts["dropped"] == 0:
+        assert subscriber.poll_newest(current_version=0) is None, "a torn payload was applied"
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert subscriber.counts["from_shared_memory"] == 0
+    for version in (2, 3, 4):
+        publisher.publish(version, serialise(state(float(version))))
+    wait_sent(publisher, 4, TIMEOUT_S)
+    version = 1
+    while version < 4:
+        version, received = wait_newest(subscriber, current_version=version, timeout_s=TIMEOUT_S)
+    assert torch.equal(received["layer.weight"], torch.full((3, 4), 4.0)) and subscriber.counts["dropped"] == 1
+    assert subscriber.counts["from_shared_memory"] <= 3  # only the newest queued notice is ever copied
+
+
+@needs_memfd
+def test_forged_segment_notices_are_dropped_and_one_that_cannot_be_mapped_fails_loudly(tmp_path):
+    context = zmq.Context()
+    sender = context.socket(zmq.XPUB)
+    port = sender.bind_to_random_port("tcp://127.0.0.1")
+    subscriber = WeightSubscriber(f"tcp://127.0.0.1:{port}")
+    good = serialise(state(5.0))
+    path = shared_payloads.path_of(good)
+    notice = {"version": 5, "nbytes": len(good), "checksum": xxhash.xxh3_128(good).hexdigest(), "segment": {"path": path}}
+    unreadable = tmp_path / "unreadable"
+    unreadable.write_bytes(bytes(len(good)))
+    unreadable.chmod(0)
+    try:
+        assert sender.poll(timeout=int(TIMEOUT_S * 1000)) and sender.recv() == b"\x01"
+        forged = [{**notice, "checksum": "0" * 32},  # bytes that are not the version's
+                  {**notice, "nbytes": len(good) + 8},  # a segment of another size
+                  {**notice, "segment": {"path": str(tmp_path / "gone")}},  # freed since
+                  {**notice, "segment": {"path": 7}}]  # malformed
+        for bad in forged:
+            sender.send_multipart([msgpack.packb(bad), b""])
+            assert wait_dropped(subscriber, forged.index(bad) + 1) is None
+        sender.send_multipart([msgpack.packb({**notice, "segment": {"path": path}}), b"trailing payload"])
+        assert wait_dropped(subscriber, len(forged) + 1) is None  # a segment and a payload: which one?
+        sender.send_multipart([msgpack.packb(notice), b""])
+        version, received = wait_newest(subscriber, current_version=0, timeout_s=TIMEOUT_S)
+        assert version == 5 and torch.equal(received["layer.bias"], state(5.0)["layer.bias"])
+        if os.geteuid() != 0:  # root reads any file
+            sender.send_multipart([msgpack.packb({**notice, "version": 6, "segment": {"path": str(unreadable)}}), b""])
+            with pytest.raises(RuntimeError, match="cannot map the learner's payload"):
+                wait_newest(subscriber, current_version=5, timeout_s=TIMEOUT_S)
+    finally:
+        subscriber.close()
+        sender.close(linger=0)
+        context.term()
+
+
+def wait_dropped(subscriber: WeightSubscriber, dropped: int):
+    """Poll until `dropped` messages were dropped; what the last poll returned."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        result = subscriber.poll_newest(current_version=0)
+        if subscriber.counts["dropped"] >= dropped or result is not None:
+            return result
+        assert time.monotonic() < deadline, f"dropped {subscriber.counts['dropped']}, waiting for {dropped}"
+        time.sleep(0.005)
+
+
+def test_sum64_is_equal_for_equal_bytes_and_catches_a_torn_payload_and_its_tail():
+    generator = torch.Generator().manual_seed(0)
+    old = torch.randint(0, 256, (3 * 8 * 5 + 3,), dtype=torch.uint8, generator=generator)
+    new = torch.randint(0, 256, old.shape, dtype=torch.uint8, generator=generator)
+    torn = torch.cat([new[:40], old[40:]])
+    assert shared_payloads.sum64(old) == shared_payloads.sum64(old.clone())
+    assert len({shared_payloads.sum64(p) for p in (old, new, torn)}) == 3
+    tail = old.clone()
+    tail[-1] ^= 1  # the bytes after the last whole 8-byte word count too
+    assert shared_payloads.sum64(tail) != shared_payloads.sum64(old)
+    for chunk in (1, 2, 16):  # chunked or not, the same bytes give the same sum; swapped chunks do not
+        shared_payloads.SUM64_CHUNK, previous = chunk, shared_payloads.SUM64_CHUNK
+        try:
+            words = old[:120].view(torch.int64)
+            swapped = torch.cat([words[8:], words[:8]]).view(torch.uint8)
+            assert shared_payloads.sum64(old[:120]) == shared_payloads.sum64(old[:120].clone())
+            assert chunk == 16 or shared_payloads.sum64(swapped) != shared_payloads.sum64(old[:120])
+        finally:
+            shared_payloads.SUM64_CHUNK = previous
+
+
+def test_the_cuda_handle_fields_sent_are_arguments_of_torchs_rebuild():
+    """The CUDA IPC path runs only on a GPU (tests/test_cuda.py); this pins its contract with torch here."""
+    import inspect
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    handle = {key: 0 for key in shared_payloads.HANDLE_FIELDS}
+    arguments = shared_payloads.rebuild_arguments(handle, nbytes=64, device=0)
+    inspect.signature(rebuild_cuda_tensor).bind(**arguments)  # every parameter, each once, by name
+    assert arguments["tensor_size"] == (64,) and arguments["dtype"] == torch.uint8

@@ -1,11 +1,12 @@
-"""The trajectory wire codec: exact round trip, and every malformed message rejected with a WireError
-naming the field. Fast, no sockets."""
+"""The trajectory wire codec: exact round trip, every malformed message rejected with a WireError
+naming the field, and the receiver's bounds (length, vocabulary, newest version) exact at their edges.
+Fast, no sockets."""
 
 import msgpack
 import numpy as np
 import pytest
 
-from nanoverl_async.trajectory import Trajectory, WireError, decode, encode
+from nanoverl_async.trajectory import TooLong, Trajectory, WireError, check_bounds, decode, encode
 
 
 def make_trajectory() -> Trajectory:
@@ -87,6 +88,7 @@ CASES = [
     ("versions", _del("versions")),
     ("surprise", _set("surprise", 1)),
     ("token_ids", _array("token_ids", dtype="<i8")),
+    ("token_ids", _array("token_ids", strides=[4])),  # an array record has exactly dtype, shape and data
     ("behaviour_logprobs", _array("behaviour_logprobs", dtype="<f8")),
     ("loss_mask", _array("loss_mask", shape=[3, 3])),
     ("token_ids", _array("token_ids", data=b"\x00" * 5)),
@@ -113,6 +115,62 @@ CASES = [
 
 @pytest.mark.parametrize("field,edit", CASES, ids=[f"{i}-{c[0]}" for i, c in enumerate(CASES)])
 def test_malformed_record_names_the_field(field, edit):
+    record = record_of(make_trajectory())
+    edit(record)
+    with pytest.raises(WireError, match=f"'{field}'"):
+        decode(pack(record))
+
+
+def test_check_bounds_accepts_each_limit_exactly_and_refuses_one_beyond():
+    """9 tokens, ids up to 18, versions up to 5: accepted at vocabulary 19, newest version 5 and 9 tokens
+    allowed (ids < vocab, versions <= newest, length <= max_tokens); each limit one tighter refuses it."""
+    t = make_trajectory()
+    assert len(t.token_ids) == 9 and t.token_ids.max() == 18 and t.versions.max() == 5
+    check_bounds(t, vocab_size=19, newest_version=5, max_tokens=9)
+    check_bounds(t, vocab_size=19, newest_version=5)  # no length limit given: none applied
+    with pytest.raises(WireError, match="'token_ids': id 18 >= vocabulary size 18"):
+        check_bounds(t, vocab_size=18, newest_version=5, max_tokens=9)
+    with pytest.raises(WireError, match="'versions': version 5 was never published"):
+        check_bounds(t, vocab_size=19, newest_version=4, max_tokens=9)
+    with pytest.raises(TooLong, match="'token_ids': 9 tokens, more than the run's 8"):
+        check_bounds(t, vocab_size=19, newest_version=5, max_tokens=8)
+
+
+def _logprobs(values):
+    return _array("behaviour_logprobs", data=np.array(values, dtype="<f4").tobytes())
+
+
+VALID_EDGES = [  # each exactly at the edge of a rule of `validate`, on the accepting side
+    ("token id 0", _array("token_ids", data=np.zeros(9, "<i4").tobytes())),
+    ("one token", lambda r: [_truncate(name, 1)(r) for name in ("token_ids", "loss_mask", "behaviour_logprobs",
+                                                               "versions")]),
+    ("a sampled token of probability 1", _logprobs([0, 0, 0, 0.0, -0.5, 0, 0, -0.5, -0.5])),
+    ("logprob at the 1e-4 tolerance", _logprobs([0, 0, 0, 1e-4, -0.5, 0, 0, -0.5, -0.5])),
+    ("a call of zero length at the episode's end",
+     _set("spans", [["episode", 100.0, 100.25], ["tool", 100.25, 100.25]])),
+    ("a call spanning the whole episode", _set("spans", [["episode", 100.0, 100.25], ["generate", 100.0, 100.25]])),
+]
+INVALID_EDGES = [  # one step past the edge
+    ("token_ids", _array("token_ids", data=np.array([-1] + [0] * 8, "<i4").tobytes())),
+    ("token_ids", lambda r: [_truncate(name, 0)(r) for name in ("token_ids", "loss_mask", "behaviour_logprobs",
+                                                               "versions")]),
+    ("behaviour_logprobs", _logprobs([0, 0, 0, 2e-4, -0.5, 0, 0, -0.5, -0.5])),
+    ("behaviour_logprobs", _logprobs([0, 0, 0.5, -0.5, -0.5, 0, 0, -0.5, -0.5])),  # unsampled token, not 0
+    ("behaviour_logprobs", _logprobs([0, 0, 0, float("nan"), -0.5, 0, 0, -0.5, -0.5])),
+    ("spans", _set("spans", [["episode", 100.0, 100.25], ["tool", 99.9, 100.1]])),  # starts before the episode
+    ("spans", _set("spans", [["episode", float("-inf"), 100.25]])),
+]
+
+
+@pytest.mark.parametrize("edit", [e for _, e in VALID_EDGES], ids=[name for name, _ in VALID_EDGES])
+def test_validate_accepts_each_rule_at_its_edge(edit):
+    record = record_of(make_trajectory())
+    edit(record)
+    decode(pack(record))
+
+
+@pytest.mark.parametrize("field,edit", INVALID_EDGES, ids=[f"{i}-{c[0]}" for i, c in enumerate(INVALID_EDGES)])
+def test_validate_refuses_one_step_past_each_edge(field, edit):
     record = record_of(make_trajectory())
     edit(record)
     with pytest.raises(WireError, match=f"'{field}'"):

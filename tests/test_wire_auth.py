@@ -1,34 +1,50 @@
-"""CURVE off loopback: with wire.host beyond 127.0.0.1 the buffer's and the weight publisher's sockets
-admit only peers holding the run's keys; a peer without them (or with other keys) gets nothing through.
-Real sockets bound on 0.0.0.0, no Ray.
+"""CURVE on every socket, loopback included: the buffer's and the weight publisher's sockets admit only
+peers holding the run's keys; a peer without them (or with other keys) gets nothing through, neither a
+lease, nor a trajectory into the buffer, nor the weights. Real sockets on 127.0.0.1 and 0.0.0.0, no Ray.
 
-Run alone: `python -m pytest tests/test_wire_auth.py -q` (~10 s).
+Run alone: `python -m pytest tests/test_wire_auth.py -q` (~15 s).
 """
 
+import contextlib
 import time
 
 import msgpack
+import numpy as np
+import pytest
 import torch
 import zmq
 
 from nanoverl_async.buffer.service import BufferService
 from nanoverl_async.config import BufferConfig, GeneratorConfig
+from nanoverl_async.trajectory import Trajectory, encode
 from nanoverl_async.weights import WeightPublisher, WeightSubscriber, serialise
 from nanoverl_async.wire_auth import CurveKeys, connect, run_keys
 from weight_waits import wait_newest
 
 REFUSED_WAIT_MS = 1500  # a refused peer's handshake never completes: nothing arrives in this time
+HOSTS = ["127.0.0.1", "0.0.0.0"]  # loopback is no exception: any local process could connect there
 
 
-def test_loopback_needs_no_keys_and_any_other_host_gets_fresh_ones():
-    assert run_keys("127.0.0.1") is None and run_keys("localhost") is None and run_keys("::1") is None
-    first, second = run_keys("0.0.0.0"), run_keys("10.1.2.3")
+def test_every_run_gets_fresh_keys_that_never_print():
+    first, second = run_keys(), run_keys()
     assert len(first.server_public) == len(first.client_secret) == 40 and first.server_public != second.server_public
+    assert first.client_public != second.client_public
     assert "secret" not in repr(first) and first.client_secret.decode() not in repr(first)
 
 
+def dealer_and_push(service: BufferService, keys) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
+    """What a generator holds, connected with `keys` (None: plain sockets)."""
+    context = zmq.Context()
+    dealer, push = context.socket(zmq.DEALER), context.socket(zmq.PUSH)
+    for socket, endpoint in ((dealer, "leases"), (push, "trajectories")):
+        connect(socket, keys)
+        socket.connect(service.endpoints[endpoint])
+    return context, dealer, push
+
+
 def lease_request(endpoint: str, keys) -> dict | None:
-    """A lease request from a fresh DEALER connected with `keys` (None: plain): the reply, or None."""
+    """A lease request from a fresh DEALER connected with `keys` (None: plain): the reply, or None
+    (tests/netns_hosts.py sends the same from another network namespace)."""
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
     connect(dealer, keys)
@@ -39,23 +55,47 @@ def lease_request(endpoint: str, keys) -> dict | None:
     return reply
 
 
-def test_the_buffer_admits_only_the_runs_keys():
-    keys = run_keys("0.0.0.0")
-    service = BufferService(1, 1, 0, BufferConfig(lease_timeout_s=30), "0.0.0.0",
+def trajectory(group_id: int, tokens: int) -> bytes:
+    mask = np.ones(tokens, dtype=np.uint8)
+    return encode(Trajectory(id=f"g{group_id}-{tokens}", group_id=group_id, prompt_index=0, sample_index=0,
+                             token_ids=np.zeros(tokens, np.int32), loss_mask=mask,
+                             behaviour_logprobs=np.full(tokens, -0.5, np.float32),
+                             versions=np.zeros(tokens, np.int32), reward=1.0))
+
+
+@pytest.mark.parametrize("host", HOSTS)
+def test_the_buffer_admits_only_the_runs_keys(host):
+    """Neither a lease nor a pushed trajectory of a peer without the run's client key reaches the buffer."""
+    keys = run_keys()
+    service = BufferService(1, 1, 0, BufferConfig(lease_timeout_s=30), host,
                             GeneratorConfig(replicas=1), 110, lambda index: {"index": index}, curve=keys)
+    intruder_keys = CurveKeys(keys.server_public, keys.server_secret, *zmq.curve_keypair())
+    peers = [dealer_and_push(service, k) for k in (None, intruder_keys, keys)]  # the last: the run's generator
     try:
-        intruder_keys = CurveKeys(keys.server_public, keys.server_secret, *zmq.curve_keypair())
-        assert lease_request(service.endpoints["leases"], None) is None  # no keys: no handshake
-        assert lease_request(service.endpoints["leases"], intruder_keys) is None  # knows the server, wrong client key
+        endpoint = service.endpoints["leases"]
+        assert lease_request(endpoint, None) is None  # no keys: no handshake
+        assert lease_request(endpoint, intruder_keys) is None  # knows the server, wrong client key
         assert service.stats()["leased"] == 0 and service.stats()["malformed_requests"] == 0  # nothing got in
-        assert len(lease_request(service.endpoints["leases"], keys)["leases"]) == 1  # the run's own generator
+        (lease,) = lease_request(endpoint, keys)["leases"]
+        for _, _, push in peers[:2]:  # a whole group, if it got in
+            with contextlib.suppress(zmq.Again):  # queued, or no pipe at all (the handshake was refused)
+                push.send(trajectory(lease["group_id"], tokens=9), zmq.NOBLOCK)
+        time.sleep(REFUSED_WAIT_MS / 1000)
+        stats = service.stats()
+        assert stats["groups_ready"] == 0 and stats["tokens_generated"] == 0 and stats["malformed"] == 0
+        peers[2][2].send(trajectory(lease["group_id"], tokens=3))
+        batch = service.next_batch(0, timeout_s=10)
+        assert [len(t.token_ids) for t in batch.trajectories] == [3] and batch.stats["tokens_generated"] == 3
     finally:
+        for context, _, _ in peers:
+            context.destroy(linger=0)
         service.close()
 
 
-def test_only_the_runs_generators_receive_the_weights():
-    keys = run_keys("0.0.0.0")
-    publisher = WeightPublisher("0.0.0.0", keys)
+@pytest.mark.parametrize("host", HOSTS)
+def test_only_the_runs_generators_receive_the_weights(host):
+    keys = run_keys()
+    publisher = WeightPublisher(host, keys)
     ours, theirs = WeightSubscriber(publisher.endpoint, keys), WeightSubscriber(publisher.endpoint)
     try:
         publisher.publish(1, serialise({"w": torch.ones(3)}))

@@ -7,15 +7,18 @@ One background thread owns both sockets, bound on `host` (wire.host as placed) a
             -> {"leases": [{"group_id": int, "prompt_index": int, "sample": {...}}, ...]}  ([] = gate closed)
         {"op": "report", "generator_id": int, "version": int} -> {"ok": true}
         anything else -> {"error": "..."}
-    A request is refused ({"error"}, counted) from a generator id the run does not have, or claiming
-    weights newer than the newest published (`publishing`: the controller says so before publishing);
-    a lease gets at most generator.max_groups_in_flight incomplete groups per generator.
+    A request is refused ({"error"}, counted) from a generator id the run does not have, claiming
+    weights newer than the newest published (`publishing`: the controller says so before publishing), or
+    asking for more than generator.max_groups_in_flight groups (a generator never holds more; counted
+    apart too: oversized_leases); a lease gets at most that many incomplete groups per generator. A
+    refusal names the field, never the buffer's state (the newest version, what is in flight).
 The learner side calls `next_batch(step, timeout_s)`, which blocks on a condition until B fresh
 complete groups are ready, applying the consumption check (replay.py) first.
 
 Invariants: a message that fails to decode or validate is dropped, counted and logged, and the thread
-keeps running (validation includes token ids inside the model's vocabulary and versions no newer than the
-newest published: trajectory.check_bounds); gate and replay are only touched under one lock; a crash of
+keeps running (validation includes at most agent.max_total_tokens tokens, counted apart too: too_long,
+token ids inside the model's vocabulary and versions no newer than the newest published:
+trajectory.check_bounds); gate and replay are only touched under one lock; a crash of
 the thread is re-raised by `next_batch`, never a silent hang. msgpack only, never pickle.
 
 With run.trace, `trace` keeps each lease (granted -> its group complete, filtered or expired) and each
@@ -55,6 +58,10 @@ log = logging.getLogger(__name__)
 POLL_MS = 20  # the thread wakes at least this often to expire leases and notice close()
 DRAIN_MAX = 256  # messages taken from one socket before looking at the other (no starvation)
 STATE_FORMAT = 2  # buffer.msgpack's layout (state_bytes); bump when it changes (2: trajectories have spans)
+
+
+class OversizedLease(ValueError):
+    """A lease asking for more groups than a generator may ever hold (counted apart: oversized_leases)."""
 
 
 @dataclass
@@ -141,18 +148,19 @@ class BufferService:
     def __init__(self, prompts_per_step: int, group_size: int, staleness: int, config: BufferConfig,
                  host: str, generators: GeneratorConfig, vocab_size: int,
                  prompt_fn: Callable[[int], dict], group_filter: bool = False, curve: Optional[CurveKeys] = None,
-                 trace: bool = False):
+                 trace: bool = False, max_tokens: Optional[int] = None):
         """`host`: the address both sockets bind (this node's); `generators`: how many there are (replicas: ids 0..replicas-1) and how many groups each may run;
-        `vocab_size`: the model's, which bounds every token id; `curve`: the run's keys when wire.host is
-        not loopback (wire_auth.py): only the run's generators can then connect."""
+        `vocab_size`: the model's, which bounds every token id; `max_tokens`: agent.max_total_tokens, which
+        bounds every trajectory's length (None: no bound, for tests); `curve`: the run's keys (wire_auth.py):
+        only the run's generators can then connect."""
         self.prompts_per_step, self.group_size, self.staleness = prompts_per_step, group_size, staleness
-        self.generators, self.vocab_size = generators, vocab_size
+        self.generators, self.vocab_size, self.max_tokens = generators, vocab_size, max_tokens
         self._published = 0  # the newest weights version published (or about to be): no token is newer
         self.gate = AdmissionGate(prompts_per_step, staleness, config.lease_timeout_s,
                                   prompt_fn)
         self.replay = ReplayBuffer(group_size, group_filter)  # group_filter: DAPO dynamic sampling
         self._cond = threading.Condition()  # guards gate, replay and the counters below
-        self._counters = Counter(malformed=0, malformed_requests=0)
+        self._counters = Counter(malformed=0, malformed_requests=0, too_long=0, oversized_leases=0)
         self._generator_versions: dict[int, int] = {}
         self._generator_tokens: Counter = Counter()
         self._tokens_since_batch = 0
@@ -227,6 +235,8 @@ class BufferService:
             "dropped_mismatched": self.replay.counters["mismatched"],
             "malformed": self._counters["malformed"],
             "malformed_requests": self._counters["malformed_requests"],
+            "too_long": self._counters["too_long"],  # among malformed
+            "oversized_leases": self._counters["oversized_leases"],  # among malformed_requests
             "groups_in_flight": self.gate.in_flight,
             "groups_ready": self.replay.num_ready,
             "groups_started": self.gate.groups_started,
@@ -298,10 +308,11 @@ class BufferService:
     def _on_trajectory(self, message: bytes) -> None:
         try:
             trajectory = wire.decode(message)
-            wire.check_bounds(trajectory, self.vocab_size, self._published)
+            wire.check_bounds(trajectory, self.vocab_size, self._published, self.max_tokens)
         except Exception as error:  # noqa: BLE001 - no input may kill the service
             with self._cond:
                 self._counters["malformed"] += 1
+                self._counters["too_long"] += isinstance(error, wire.TooLong)
             log.warning("buffer: dropped a malformed trajectory message (%d bytes): %s", len(message), error)
             return
         with self._cond:
@@ -325,6 +336,7 @@ class BufferService:
         except ValueError as error:
             with self._cond:
                 self._counters["malformed_requests"] += 1
+                self._counters["oversized_leases"] += isinstance(error, OversizedLease)
             log.warning("buffer: malformed lease request: %s", error)
             return msgpack.packb({"error": str(error)}, use_bin_type=True)
         with self._cond:
@@ -360,8 +372,12 @@ class BufferService:
         if request["generator_id"] >= self.generators.replicas:
             raise ValueError(f"field 'generator_id': {request['generator_id']} is not one of this run's "
                              f"{self.generators.replicas} generators")
-        if request["version"] > self._published:
-            raise ValueError(f"field 'version': {request['version']} was never published (newest: {self._published})")
+        if request["version"] > self._published:  # the newest version is the buffer's state: not named
+            raise ValueError(f"field 'version': {request['version']} was never published")
+        limit = self.generators.max_groups_in_flight
+        if request.get("max_groups", 0) > limit:
+            raise OversizedLease(f"field 'max_groups': {request['max_groups']} is more than a generator may hold "
+                                 f"(generator.max_groups_in_flight={limit})")
 
     def _expire(self, now: float) -> None:
         with self._cond:

@@ -6,10 +6,11 @@ The episode (docs/design.md "Agents and tools"; environments in nanoverl_async/e
   1. messages = env.reset(sample); prompt ids = apply_chat_template(messages, tools, add_generation_prompt);
   2. sample a turn, stopping at eos (or the format's stop token, `</call>` for "builtin");
   3. parse tool calls (tool_parsers.py). If there are any, run each (tools.call_tool: argument checks,
-     timeout, errors as observations), render the tool messages as a chat-template DELTA and append it
-     with loss mask 0, then go to 2;
+     timeout, errors as observations, counted, the first kept in info["first_tool_error"]), render the
+     tool messages as a chat-template DELTA and append it with loss mask 0, then go to 2;
   4. otherwise env.step(sample, message) -> Step: its reward ends the episode, or (done=False) its
      messages are appended like tool results and the episode goes on.
+An error in the user's code names the class and method (`agent.env Calc.step()`) and the user's file:line.
 An environment with a `rollout(episode, sample)` method drives `Episode` itself instead.
 
 The delta: text(render(history + new, generation prompt)) minus text(render(history)), tokenized alone,
@@ -38,13 +39,14 @@ Run alone: `python -m pytest tests/test_agent_loop.py tests/test_chat_templates.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from nanoverl_async.config import AgentConfig
-from nanoverl_async.env import Step
-from nanoverl_async.user_code import UserCodeError, call_user
+from nanoverl_async.env import FunctionEnv, Step
+from nanoverl_async.rewards import is_reward
+from nanoverl_async.user_code import UserCodeError, call_user, defined_at
 from nanoverl_async.generators.engine import Completion, Engine, SamplingParams
 from nanoverl_async.tool_parsers import ParsedCall, parse_turn, stop_strings
 from nanoverl_async.tools import Tool, ToolResult, as_tool, call_tool
@@ -59,6 +61,7 @@ class _Tokens:
         self.mask: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.cache = {"prefill_tokens": 0, "cached_tokens": 0, "preemptions": 0}  # the engine's, summed over turns
 
     def add_forced(self, ids: list[int]) -> None:  # prompt and observation tokens: not sampled
         self.ids += ids
@@ -71,6 +74,8 @@ class _Tokens:
         self.mask += [1] * len(completion.token_ids)
         self.logprobs += completion.logprobs
         self.versions += completion.versions
+        for key in self.cache:
+            self.cache[key] += getattr(completion, key)
 
 
 def _ids(rendered: Any) -> list[int]:
@@ -111,6 +116,7 @@ class Episode:
         self.stop_ids = (tokenizer.eos_token_id, *stops)
         self.record, self.messages = _Tokens(), []
         self.turns = self.tool_calls = self.tool_errors = self.fallbacks = 0
+        self.first_tool_error = ""  # the episode's first failed call, "name: error: ...", for metrics.py's warning
         self.spent = {"generate": 0.0, "tool": 0.0}
         # Its calls' spans for run.trace: the wall clock at the start, then the monotonic clock, so they stay
         # inside the episode's span (Trajectory.spans) even if the wall clock is stepped meanwhile.
@@ -173,6 +179,8 @@ class Episode:
                 self._spent("tool", tick)
         self.tool_calls += len(calls)
         self.tool_errors += sum(r.error for r in results)
+        failed = [f"{c.name}: {r.text}" for c, r in zip(calls, results) if r.error]
+        self.first_tool_error = self.first_tool_error or (failed[0][:200] if failed else "")
         return [{"role": "tool", "name": c.name, "content": r.text[: self.max_chars]} for c, r in zip(calls, results)]
 
     def _spent(self, kind: str, tick: float) -> None:
@@ -200,6 +208,7 @@ class Episode:
 
 async def drive(episode: Episode, env: Any, sample: dict) -> tuple[float, dict]:
     """The reset/step loop of module docstring steps 2-4 -> (reward, reward info)."""
+    hook, step_fn = user_hook(env, "step")
     while True:
         message = await episode.generate()
         if message is None:
@@ -213,12 +222,20 @@ async def drive(episode: Episode, env: Any, sample: dict) -> tuple[float, dict]:
             if not episode.observe(await episode.run_tools(calls)):
                 return 0.0, {}
             continue
-        step = await call_user("agent.env step()", env.step, sample, message)
-        if not isinstance(step, Step):
-            raise UserCodeError(f"agent.env step() returned {type(step).__name__} {step!r:.40}; return a "
-                                f"nanoverl_async.env.Step (e.g. Step(reward=1.0))")
+        step = await call_user(hook, step_fn, sample, message)
+        if not isinstance(step, Step) or not is_reward(step.reward):  # Step checks it, unless set afterwards
+            raise UserCodeError(f"{hook}{defined_at(step_fn)} returned {type(step).__name__} {step!r:.60}; "
+                                f"return a nanoverl_async.env.Step with a finite reward (e.g. Step(reward=1.0))")
         if step.done or not step.messages or not episode.observe(list(step.messages)):
             return float(step.reward), dict(step.info)
+
+
+def user_hook(env: Any, method: str) -> tuple[str, Callable]:
+    """An environment's method as errors name it -> ('agent.env Calc.step()', the method); a FunctionEnv's
+    rollout is the user's function it wraps."""
+    if isinstance(env, FunctionEnv):
+        return f"agent.env {getattr(env.function, '__name__', 'rollout')}()", env.function
+    return f"agent.env {type(env).__name__}.{method}()", getattr(env, method)
 
 
 async def run_episode(engine: Engine, tokenizer, sample: dict, env: Any, agent: AgentConfig, temperature: float,
@@ -234,13 +251,14 @@ async def run_episode(engine: Engine, tokenizer, sample: dict, env: Any, agent: 
     trajectory_id = trajectory_id or f"{generator_id}-{group_id}-{sample_index}"
     episode = Episode(engine, tokenizer, agent, temperature, env, episode_id=trajectory_id)
     if hasattr(env, "rollout"):
-        reward, info = await call_user("agent.env rollout()", env.rollout, episode, sample), {}
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-            raise UserCodeError(f"agent.env rollout() returned {type(reward).__name__} {reward!r:.40}; return "
-                                f"the episode's reward as a float")
+        hook, rollout = user_hook(env, "rollout")
+        reward, info = await call_user(hook, rollout, episode, sample), {}
+        if not is_reward(reward):
+            raise UserCodeError(f"{hook}{defined_at(rollout)} returned {type(reward).__name__} {reward!r:.40}; "
+                                f"return the episode's reward as a finite number")
         reward = float(reward)
     else:
-        episode.start(await call_user("agent.env reset()", env.reset, sample))
+        episode.start(await call_user(*user_hook(env, "reset"), sample))
         reward, info = await drive(episode, env, sample)
     record, ended, origin = episode.record, time.perf_counter(), episode.wall_origin
     return Trajectory(
@@ -252,6 +270,8 @@ async def run_episode(engine: Engine, tokenizer, sample: dict, env: Any, agent: 
         tool_calls=episode.tool_calls, tool_errors=episode.tool_errors, finish_reason=episode.finish or "stop",
         generator_id=generator_id, timings={"episode": ended - started, **episode.spent},
         info={"final_answer": episode.answer, "reward_info": info, "template_fallbacks": episode.fallbacks,
+              "engine": record.cache,
+              **({"first_tool_error": episode.first_tool_error} if episode.first_tool_error else {}),
               **({"messages": episode.messages} if keep_messages else {})},
         spans=[["episode", origin + started, origin + ended], *episode.calls] if trace else [],
     )

@@ -1,7 +1,7 @@
 """The decode step of `TransformersEngine` on CUDA, captured as CUDA graphs and replayed.
 
     graphs = DecodeGraphs(forward, tokens, lens)      # the engine's fixed-address buffers
-    logits = graphs.decode(kv, count, length)          # = forward(kv, *Tokens(decoding=(tokens[:count],
+    logits = graphs.decode(kv, table, count, length)   # = forward(kv, table, *Tokens(decoding=(tokens[:count],
                                                        #   lens[:count], length)).tensors(device)), replayed
 
 Why: a decode step of a small model launches ~25 kernels per layer, each costing more on the host (Python
@@ -10,11 +10,12 @@ replays all of a step's kernels with one launch (the technique of vLLM, SGLang a
 
 How: a graph fixes its shapes and addresses, so one is captured per (batch bucket, attention length
 bucket), both powers of two, lazily on first use: `count` running rows run as the next bucket of rows
-(the extra rows are free cache slots; they compute at position 0 and nothing reads them) over `length`
-rounded up to a power of two (at most the cache's capacity; the mask hides the positions past each row's).
-Inputs are read where the engine keeps them (`tokens`, `lens`, the cache), so a replay needs no copies;
-weights are swapped in place (load_state_dict), so graphs outlive swaps; a grown cache is a new tensor,
-so every graph is captured again. Only the layers are captured: the head runs on the live rows alone (its
+(the extra rows are free rows of the block table: they compute at position 0 and write it into the null
+block, which nothing reads unmasked) over `length` rounded up to a power of two (at most the table's
+positions; the mask hides the positions past each row's). Inputs are read where the engine keeps them
+(`tokens`, `lens`, the block table, the pool), so a replay needs no copies; weights are swapped in place
+(load_state_dict), so graphs outlive swaps; a widened block table is a new tensor, so every graph is
+captured again. Only the layers are captured: the head runs on the live rows alone (its
 [rows, vocab] output is the step's largest tensor, and a graph would hold one per bucket).
 
 Run alone: nothing to run; tests/test_cuda.py checks replayed decoding against a full forward on a GPU, and
@@ -27,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from nanoverl_async.generators.kv_blocks import NULL_BLOCK
 from nanoverl_async.generators.llama_forward import LlamaForward, Tokens
 
 
@@ -36,36 +38,38 @@ def bucket(n: int, limit: int) -> int:
 
 
 class DecodeGraphs:
-    """Decode steps (Q = 1) replayed from CUDA graphs, one per (rows, length) bucket of the current cache."""
+    """Decode steps (Q = 1) replayed from CUDA graphs, one per (rows, length) bucket of the current table."""
 
     def __init__(self, forward: LlamaForward, tokens: torch.Tensor, lens: torch.Tensor):
         self.forward, self.tokens, self.lens = forward, tokens, lens  # the engine's _next and _lens
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None  # one memory pool shared by the graphs of one cache
-        self.kv = None  # the cache the graphs were captured on
+        self.pool = None  # one memory pool shared by the graphs of one table
+        self.inputs = None  # the cache and block table the graphs were captured on
 
-    def decode(self, kv: torch.Tensor, count: int, length: int) -> torch.Tensor:
-        """Logits [count, V] float32 of the next token of rows 0..count-1 (their caches in slots 0..count-1)."""
-        if kv is not self.kv:  # a pool whose graphs are all gone is freed: the next graphs need a new one
-            self.graphs.clear()
-            self.pool, self.kv = torch.cuda.graph_pool_handle(), kv
-        key = (bucket(count, kv.shape[2]), bucket(max(length, 64), kv.shape[4]))  # >= 64: fewer captures
-        self.lens[count:key[0]] = 0  # free slots: position 0 is always inside the cache
+    def decode(self, kv: torch.Tensor, table: torch.Tensor, count: int, length: int) -> torch.Tensor:
+        """Logits [count, V] float32 of the next token of rows 0..count-1 of the block table."""
+        if self.inputs is None or kv is not self.inputs[0] or table is not self.inputs[1]:
+            self.graphs.clear()  # a pool whose graphs are all gone is freed: the next graphs need a new one
+            self.pool, self.inputs = torch.cuda.graph_pool_handle(), (kv, table)
+        key = (bucket(count, table.shape[0]), bucket(max(length, 64), table.shape[1] * kv.shape[4]))  # fewer captures
+        self.lens[count:key[0]] = 0  # free rows: position 0 of the null block
+        table[count:key[0], 0] = NULL_BLOCK
         if key not in self.graphs:
-            self.graphs[key] = self._capture(kv, *key)
+            self.graphs[key] = self._capture(kv, table, *key)
         graph, hidden = self.graphs[key]
         graph.replay()
         return self.forward.logits(hidden[:count])
 
-    def step(self, kv: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    def step(self, kv: torch.Tensor, table: torch.Tensor, rows: int, length: int) -> torch.Tensor:
         """What a graph replays: the engine's eager decode of rows 0..rows-1 over `length` positions, up to the
         head (hidden states [rows, hidden])."""
         decoding = Tokens(decoding=(self.tokens[:rows], self.lens[:rows], length))
-        return self.forward(kv, *decoding.tensors(kv.device), head=False)
+        return self.forward(kv, table, *decoding.tensors(kv.device), head=False)
 
-    def _capture(self, kv: torch.Tensor, rows: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, kv: torch.Tensor, table: torch.Tensor, rows: int,
+                 length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The warm-up run writes the same keys and values the replay will write.
-        return capture(lambda: self.step(kv, rows, length), self.pool)
+        return capture(lambda: self.step(kv, table, rows, length), self.pool)
 
 
 def capture(step: Callable[[], torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -46,6 +46,11 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)  # behaviour logprob of each sampled token
     versions: list[int] = field(default_factory=list)  # weight version that sampled each token
     finish_reason: str = ""  # stop | length
+    # context tokens the engine prefilled for this request (again after a preemption or a weight swap), and
+    # how many of them it served from its prefix cache; as SGLang's meta_info cached_tokens
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0  # times the request was put back in the queue because the KV cache was full
 
 
 class Engine(Protocol):

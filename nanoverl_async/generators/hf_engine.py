@@ -11,19 +11,32 @@ token or reaches max_new_tokens is resolved at once and leaves.
 Between iterations the loop yields (`await asyncio.sleep(0)`) so ZeroMQ I/O and the episodes keep flowing.
 
 The forward is our own (llama_forward.py: the Llama family on the HF model's own tensors, so
-`load_state_dict` into `engine.model` swaps them) with a KV cache of row slots [layers, k|v, slots,
-kv_heads, positions, head_dim]: the running rows hold slots 0..R-1 (a finished row's slot takes the last
-row), so attention reads one view with a per-row length mask, and the cache only grows (doubling) when a
-row or a length outgrows it. Lengths are not capped (as with HF, positions may pass
-max_position_embeddings). One host sync per forward: the `.tolist()` of the sampled tokens and logprobs.
-On CUDA each decode step replays a CUDA graph (decode_graphs.py; `cuda_graphs=False` runs it eagerly).
+`load_state_dict` into `engine.model` swaps them). One host sync per forward: the `.tolist()` of the
+sampled tokens and logprobs. On CUDA each decode step replays a CUDA graph (decode_graphs.py;
+`cuda_graphs=False` runs it eagerly).
 
-Turns of one episode (`episode_id`): when a row finishes, its cache is kept (the `max_batch_size` most
-recent episodes). The episode's next turn starts with the same tokens plus the tool's, so it gets the
-kept cache back and computes only its new tokens, instead of its whole history again. The kept cache
-must be of the current weights (unless `recompute_cache_on_swap=False`, which reuses any cache anyway).
-The samples of one group arrive together with the same prompt: it is computed once per admission, and the
-others get its cache and logits, then sample on their own (`_copies_last`).
+Paged KV cache (kv_blocks.py; the design of vLLM and nano-vllm). One pool of `block_size`-position blocks,
+allocated once, its size from `kv_cache_memory` (generator.kv_cache_memory: a fraction <= 1 of the device
+memory free after the model loads, or GiB; 0 = 0.5 on CUDA, 2 GiB on the CPU, whose pages are taken only
+as blocks are first used). Running rows are 0..R-1 of a block table: row r's position p lies in block
+table[r, p // block_size]. A request is admitted, in arrival order, while a row and blocks for its context
+are free and the step computes at most `prefill_tokens` for the requests it admits; each step, a row whose
+next token starts a block gets one, and while the pool is short the most recently admitted rows are
+preempted: their blocks released, they go back to the front of the queue with
+their tokens so far and are computed again (prompt and sampled tokens, under the current weights) when
+admitted; the tokens they sampled keep their versions and logprobs. A request the whole pool cannot hold
+(prompt + max_new_tokens - 1 positions: the last sampled token is never cached) is refused at once. Lengths
+are not capped otherwise (as with HF, positions may pass max_position_embeddings).
+
+Shared prefixes. Each full block is registered under the hash of its prefix (kv_blocks.prefix_hashes,
+chained from the weights version): a request's context reuses the blocks of its longest registered prefix
+(its last token is always computed, for its logits) and computes the rest. That serves an episode's later
+turn (its earlier turns' blocks, released to an LRU queue, stay until evicted), another group with the same
+system prompt, and rows recomputed after a preemption. Requests admitted together with the same context (the
+G samples of a group) compute it once: the copies hold the same blocks (refcounts) and sample from the same
+logits; a row about to write into a block other rows hold copies it first (copy on write). Counters:
+`reused_tokens` (prefill tokens served from cache), `computed_tokens`, `preemptions`, `cow_copies`,
+`cache.pool.peak`; `stats()` gives them to the worker.
 
 Sampling (the behaviour policy mu of the loss): p = softmax(logits / temperature), one draw from p with
 a `torch.Generator` seeded from the config seed; logprob = log p[token], in float32.
@@ -37,11 +50,12 @@ make-up, and admits nothing more until the wave has finished: the same seed give
 Weights (docs/design.md "Weights back to generators", mode interrupt): `stage_weights` must be called on the
 event-loop thread. The decode loop only yields between steps, so the new weights land between two
 steps: every token sampled afterwards carries the new version, earlier tokens keep theirs. By default
-the running rows' KV cache is then recomputed under the new weights (in the next step's forward), so every
-logprob is exactly that of the version it is tagged with given the whole context. With
-`recompute_cache_on_swap=False` the cache of earlier tokens stays, as PipelineRL does: cheaper, but the
-tokens after a swap come from a mixture (old keys/values, new weights) that no learner reproduces; the
-decoupled loss still uses their recorded logprobs.
+the running rows are then computed again under the new weights (in the next step: they are put back at the
+front of the queue, and no block of the old weights can match), so every logprob is exactly that of the
+version it is tagged with given the whole context. With `recompute_cache_on_swap=False` the cache of
+earlier tokens stays, and prefixes match across versions, as PipelineRL does: cheaper, but the tokens after
+a swap come from a mixture (old keys/values, new weights) that no learner reproduces; the decoupled loss
+still uses their recorded logprobs.
 
 Run alone: python -m nanoverl_async.generators.hf_engine MODEL_DIR   (samples a few tokens)
 """
@@ -51,20 +65,22 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import sys
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import psutil
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM
 
 from nanoverl_async.generators.decode_graphs import DecodeGraphs
 from nanoverl_async.generators.engine import Completion, SamplingParams
+from nanoverl_async.generators.kv_blocks import PagedCache, pool_blocks, version_seed
 from nanoverl_async.generators.llama_forward import LlamaForward, Tokens
 from nanoverl_async.models import DTYPES, on_device
 
 LOCKSTEP_POLL_S = 0.001  # how often a lockstep engine checks whether every episode is waiting
+DEFAULT_KV_MEMORY = {"cuda": 0.5, "cpu": 2.0}  # kv_cache_memory=0: a fraction of free GPU memory; CPU GiB
 # cuDNN's attention, which torch prefers on Hopper GPUs, builds a new plan for each new sequence length
 # (pytorch/pytorch#155958), and the engine meets new lengths at every eager step: it uses the others.
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -84,31 +100,9 @@ def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, generator: t
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _copies_last(requests: list, kept: list) -> tuple[list, list, list[int]]:
-    """Requests that repeat an earlier request's prompt without a kept cache (the samples of one group arrive
-    together) move after the others, with, for each, the row among the others whose prompt it repeats: the
-    prompt is computed once (`_step`), as SGLang's radix cache would share it. -> (requests, kept, sources)."""
-    firsts, copies, row_of = [], [], {}
-    for request, reuse in zip(requests, kept):
-        prompt = tuple(request.input_ids) if reuse is None else None
-        if prompt is not None and prompt in row_of:
-            copies.append((request, reuse, row_of[prompt]))
-            continue
-        if prompt is not None:
-            row_of[prompt] = len(firsts)
-        firsts.append((request, reuse, None))
-    ordered = firsts + copies
-    return [r for r, _, _ in ordered], [k for _, k, _ in ordered], [source for _, _, source in copies]
-
-
-@dataclass
-class _Kept:
-    """A finished turn's cache, for the episode's next turn: the tokens it holds (all but the last sampled,
-    which is never cached), their keys and values [layers, 2, kv_heads, tokens, head_dim], the version."""
-
-    tokens: list[int]
-    kv: torch.Tensor
-    version: int
+def free_memory(device: torch.device) -> int:
+    """Bytes free on `device` now: the GPU's free memory, or the RAM available."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
 
 
 @dataclass
@@ -118,10 +112,23 @@ class _Request:
     future: asyncio.Future
     episode_id: str = ""
     completion: Completion = field(default_factory=Completion)
+    blocks: list[int] = field(default_factory=list)  # while running: position p is in blocks[p // block_size]
+    hashes: list[bytes] = field(default_factory=list)  # of its context's full blocks (kv_blocks.prefix_hashes)
+    seed: bytes = b""  # the seed `hashes` chain from
 
     def length(self) -> int:
         """Tokens so far: the prompt and the sampled ones (all but the last are in the cache)."""
         return len(self.input_ids) + len(self.completion.token_ids)
+
+    def context(self) -> list[int]:
+        return self.input_ids + self.completion.token_ids
+
+    def tokens(self, begin: int, end: int) -> list[int]:
+        """The context's tokens [begin, end), without building the whole context."""
+        cut = len(self.input_ids)
+        if end <= cut:
+            return self.input_ids[begin:end]
+        return self.input_ids[begin:] + self.completion.token_ids[max(0, begin - cut):end - cut]
 
 
 class TransformersEngine:
@@ -129,54 +136,77 @@ class TransformersEngine:
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32", seed: int = 0, *,
                  version: int = 0, max_batch_size: int = 256, recompute_cache_on_swap: bool = True,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, kv_cache_memory: float = 0.0, block_size: int = 16,
+                 num_blocks: Optional[int] = None, prefill_tokens: int = 8192):
+        """`num_blocks` (tests, benchmarks) sizes the pool in blocks instead of `kv_cache_memory`;
+        `prefill_tokens` bounds the tokens a step computes for the requests it admits (a longer context is
+        admitted alone): the activations of 256 8k-token prompts in one forward would not fit a GPU."""
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).to(self.device).eval()
         self.forward = LlamaForward(self.model, model_path)
         self.version = version
         self.max_batch_size = max_batch_size
         self.recompute_cache_on_swap = recompute_cache_on_swap
+        self.prefill_tokens = prefill_tokens
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
         self.seed = seed
         self.lockstep: Optional[Callable[[], int]] = None  # run.deterministic: see "Lockstep" above
         self._pending: list[_Request] = []
-        self._rows: list[_Request] = []  # the running rows; row i owns cache slot i
+        self._rows: list[_Request] = []  # the running rows; row i is row i of the block table
         self._runner: Optional[asyncio.Task] = None
-        self._kv: Optional[torch.Tensor] = None  # the slot cache, allocated and grown by _reserve
-        self._kept: OrderedDict[str, _Kept] = OrderedDict()  # episode id -> its last turn's cache, oldest first
+        if num_blocks is None:
+            budget = kv_cache_memory or DEFAULT_KV_MEMORY[self.device.type]
+            num_blocks = pool_blocks(budget, free_memory(self.device), self.forward.block_bytes(block_size))
+        self.cache = PagedCache(self.forward, num_blocks, block_size, max_batch_size, self.device)
         self._cache_version = version  # the weights version the running rows' cache was computed with
-        self._lens = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # cached tokens per slot
+        self._lens = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # cached tokens per row
         self._next = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # last sampled, not cached
         self._temps = torch.ones(max_batch_size, 1, dtype=torch.float32, device=self.device)
         self._graphs = DecodeGraphs(self.forward, self._next, self._lens) if (
             cuda_graphs and self.device.type == "cuda") else None  # decode replayed from CUDA graphs
         self.decode_steps = 0  # steps (one forward each, a replayed graph's included), for metrics and tests
-        self.reused_tokens = 0  # cached tokens an episode's later turns did not compute again
+        self.reused_tokens = 0  # prefill tokens served from cached blocks
+        self.computed_tokens = 0  # prefill tokens computed (prompts, later turns' new tokens, recomputed rows)
+        self.preemptions = 0  # rows put back in the queue because the pool was short
+        self.cow_copies = 0  # shared blocks copied before a row wrote into them
         self.tokens_generated = 0
         self.weight_swaps = 0
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *,
                        episode_id: Optional[str] = None) -> Completion:
-        """See engine.Engine.generate (`episode_id` orders a lockstep wave; there is one cache)."""
+        """See engine.Engine.generate (`episode_id` orders a lockstep wave; prefixes are found by hash)."""
         if len(input_ids) == 0:
             raise ValueError("generate needs at least one input token")
         vocabulary = self.model.get_input_embeddings().num_embeddings
         if not 0 <= min(input_ids) <= max(input_ids) < vocabulary:  # one bad id would fail the whole step
             raise ValueError(f"token ids {min(input_ids)}..{max(input_ids)} are not all in the model's "
                              f"vocabulary [0, {vocabulary})")
+        positions = len(input_ids) + params.max_new_tokens - 1  # the last sampled token is never cached
+        pool = self.cache.pool
+        if positions > pool.capacity * pool.block_size:  # it could never run
+            raise ValueError(f"{len(input_ids)} input tokens + max_new_tokens={params.max_new_tokens} need "
+                             f"{positions} positions of KV cache; generator.kv_cache_memory holds "
+                             f"{pool.capacity * pool.block_size}")
         loop = asyncio.get_running_loop()
         request = _Request(list(input_ids), params, loop.create_future(), episode_id or "")
         if self._runner is None or self._runner.done() or self._runner.get_loop() is not loop:
             # Requests left by a loop that has gone (a previous asyncio.run) can never be answered.
             self._pending = [r for r in self._pending if r.future.get_loop() is loop]
-            self._rows = []
+            self._release(self._rows)
             self._runner = loop.create_task(self._run(), name="engine-decode")
         self._pending.append(request)
         return await request.future
 
     def in_flight(self) -> int:
         return len(self._pending) + sum(not r.future.done() for r in self._rows)
+
+    def stats(self) -> dict:
+        """The cache's counters, for the worker's metrics."""
+        prefilled = self.reused_tokens + self.computed_tokens
+        return {"prefix_cache_hit_frac": self.reused_tokens / prefilled if prefilled else 0.0,
+                "preemptions": self.preemptions, "kv_blocks_peak": self.cache.pool.peak,
+                "kv_blocks": self.cache.pool.capacity, "kv_cow_copies": self.cow_copies}
 
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load `state_dict` as weights `version` now (a safe point: see the module docstring)."""
@@ -186,6 +216,8 @@ class TransformersEngine:
         self.model.load_state_dict(state_dict, strict=False)  # in place: the forward reads the same tensors
         self.version = version
         self.weight_swaps += 1
+        if self.recompute_cache_on_swap:
+            self.cache.pool.forget()  # their hashes name the old version: none could match again
 
     def _check_fits(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         params = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
@@ -211,7 +243,8 @@ class TransformersEngine:
             for request in self._rows + self._pending:
                 if not request.future.done():
                     request.future.set_exception(error) if isinstance(error, Exception) else request.future.cancel()
-            self._rows, self._pending = [], []
+            self._release(self._rows)
+            self._pending = []
             raise
 
     def _guarded(self, step: Callable[[], None]) -> None:
@@ -222,47 +255,67 @@ class TransformersEngine:
             for request in self._rows:
                 if not request.future.done():
                     request.future.set_exception(error)
-            self._rows = []
+            self._release(self._rows)
 
     def _step(self) -> None:
-        """One forward for every running row (its last sampled token, or its whole context again if the
-        weights changed under it) and for the waiting requests that fit (a prompt, or a later turn's tokens
-        after its episode's kept cache), then a token sampled for each: requests join without a forward of
-        their own. On CUDA the running rows' decode replays a graph, and the others follow in one forward."""
+        """One forward for every running row (its last sampled token) and for the waiting requests that fit
+        (their context after its cached prefix), then a token sampled for each: requests join without a
+        forward of their own. On CUDA the running rows' decode replays a graph, and the others follow in one
+        forward."""
+        if self._rows and self.recompute_cache_on_swap and self._cache_version != self.version:
+            self._requeue(len(self._rows))  # computed again under the new weights, from the queue's front
+        if self.cache.pool.free() < len(self._rows):  # else every row may take a block: no need to count
+            while self.cache.need(self._rows) > self.cache.pool.free():  # the last rows wait for blocks to free
+                self._requeue(1, preempted=True)
+        self.cow_copies += self.cache.grow(self._rows, self._seed())
         running = len(self._rows)
-        new, kept, sources = self._admissions()
+        new, offsets, sources = self._admissions()
         if not self._rows:
             return
-        self._reserve(len(self._rows), max(r.length() for r in self._rows))
-        recompute = running and self.recompute_cache_on_swap and self._cache_version != self.version
         logits, tokens = [], Tokens()
-        if recompute:
-            tokens.add(0, [0] * running, [r.input_ids + r.completion.token_ids for r in self._rows[:running]])
-            self._lens[:running] = on_device(torch.tensor([r.length() for r in self._rows[:running]]), self.device)
-        elif running:
+        if running:
             length = max(r.length() for r in self._rows[:running])
             if self._graphs is not None:
-                logits.append(self._graphs.decode(self._kv, running, length))
+                logits.append(self._graphs.decode(self.cache.kv, self.cache.table, running, length))
             else:
                 tokens = Tokens(decoding=(self._next[:running], self._lens[:running], length))
         if new:
-            self._stage(running, new, kept[:len(new) - len(sources)], tokens)
-        if tokens.blocks or tokens.decoding:
-            logits.append(self.forward(self._kv, *tokens.tensors(self.device)))
-        if running and not recompute:
+            self._stage(running, new, offsets, tokens)
+        if tokens.spans or tokens.decoding:
+            logits.append(self.forward(self.cache.kv, self.cache.table, *tokens.tensors(self.device)))
+        if running:
             self._lens[:running] += 1
         logits = torch.cat(logits) if len(logits) > 1 else logits[0]
-        for row, source in enumerate(sources, start=len(self._rows) - len(sources)):
-            cached = len(self._rows[row].input_ids)
-            self._kv[:, :, row, :, :cached] = self._kv[:, :, running + source, :, :cached]
-            self.reused_tokens += cached
-        if sources:  # the copies sample from the logits of the rows whose prompt they repeat
+        if sources:  # the copies sample from the logits of the rows whose context they repeat
             logits = torch.cat([logits, logits[on_device(torch.tensor(sources) + running, self.device)]])
         self._emit(0, logits)
 
-    def _admissions(self) -> tuple[list[_Request], list[Optional[_Kept]], list[int]]:
-        """The waiting requests that fit, moved into the rows after the running ones: (them, the kept cache
-        each continues, and for the copies among them the rows whose prompt they repeat: `_copies_last`)."""
+    def _seed(self) -> bytes:
+        """The hash seed of blocks computed now: the weights version, unless caches outlive swaps."""
+        return version_seed(self.version) if self.recompute_cache_on_swap else b""
+
+    def _requeue(self, count: int, preempted: bool = False) -> None:
+        """Put the last `count` running rows back at the front of the queue, in order: their blocks are released
+        (full ones stay cached under their hashes), and they are computed again when admitted."""
+        rows = self._rows[len(self._rows) - count:]
+        del self._rows[len(self._rows) - count:]
+        self._release(rows)
+        self._pending[:0] = [r for r in rows if not r.future.done()]  # a cancelled one is dropped
+        if preempted:
+            self.preemptions += count
+            for request in rows:
+                request.completion.preemptions += 1
+
+    def _release(self, rows: list[_Request]) -> None:
+        for request in rows:
+            self.cache.release(request)
+        if rows is self._rows:
+            self._rows = []
+
+    def _admissions(self) -> tuple[list[_Request], list[int], list[int]]:
+        """The waiting requests that fit (a free row, and blocks for their context past its cached prefix), in
+        order, moved into the rows after the running ones -> (them, the cached prefix length of each that
+        computes, and for the copies, which come last, the index of the request whose context they repeat)."""
         start = len(self._rows)
         if not self._pending or start >= self.max_batch_size or (self.lockstep is not None and self._rows):
             return [], [], []
@@ -271,44 +324,48 @@ class TransformersEngine:
             wave = ";".join(f"{r.episode_id}:{len(r.input_ids)}" for r in self._pending)
             self._generator.manual_seed(int.from_bytes(
                 hashlib.blake2b(f"{self.seed}|{wave}".encode(), digest_size=8).digest(), "little") >> 1)
-        new = [r for r in self._pending[: self.max_batch_size - start] if not r.future.done()]
-        del self._pending[: self.max_batch_size - start]
-        new, kept, sources = _copies_last(new, [self._reusable(r) for r in new])
-        self._rows += new
-        return new, kept, sources
+        firsts, offsets, copies, sources, index_of, taken, computed = [], [], [], [], {}, 0, 0
+        for request in self._pending:
+            if start + len(firsts) + len(copies) == self.max_batch_size:
+                break
+            if not request.future.done():  # else cancelled while it waited: dropped
+                context = request.context()
+                source = index_of.get(tuple(context))
+                if source is not None:
+                    self.cache.share(request, firsts[source])
+                    self.reused_tokens += len(context)
+                    request.completion.prefill_tokens += len(context)
+                    request.completion.cached_tokens += len(context)
+                    copies.append(request)
+                    sources.append(source)
+                else:
+                    if firsts and self.lockstep is None and computed + len(context) > self.prefill_tokens:
+                        break  # the step's prefill is full (a lockstep wave is admitted whole)
+                    offset = self.cache.place(request, context, self._seed())
+                    if offset is None:
+                        break
+                    self.reused_tokens += offset
+                    self.computed_tokens += len(context) - offset
+                    request.completion.prefill_tokens += len(context)
+                    request.completion.cached_tokens += offset
+                    computed += len(context) - offset
+                    index_of[tuple(context)] = len(firsts)
+                    firsts.append(request)
+                    offsets.append(offset)
+            taken += 1
+        del self._pending[:taken]
+        self._rows += firsts + copies
+        return firsts + copies, offsets, sources
 
-    def _stage(self, start: int, new: list[_Request], kept: list[Optional[_Kept]], tokens: Tokens) -> None:
-        """New rows in slots start..: a row with a kept cache gets it back and computes only the tokens after it
-        (`tokens`); the rows after len(kept) copy another's prompt (`_step` copies its cache after the forward)."""
-        offsets = [len(k.tokens) if k else 0 for k in kept]
-        for row, (reused, offset) in enumerate(zip(kept, offsets), start=start):
-            if offset:
-                self._kv[:, :, row, :, :offset] = reused.kv
-        self.reused_tokens += sum(offsets)
-        tokens.add(start, offsets, [r.input_ids[offset:] for r, offset in zip(new, offsets)])
+    def _stage(self, start: int, new: list[_Request], offsets: list[int], tokens: Tokens) -> None:
+        """New rows start..: the tokens of each that computes past its cached prefix (`tokens`), and their
+        block tables, lengths and temperatures (after a graph's replay has read the free rows)."""
+        tokens.add(start, offsets, [r.context()[offset:] for r, offset in zip(new, offsets)])
+        self.cache.seat(start, new)
         rows = slice(start, start + len(new))
-        self._lens[rows] = on_device(torch.tensor([len(r.input_ids) for r in new]), self.device)
+        self._lens[rows] = on_device(torch.tensor([r.length() for r in new]), self.device)
         self._temps[rows, 0] = on_device(torch.tensor([r.params.temperature for r in new], dtype=torch.float32),
                                         self.device)
-
-    def _reusable(self, request: _Request) -> Optional[_Kept]:
-        """The kept cache of the request's episode, if the request continues exactly those tokens."""
-        kept = self._kept.pop(request.episode_id, None) if request.episode_id else None
-        if kept is None or (self.recompute_cache_on_swap and kept.version != self.version):
-            return None
-        cached = len(kept.tokens)
-        return kept if cached < len(request.input_ids) and request.input_ids[:cached] == kept.tokens else None
-
-    def _reserve(self, rows: int, length: int) -> None:
-        """Grow the slot cache, doubling, to at least `rows` slots of `length` positions."""
-        old = self._kv
-        if old is not None and rows <= old.shape[2] and length <= old.shape[4]:
-            return
-        slots = max(8, 1 << (rows - 1).bit_length(), old.shape[2] if old is not None else 0)
-        positions = max(64, 1 << (length - 1).bit_length(), old.shape[4] if old is not None else 0)
-        self._kv = self.forward.cache(min(slots, self.max_batch_size), positions)
-        if old is not None:
-            self._kv[:, :, : old.shape[2], :, : old.shape[4]] = old
 
     def _emit(self, start: int, logits: torch.Tensor) -> None:
         """Sample a token for rows start.. from `logits`, record it, resolve finished rows, compact."""
@@ -332,33 +389,21 @@ class TransformersEngine:
                 completion.finish_reason = "length"
             if completion.finish_reason or request.future.done():  # done here = the caller was cancelled
                 if not request.future.done():
-                    self._keep(request, row)
                     request.future.set_result(completion)
                 done.append(row)
         if done:
             self._compact(done)
 
-    def _keep(self, request: _Request, row: int) -> None:
-        """Keep a finished row's cache for its episode's next turn (the max_batch_size most recent episodes)."""
-        if not request.episode_id:
-            return
-        cached = request.length() - 1
-        self._kept[request.episode_id] = _Kept(request.input_ids + request.completion.token_ids[:-1],
-                                               self._kv[:, :, row, :, :cached].clone(), self.version)
-        self._kept.move_to_end(request.episode_id)
-        while len(self._kept) > self.max_batch_size:
-            self._kept.popitem(last=False)
-
     def _compact(self, done: list[int]) -> None:
-        """Drop finished rows; the last running rows move into their slots, so rows stay in 0..R-1."""
+        """Drop finished rows (their blocks released); the last running rows move into their places in the
+        table, so rows stay in 0..R-1."""
+        self._release([self._rows[row] for row in done])
         keep, gone = len(self._rows) - len(done), set(done)
         holes = [row for row in done if row < keep]
         movers = [row for row in range(keep, len(self._rows)) if row not in gone]
         if holes:
-            length = max(self._rows[row].length() for row in movers)
             dst, src = (on_device(torch.tensor(rows), self.device) for rows in (holes, movers))
-            self._kv[:, :, dst, :, :length] = self._kv[:, :, src, :, :length]
-            for buffer in (self._lens, self._next, self._temps):
+            for buffer in (self._lens, self._next, self._temps, self.cache.table):
                 buffer[dst] = buffer[src]
             for hole, mover in zip(holes, movers):
                 self._rows[hole] = self._rows[mover]

@@ -1,19 +1,23 @@
 """The forward of `hf_engine.TransformersEngine`: the Llama family (llama, mistral, qwen2, qwen3) on a
-transformers model's own parameter tensors, over flat tokens, with a KV cache of row slots.
+transformers model's own parameter tensors, over flat tokens, with a paged KV cache.
 
     forward = LlamaForward(model, model_dir)           # refuses other model types in one line
-    kv = forward.cache(slots, positions)                # [layers, k|v, slots, kv_heads, positions, head_dim]
+    kv = forward.cache(blocks, block_size)              # [layers, k|v, kv_heads, blocks, block_size, head_dim]
+    table = ...                                         # [rows, columns]: row r's position p is in block
+                                                        #   table[r, p // block_size] (kv_blocks.py hands them out)
     tokens = Tokens()
     tokens.add(first=3, offsets=[0, 40], new=[prompt, next_turn])   # rows 3, 4 after their cached positions
-    logits = forward(kv, *tokens.tensors(device))      # [rows, V]: each row's last new token
+    logits = forward(kv, table, *tokens.tensors(device))   # [rows, V]: each row's last new token
 
 One forward serves every row that needs one, however many new tokens each has: a decoding row's one
 token, a new prompt, an episode's next turn after its cached ones, a whole context to recompute. The
 rows' new tokens are laid end to end (no padding), so the linear layers, most of a small model's work,
 compute only real tokens, and rows that join the batch cost no forward of their own. Attention runs per
-`Block` (rows in consecutive slots): it reads the block's cache slots, its queries padded to its longest
-row. Each op follows HF's (RMSNorm in float32, rotary embeddings with HF's frequencies, grouped-query
-attention); tests compare the logits with HF's forward per model type. Loading a state dict into the HF
+`Span` (consecutive rows of the block table): one gather of the span's blocks through the table, laid out
+[kv_heads, rows, positions, head_dim] so that a decode step's grouped-query attention is two batched
+matmuls with no further copy; its queries padded to its longest row. Each op follows HF's (RMSNorm in
+float32, rotary embeddings with HF's frequencies, grouped-query attention); tests compare the logits with
+HF's forward per model type. Loading a state dict into the HF
 model swaps the tensors this reads.
 
 Run alone: nothing to run; tests/test_engine.py checks it against HF and a full forward.
@@ -40,17 +44,18 @@ def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
 
 def _one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + mask) v for one query per row (a decode step): q [rows, heads, 1, d], k, v
-    [rows, kv_heads, length, d], mask [rows, 1, 1, length]. The query heads that share a kv head become
-    that kv head's queries, so grouped-query attention is two batched matmuls over the cache as it lies,
-    read once. On the CPU, SDPA's kernel, built for blocks of queries, took 1.2-2.4x as long for 256 rows of
-    builtin:tiny: 1.11x the engine's tokens/s at 256 requests (no change at 16 or 64). On CUDA (H200, torch
-    2.11), SDPA given a mask and grouped heads fell back to its math kernel (see `_expanded_sdpa`): 1.59 ms per
-    layer for 256 rows against 0.125 ms, 5.3x the engine's tokens/s at 256 requests. Softmax in float32,
-    as HF's eager attention."""
+    [kv_heads, rows, length, d] (as gathered), mask [rows, 1, 1, length]. The query heads that share a kv
+    head become that kv head's queries, so grouped-query attention is two batched matmuls over the gathered
+    keys and values as they lie, read once. On the CPU (slot cache, before paging), SDPA's kernel, built for
+    blocks of queries, took 1.2-2.4x as long for 256 rows of builtin:tiny: 1.11x the engine's tokens/s at
+    256 requests (no change at 16 or 64). On CUDA (H200, torch 2.11), SDPA given a mask and grouped heads fell
+    back to its math kernel (see `_expanded_sdpa`): 1.59 ms per layer for 256 rows against 0.125 ms, 5.3x the
+    engine's tokens/s at 256 requests. Softmax in float32, as HF's eager attention."""
     rows, heads, _, dim = q.shape
-    grouped = q.reshape(rows, k.shape[1], heads // k.shape[1], dim)
-    weights = torch.softmax(grouped @ k.transpose(-1, -2) * dim ** -0.5 + attn_mask, dim=-1, dtype=torch.float32)
-    return (weights.to(q.dtype) @ v).reshape(rows, heads, 1, dim)
+    grouped = q.reshape(rows, k.shape[0], heads // k.shape[0], dim).transpose(0, 1)  # [kv_heads, rows, group, d]
+    scores = grouped @ k.transpose(-1, -2) * dim ** -0.5 + attn_mask.view(1, rows, 1, -1)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return (weights.to(q.dtype) @ v).transpose(0, 1).reshape(rows, heads, 1, dim)
 
 
 def _expanded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
@@ -72,11 +77,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 @dataclass(frozen=True)
-class Block:
-    """Cache rows first..first+rows-1 whose new tokens are the forward's flat tokens [begin, end), row by row,
-    each row's at the positions after its cached ones; `length` > every position (the attention span). For
+class Span:
+    """Rows first..first+rows-1 of the block table whose new tokens are the forward's flat tokens [begin, end),
+    row by row, each row's at the positions after its cached ones; `length` > every position (the attention span). For
     attention the queries are padded to the longest row: `padded` [rows, width] indexes each (row, j) into
-    the block's tokens (a short row repeats its last one) and `unpadded` [end - begin] each token into the
+    the span's tokens (a short row repeats its last one) and `unpadded` [end - begin] each token into the
     flattened [rows * width]; both None when every row has one new token (decoding)."""
 
     begin: int
@@ -87,12 +92,12 @@ class Block:
     padded: Optional[torch.Tensor] = None
     unpadded: Optional[torch.Tensor] = None
 
-    def to(self, device: torch.device) -> "Block":
+    def to(self, device: torch.device) -> "Span":
         return dataclasses.replace(self, padded=on_device(self.padded, device), unpadded=on_device(self.unpadded, device))
 
 
 class Tokens:
-    """The flat new tokens of one forward, laid out on the host block by block (`tensors` moves them)."""
+    """The flat new tokens of one forward, laid out on the host span by span (`tensors` moves them)."""
 
     def __init__(self, decoding: Optional[tuple[torch.Tensor, torch.Tensor, int]] = None):
         """`decoding`: rows 0..R-1 with one new token each, which come first: their tokens and positions [R],
@@ -101,13 +106,22 @@ class Tokens:
         self.begin = len(decoding[0]) if decoding is not None else 0  # flat tokens before the host's
         self.ids: list[int] = []
         self.positions: list[int] = []
-        self.slots: list[int] = []
+        self.rows: list[int] = []
         self.last: list[int] = []  # each row's last new token: its logits are returned
-        self.blocks: list[Block] = []
+        self.spans: list[Span] = []
 
     def add(self, first: int, offsets: Sequence[int], new: Sequence[Sequence[int]]) -> None:
-        """Rows first.. of the cache (in consecutive slots), row r holding positions [0, offsets[r]), get the
-        tokens new[r] (at least one each)."""
+        """Rows first.. of the block table, row r holding positions [0, offsets[r]), get the tokens new[r] (at
+        least one each): in spans of consecutive rows whose queries, padded to their longest row, are at most
+        twice their tokens (a 4k-token prompt beside short ones would pad each of them to 4k)."""
+        start = 0
+        for end in range(1, len(new) + 1):
+            lengths = [len(tokens) for tokens in new[start:end + 1]]
+            if end == len(new) or max(lengths) * len(lengths) > 2 * sum(lengths):
+                self._add_span(first + start, offsets[start:end], new[start:end])
+                start = end
+
+    def _add_span(self, first: int, offsets: Sequence[int], new: Sequence[Sequence[int]]) -> None:
         begin, width = self.begin + len(self.ids), max(map(len, new))
         padded, unpadded = [], []
         for row, (offset, tokens) in enumerate(zip(offsets, new)):
@@ -116,32 +130,33 @@ class Tokens:
             unpadded += range(row * width, row * width + len(tokens))
             self.ids += tokens
             self.positions += range(offset, offset + len(tokens))
-            self.slots += [first + row] * len(tokens)
+            self.rows += [first + row] * len(tokens)
             self.last.append(self.begin + len(self.ids) - 1)
         indices = (torch.tensor(padded).view(len(new), width), torch.tensor(unpadded)) if width > 1 else (None, None)
-        self.blocks.append(Block(begin, self.begin + len(self.ids), first, len(new),
+        self.spans.append(Span(begin, self.begin + len(self.ids), first, len(new),
                                  max(offset + len(tokens) for offset, tokens in zip(offsets, new)), *indices))
 
-    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[Block],
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[Span],
                                                       Optional[torch.Tensor]]:
-        """(ids, positions, slots, blocks, last) on `device`: the arguments of `LlamaForward.__call__`."""
-        blocks = [block.to(device) for block in self.blocks]
+        """(ids, positions, rows, spans, last) on `device`: the arguments of `LlamaForward.__call__` after the
+        cache and the table."""
+        spans = [span.to(device) for span in self.spans]
         if self.ids:
-            flat = on_device(torch.tensor([self.ids, self.positions, self.slots], dtype=torch.long), device)
-            ids, positions, slots, last = *flat, on_device(torch.tensor(self.last, dtype=torch.long), device)
+            flat = on_device(torch.tensor([self.ids, self.positions, self.rows], dtype=torch.long), device)
+            ids, positions, rows, last = *flat, on_device(torch.tensor(self.last, dtype=torch.long), device)
         if self.decoding is None:
-            return ids, positions, slots, blocks, last
+            return ids, positions, rows, spans, last
         decoded, at, length = self.decoding
-        rows = torch.arange(self.begin, device=device)
-        blocks.insert(0, Block(0, self.begin, 0, self.begin, length))
+        decoding = torch.arange(self.begin, device=device)
+        spans.insert(0, Span(0, self.begin, 0, self.begin, length))
         if not self.ids:
-            return decoded, at, rows, blocks, None  # every token is a row's last
-        return torch.cat([decoded, ids]), torch.cat([at, positions]), torch.cat([rows, slots]), blocks, torch.cat(
-            [rows, last])
+            return decoded, at, decoding, spans, None  # every token is a row's last
+        return (torch.cat([decoded, ids]), torch.cat([at, positions]), torch.cat([decoding, rows]), spans,
+                torch.cat([decoding, last]))
 
 
 class LlamaForward:
-    """The forward of the Llama family on the HF model's parameters, flat tokens and a slot KV cache."""
+    """The forward of the Llama family on the HF model's parameters, flat tokens and a paged KV cache."""
 
     FAMILY = ("llama", "mistral", "qwen2", "qwen3")
     ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # fixed frequencies (no per-length update)
@@ -167,43 +182,58 @@ class LlamaForward:
             raise ValueError(f"model.path={model_path!r}: config.layer_types={types} is not supported")
         self.windows = [sliding if kind == "sliding_attention" else None for kind in types]
 
-    def cache(self, slots: int, positions: int) -> torch.Tensor:
+    def block_bytes(self, block_size: int) -> int:
+        """The memory of one KV block: keys and values of `block_size` positions in every layer."""
+        element = self.model.get_input_embeddings().weight.element_size()
+        return len(self.layers) * 2 * self.kv_heads * block_size * self.head_dim * element
+
+    def cache(self, blocks: int, block_size: int) -> torch.Tensor:
+        """The pool, uninitialised: the engine zeroes each block before its first use (on the CPU a page of
+        memory is taken only when written, so an unused budget costs nothing)."""
         weight = self.model.get_input_embeddings().weight
-        return torch.zeros((len(self.layers), 2, slots, self.kv_heads, positions, self.head_dim),
+        return torch.empty((len(self.layers), 2, self.kv_heads, blocks, block_size, self.head_dim),
                            dtype=weight.dtype, device=weight.device)
 
-    def __call__(self, kv: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 blocks: Sequence[Block], last: Optional[torch.Tensor] = None, head: bool = True) -> torch.Tensor:
-        """Flat new tokens: ids, positions, cache slots [T] (`Tokens`), in `blocks` -> the logits [n, V] float32
-        of the tokens `last` [n] (None: of every token); head=False returns their final hidden states
-        [n, hidden] instead (decode_graphs.py captures the layers and runs the head on the live rows only).
-        Each token's keys and values are written at (slot, position); it attends to its row's cached
-        positions up to its own. No host sync: CUDA graphs can capture it."""
+    def __call__(self, kv: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+                 rows: torch.Tensor, spans: Sequence[Span], last: Optional[torch.Tensor] = None,
+                 head: bool = True) -> torch.Tensor:
+        """Flat new tokens: ids, positions, rows of the block table [T] (`Tokens`), in `spans` -> the logits
+        [n, V] float32 of the tokens `last` [n] (None: of every token); head=False returns their final hidden
+        states [n, hidden] instead (decode_graphs.py captures the layers and runs the head on the live rows
+        only). Each token's keys and values are written at its position in its row's blocks; it attends to
+        its row's cached positions up to its own. No host sync: CUDA graphs can capture it."""
         cos, sin = self._rope(positions)
-        keys = torch.arange(max(block.length for block in blocks), device=ids.device)
-        masks = []  # per block, per window: additive [rows, 1, width, length] (a bool mask is slower)
-        for block in blocks:
-            at = positions[block.begin:block.end]
-            at = (at[block.padded] if block.padded is not None else at[:, None])[..., None]  # [rows, width, 1]
-            seen = keys[:block.length] <= at
-            masks.append({w: torch.where(seen & (keys[:block.length] > at - w) if w else seen, 0.0, float("-inf"))
+        block_size = kv.shape[4]
+        where = table[rows, positions // block_size] * block_size + positions % block_size  # [T] in the flat pool
+        gathers, masks = [], []  # per span: its rows' blocks, flat; per window, an additive mask [rows, 1, width, keys]
+        for span in spans:
+            blocks = -(-span.length // block_size)
+            gathers.append(table[span.first:span.first + span.rows, :blocks].flatten())
+            keys = torch.arange(blocks * block_size, device=ids.device)
+            at = positions[span.begin:span.end]
+            at = (at[span.padded] if span.padded is not None else at[:, None])[..., None]  # [rows, width, 1]
+            seen = keys <= at  # also hides the positions past a row's own, whatever blocks the table holds there
+            masks.append({w: torch.where(seen & (keys > at - w) if w else seen, 0.0, float("-inf"))
                           .to(cos.dtype)[:, None] for w in set(self.windows)})
 
         def attend(layer: int, q, k, v):
-            kv[layer, 0][slots, :, positions] = k
-            kv[layer, 1][slots, :, positions] = v
+            pool = kv[layer]  # [k|v, kv_heads, blocks, block_size, head_dim]
+            flat = pool.view(2, self.kv_heads, -1, self.head_dim)
+            flat[0].index_copy_(1, where, k.transpose(0, 1))
+            flat[1].index_copy_(1, where, v.transpose(0, 1))
             out = []
-            for block, mask in zip(blocks, masks):
-                queries = q[block.begin:block.end]
-                queries = queries[block.padded] if block.padded is not None else queries[:, None]
-                cached = kv[layer, :, block.first:block.first + block.rows, :, :block.length]
-                if block.padded is None:
-                    attention = _one_query_attention
+            for span, gather, mask in zip(spans, gathers, masks):
+                queries = q[span.begin:span.end]
+                queries = queries[span.padded] if span.padded is not None else queries[:, None]
+                cached = pool.index_select(2, gather).view(2, self.kv_heads, span.rows, -1, self.head_dim)
+                if span.padded is None:
+                    o = _one_query_attention(queries.transpose(1, 2), cached[0], cached[1], mask[self.windows[layer]])
                 else:
                     attention = _expanded_sdpa if q.device.type == "cuda" else _gqa_sdpa
-                o = attention(queries.transpose(1, 2), cached[0], cached[1], attn_mask=mask[self.windows[layer]])
+                    o = attention(queries.transpose(1, 2), cached[0].transpose(0, 1), cached[1].transpose(0, 1),
+                                  attn_mask=mask[self.windows[layer]])
                 o = o.transpose(1, 2).flatten(0, 1)
-                out.append(o[block.unpadded] if block.unpadded is not None else o)
+                out.append(o[span.unpadded] if span.unpadded is not None else o)
             return torch.cat(out) if len(out) > 1 else out[0]
 
         hidden = self._layers(F.embedding(ids, self.model.get_input_embeddings().weight), cos, sin, attend)

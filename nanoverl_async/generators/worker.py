@@ -47,6 +47,7 @@ from nanoverl_async.trace import SpanLog
 from nanoverl_async.generators.agent_loop import run_episode
 from nanoverl_async.generators.engine import Engine
 from nanoverl_async.trajectory import encode
+from nanoverl_async.user_code import UserCodeError
 from nanoverl_async.weights import WeightSubscriber
 from nanoverl_async.wire_auth import CurveKeys, connect
 
@@ -100,12 +101,13 @@ class GeneratorWorker:
             loop.call_soon_threadsafe(self._wake.set)
 
     def stats(self) -> dict:
+        engine = getattr(self.engine, "stats", dict)()  # the transformers engine's KV cache counters
         return {**self.counts, "version": self.engine.version, "groups_in_flight": len(self._groups),
-                "engine_in_flight": self.engine.in_flight(), "weight_apply_s": self.weight_apply_s}
+                "engine_in_flight": self.engine.in_flight(), "weight_apply_s": self.weight_apply_s, **engine}
 
     async def run(self, buffer_endpoints: dict, weights_endpoint: str, curve: Optional[CurveKeys] = None) -> None:
         """Lease, generate and apply weights until `stop()`: the buffer's sockets (BufferService.endpoints)
-        and the learner's weights publisher, with the run's keys when they bind beyond loopback."""
+        and the learner's weights publisher, with the run's keys (wire_auth.py)."""
         self.buffer_endpoints = buffer_endpoints
         self._wake, self._new_weights = asyncio.Event(), asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -150,7 +152,7 @@ class GeneratorWorker:
         if not task.cancelled() and task.exception() is not None and self._error is None:
             self._error = task.exception()
             log.error("generator %d: task %s failed: %r", self.generator_id, task.get_name(), self._error,
-                      exc_info=self._error)
+                      exc_info=None if isinstance(self._error, UserCodeError) else self._error)  # it names its line
             self._wake.set()
 
     async def _wait_until(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -271,7 +273,8 @@ class GeneratorWorker:
     async def _poll_weights(self, subscriber: WeightSubscriber, current_version: int) -> Optional[tuple[int, dict]]:
         """subscriber.poll_newest on the subscriber's own thread: checking a version takes seconds for a large
         model, and the engine decodes on this event loop (a 360M-parameter bfloat16 version stalled it 1.8 s
-        here; 7 ms from this thread, with its tensors viewing the received bytes; 2-core CPU)."""
+        here; 7 ms from this thread, with its tensors viewing the received bytes; 2-core CPU). A version in the
+        learner's shared memory, or on this GPU by CUDA IPC, is copied and checked here too (weights.py)."""
         return await self._loop.run_in_executor(self._weights_thread, subscriber.poll_newest, current_version)
 
     async def _apply(self, subscriber: WeightSubscriber, version: int, state_dict: dict, received: float) -> None:
@@ -304,7 +307,8 @@ def make_engine(generator: GeneratorConfig, model_path: str, *, generator_id: in
         from nanoverl_async.generators.hf_engine import TransformersEngine
 
         # Replicas sample differently from one config seed.
-        return TransformersEngine(model_path, generator.device, dtype, seed=seed * 10_007 + generator_id)
+        return TransformersEngine(model_path, generator.device, dtype, seed=seed * 10_007 + generator_id,
+                                  kv_cache_memory=generator.kv_cache_memory, block_size=generator.kv_block_size)
     if generator.engine == "sglang":
         from nanoverl_async.generators.sglang_engine import SGLangEngine
 

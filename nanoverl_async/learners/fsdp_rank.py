@@ -23,10 +23,11 @@ Invariants:
 Weights out: by default rank 0 publishes each version's full state dict over ZeroMQ (weights.py). After
 `connect_sglang` (generator.sglang.weight_transport=nccl) rank 0 loads each version straight into the
 SGLang servers (learners/sglang_nccl.py) and publishes only a version notice (an empty state dict).
-Device: "cpu" uses gloo; "cuda" uses nccl, one GPU per rank (rank % GPUs visible).
+Device: "cpu" uses gloo; "cuda" uses nccl, one GPU per rank (rank % GPUs visible). Memory (docs/design.md
+"Learner memory"): learner.activation_checkpointing, learner.logits_chunk_tokens; peaks logged as memory/*.
 
-Run alone (no Ray): `python -m pytest tests/test_fsdp.py tests/test_fsdp_schedule.py -q` spawns 1 and 2
-ranks with gloo.
+Run alone (no Ray): `python -m pytest tests/test_fsdp.py tests/test_fsdp_schedule.py tests/test_learner_memory.py
+-q` spawns 1 and 2 ranks with gloo.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -49,11 +51,12 @@ from nanoverl_async.config import SGLangConfig
 from nanoverl_async.learners.batch import (TrainBatch, epoch_order, shard, split_to, take_rows, to_device,
                                            token_budget_bounds, trimmed)
 from nanoverl_async.learners.checkpoint import drop_compute_copy, load_training_state, save_hf, save_training_state
+from nanoverl_async.learners.memory import peak_memory
 from nanoverl_async.learners.packing import (Packing, attends_to_whole_context, attention_cost_per_position,
                                              keeps_packed_sequences_apart, pack, prompt_lengths)
 from nanoverl_async.learners.setup import PROCESS_GROUP_TIMEOUT_S, LearnerSetup
 from nanoverl_async.models import DTYPES
-from nanoverl_async.weights import WeightPublisher, deserialise, empty_payload, serialise
+from nanoverl_async.weights import WeightPublisher, serialise
 
 log = logging.getLogger(__name__)
 
@@ -103,26 +106,29 @@ class LearnerRank:
         self.publisher = WeightPublisher(setup.wire_host, setup.curve) if rank == 0 else None
         self.nccl_transport = False  # set by connect_sglang on every rank (publish_weights gathers differently)
         self.sender = None  # rank 0's SGLangWeightSender once connected
+        peak_memory(self.device)  # the first step's memory/* peaks leave the start-up out
 
     def _sharded_model(self, path: str, model_class=AutoModelForCausalLM, **kwargs) -> torch.nn.Module:
         """A causal LM (or, for the critic, its backbone with a token-level head) with fp32 master weights,
         sharded per decoder layer and at the root; bfloat16 only for compute when asked (FSDP2 mixed
         precision), gradients reduced in fp32. On one rank the shard is the whole model: freeing the compute
         copy after each forward would save no memory and cost a second cast of every weight in backward. One
-        rank in fp32 has nothing to shard, reduce or cast: the plain model (FSDP2 costs 5-10% of a CPU update)."""
+        rank in fp32 has nothing to shard, reduce or cast: the plain model (FSDP2 costs 5-10% of a CPU update).
+        learner.activation_checkpointing: each decoder layer keeps only its input for backward and recomputes
+        the rest (torch's composable, non-reentrant checkpoint: parameter names unchanged, FSDP2 composes)."""
         model = model_class.from_pretrained(path, dtype=torch.float32, **kwargs).to(self.device)
         model.config.use_cache = False
         model.eval()  # no dropout: see the module docstring
+        layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+        assert layer_classes, f"{type(model).__name__} names no decoder-layer class (_no_split_modules)"
+        layers = [module for module in model.modules() if type(module).__name__ in layer_classes]
+        for layer in layers if self.cfg.activation_checkpointing else []:
+            checkpoint_activations(layer)
         if self.world_size == 1 and self.dtype == torch.float32:
             return model
         mp_policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
-        reshard = self.world_size > 1
-        layer_classes = set(getattr(model, "_no_split_modules", None) or [])
-        assert layer_classes, f"{type(model).__name__} names no decoder-layer class (_no_split_modules)"
-        for module in list(model.modules()):
-            if type(module).__name__ in layer_classes:
-                fully_shard(module, mesh=self.mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
-        fully_shard(model, mesh=self.mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+        for module in [*layers, model]:
+            fully_shard(module, mesh=self.mesh, mp_policy=mp_policy, reshard_after_forward=self.world_size > 1)
         return model
 
     def _accumulating(self, model: torch.nn.Module, micro_batch: int, count: int) -> None:
@@ -152,7 +158,8 @@ class LearnerRank:
         (version `self.version`); under "reference", those of the frozen reference model."""
         model = {"policy": self.model, "reference": self.reference}[which]
         assert model is not None, "no reference model: KL is off (kl.loss_coef = kl.reward_coef = 0)"
-        return self._per_token(batch, lambda packing: packing.logprobs(packing.forward(model), self.setup.temperature))
+        return self._per_token(batch, lambda packing: packing.logprobs(model, self.setup.temperature,
+                                                                      self.cfg.logits_chunk_tokens))
 
     def _micro_batch(self, local: TrainBatch, start: int, stop: int) -> tuple[TrainBatch, Packing]:
         """Rows [start, stop) of this rank's shard and their packing into rows (packing.pack), on the device:
@@ -191,7 +198,8 @@ class LearnerRank:
         minibatches), of which each rank trains its own shard. Without
         proximal_logprobs the update's own detached logprobs stand in for p_old, which is exact only
         with one optimizer step per batch (LearnerPool.prepare computes them otherwise). Metrics are
-        reduced over ranks, then averaged over optimizer steps (`*_max` keys: max)."""
+        reduced over ranks, then averaged over optimizer steps (`*_max` keys: max); `memory/*`: the largest
+        peak of any rank since the previous update returned (docs/metrics.md)."""
         assert batch.advantages is not None, "the batch has no advantages (batch.with_advantages)"
         assert batch.proximal_logprobs is not None or self.steps_per_batch == 1, \
             "several optimizer steps per batch need the proximal logprobs (LearnerPool.prepare)"
@@ -207,7 +215,7 @@ class LearnerRank:
         out = {key: float(value) for key, value in merge_metrics(steps, len(history)).items()}  # the mean or max
         out.update(tokens=int(sum(h["tokens"] for h in history) / self.cfg.ppo_epochs), version=self.version,
                    optimizer_steps=len(history))
-        return out
+        return {**out, **peak_memory(self.device, over_ranks=True)}
 
     def _normalisers(self, local: TrainBatch) -> dict[str, float]:
         """Global (all-rank) counts of this minibatch: the denominators of every loss and metric, so
@@ -261,9 +269,9 @@ class LearnerRank:
         """The loss of one micro-batch (algorithms.policy_loss: correction, policy loss, KL, entropy) and
         its metrics, every sum divided by the GLOBAL normalisers."""
         temperature, kl, tokens = self.setup.temperature, self.setup.kl, normalisers["tokens"]
-        logits = packing.forward(self.model)
         # the [N, L, V] softmax of the entropy is in the autograd graph only if the loss uses it
-        logprobs, entropy = packing.logprobs_and_entropy(logits, temperature, entropy_grad=self.algo.entropy_coef > 0)
+        logprobs, entropy = packing.logprobs_and_entropy(self.model, temperature, self.algo.entropy_coef > 0,
+                                                         self.cfg.logits_chunk_tokens)
         proximal = mb.proximal_logprobs if mb.proximal_logprobs is not None else logprobs.detach()
         mask = mb.loss_mask.bool()
         inputs = LossInputs(logprobs, proximal, mb.behaviour_logprobs, mb.advantages, mb.loss_mask,
@@ -322,19 +330,16 @@ class LearnerRank:
     def _host_payload(self, state: dict) -> Optional[np.ndarray]:
         """Collective: rank 0 copies each full tensor straight into its slot of a wire payload (None on the
         other ranks), which the publisher sends while the optimizer steps: one it sent before and no longer
-        needs (`take_spare`; every version has the same layout), else a new one (weights.empty_payload). Each
-        tensor is cast before it crosses (from a GPU half the bytes, for bfloat16). From a GPU the payload is
-        pinned, the copies do not block, and the host waits once for all of them (into pageable memory each
-        copy would wait in turn)."""
+        needs (`take_spare`; every version has the same layout), else a new one (weights.empty_payload): in
+        shared memory on CPU, on the GPU itself when every generator shares it (CUDA IPC), else pinned. Each
+        tensor is cast before it crosses (from a GPU half the bytes, for bfloat16). From a GPU the copies do
+        not block, and the host waits once for all of them (into pageable memory each copy would wait in turn)."""
         cuda = self.device.type == "cuda"
         payload, slots = None, {}
         if self.rank == 0:
             layout = {name: (self.dtype if tensor.is_floating_point() else tensor.dtype, tuple(tensor.shape))
                       for name, tensor in state.items()}
-            payload = self.publisher.take_spare()
-            slots = deserialise(memoryview(payload)) if payload is not None else {}
-            if {name: (slot.dtype, tuple(slot.shape)) for name, slot in slots.items()} != layout:
-                payload, slots = empty_payload(layout, pin_memory=cuda)
+            payload, slots = self.publisher.writable_payload(layout, self.device)  # a spare, else a new one
         for name, full in self._full_tensors(state):
             slots[name].copy_(full, non_blocking=cuda)
         if cuda:

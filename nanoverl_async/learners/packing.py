@@ -2,13 +2,15 @@
 
     packing = pack(mb.input_ids, mb.attention_mask, prompts=prompt_lengths(mb.loss_mask),
                    attention_cost=attention_cost_per_position(model), wanted=mb.loss_mask)
-    logprobs, entropy = packing.logprobs_and_entropy(packing.forward(model), temperature, entropy_grad=False)
+    logprobs, entropy = packing.logprobs_and_entropy(model, temperature, entropy_grad=False, chunk_tokens=0)
 
 Several sequences share a row, kept apart by restarting position ids (verl's remove-padding, TRL's
 padding-free training), and the samples of a group share their prompt under an explicit mask (`Packing`).
 Outputs come back token-indexed [n, l], as `batch.sequence_logprobs` gives them on the padded layout, so
 nothing after the forward knows the layout. `keeps_packed_sequences_apart` checks that a model honours it
-(the learner pads one sequence per row otherwise).
+(the learner pads one sequence per row otherwise). With `chunk_tokens` the LM head and its log-softmax run
+over at most that many tokens at a time, each chunk recomputed in backward (`chunked_head`), so that the
+[tokens, vocabulary] float32 logits, a step's largest tensor, never exist at once.
 
 Run alone: `python -m pytest tests/test_packing.py -q`.
 """
@@ -17,10 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from nanoverl_async.algorithms import token_logprobs, token_logprobs_and_entropy
 from nanoverl_async.learners.batch import PAD_TOKEN_ID
@@ -64,36 +68,65 @@ class Packing:
     destination: Tensor  # int64 [k]: its flat position in [n * l]
     shape: tuple[int, int]  # [n, l], the micro-batch's
 
-    def forward(self, model: torch.nn.Module) -> Tensor:
+    def forward(self, model: torch.nn.Module, head: Optional[Callable[[Tensor, torch.nn.Module], Tensor]] = None
+                ) -> Tensor:
         """The model's outputs (logits, or a critic's scores) at `outputs` [h, ...]. A causal LM's head gets only
         those positions' hidden states (a hook on it: the logits and their log-softmax are a step's largest
-        tensors, and prompt, tool and padding positions would be discarded). Position ids only where rows
-        hold several sequences: from them transformers derives the blocks of its mask, and checks on the host
-        whether there are any (a wait for the GPU); the explicit mask only where prompts are shared
-        (transformers takes a 4-D mask as it is); rows of one sequence need the plain causal mask."""
-        head = model.get_output_embeddings()  # None for a critic: its scores are read after the forward
+        tensors, and prompt, tool and padding positions would be discarded); `head`, if given, replaces the
+        head's own computation: head(hidden states predicting each read token [k, H], the head module) is
+        returned in place of the logits, computed inside the model's forward, where FSDP2 holds the head's
+        weights unsharded and its output enters FSDP2's backward. Position ids only where rows hold several
+        sequences: from them transformers derives the blocks of its mask, and checks on the host whether
+        there are any (a wait for the GPU); the explicit mask only where prompts are shared (transformers
+        takes a 4-D mask as it is); rows of one sequence need the plain causal mask."""
+        lm_head = model.get_output_embeddings()  # None for a critic: its scores are read after the forward
+        kept = []  # the hidden states `head` gets
 
-        def read(hidden: Tensor) -> Tensor:
-            return hidden.flatten(0, 1)[self.outputs]
+        def read(_, args) -> tuple[Tensor]:
+            hidden = args[0].flatten(0, 1)
+            if head is None:
+                return (hidden[self.outputs],)
+            kept.append(hidden[self.outputs[self.predictor]])
+            return (hidden[:0],)  # the head's own matmul runs on no position
 
-        hook = head.register_forward_pre_hook(lambda _, args: (read(args[0]),)) if head is not None else None
+        hooks = [] if lm_head is None else [lm_head.register_forward_pre_hook(read)] + (
+            [] if head is None else [lm_head.register_forward_hook(lambda module, _, __: head(kept.pop(), module))])
         try:
             out = model(input_ids=self.input_ids, position_ids=self.position_ids,
                         attention_mask=self.attention_mask, use_cache=False).logits
         finally:
-            if hook is not None:
+            for hook in hooks:
                 hook.remove()
-        return out if head is not None else read(out)
+        return out if lm_head is not None else out.flatten(0, 1)[self.outputs]
 
-    def logprobs(self, logits: Tensor, temperature: float) -> Tensor:
-        """Token-indexed logprobs [n, l] (as `sequence_logprobs`) from `forward`'s logits [h, V]."""
-        return self.scatter(token_logprobs(logits, self.target, temperature, self.predictor))
+    def logprobs(self, model: torch.nn.Module, temperature: float, chunk_tokens: int = 0) -> Tensor:
+        """Token-indexed logprobs [n, l] (as `sequence_logprobs`) from one forward of the causal LM `model`, the
+        head over at most `chunk_tokens` tokens at a time (0: all at once; `chunked_head`)."""
+        def reduce(logits: Tensor, targets: Tensor, rows: Optional[Tensor] = None) -> tuple[Tensor, ...]:
+            return (token_logprobs(logits, targets, temperature, rows),)
 
-    def logprobs_and_entropy(self, logits: Tensor, temperature: float, entropy_grad: bool) -> tuple[Tensor, Tensor]:
+        return self._read(model, reduce, chunk_tokens)[0]
+
+    def logprobs_and_entropy(self, model: torch.nn.Module, temperature: float, entropy_grad: bool,
+                             chunk_tokens: int = 0) -> tuple[Tensor, Tensor]:
         """`logprobs` and, token-indexed the same way, the entropy of the distribution that sampled each token,
-        from one pass over the logits (algorithms.token_logprobs_and_entropy)."""
-        return tuple(self.scatter(values) for values in token_logprobs_and_entropy(
-            logits, self.target, temperature, entropy_grad, self.predictor))
+        from one pass over each logit (algorithms.token_logprobs_and_entropy)."""
+        def reduce(logits: Tensor, targets: Tensor, rows: Optional[Tensor] = None) -> tuple[Tensor, ...]:
+            return token_logprobs_and_entropy(logits, targets, temperature, entropy_grad, rows)
+
+        return self._read(model, reduce, chunk_tokens)
+
+    def _read(self, model: torch.nn.Module, reduce, chunk_tokens: int) -> tuple[Tensor, ...]:
+        """reduce(logits, targets[, rows]) -> per-token values, token-indexed [n, l] each: from the logits at the
+        read positions at once, or, with more read tokens than `chunk_tokens` > 0, from `chunked_head`."""
+        if chunk_tokens and len(self.target) > chunk_tokens:
+            # the model would transform what replaces its logits (Gemma 2's soft cap: tanh(logits / c) * c)
+            assert not getattr(model.config, "final_logit_softcapping", None), \
+                "learner.logits_chunk_tokens: this model caps its logits after the head; set it to 0"
+            out = self.forward(model, lambda hidden, head: chunked_head(hidden, head, self.target, reduce,
+                                                                         chunk_tokens))
+            return tuple(self.scatter(values) for values in out.unbind(-1))
+        return tuple(self.scatter(values) for values in reduce(self.forward(model), self.target, self.predictor))
 
     def predicted(self, per_position: Tensor) -> Tensor:
         """`forward`'s output [h, ...] (a critic's values) -> token-indexed [n, l, ...]: token j gets the
@@ -164,6 +197,25 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
     return Packing(packed_ids.to(device), positions.to(device) if several else None,
                    None if mask is None else mask.to(device), outputs.to(device), predictor.to(device),
                    target.to(device), destination.to(device), tuple(attention_mask.shape))
+
+
+def chunked_head(hidden: Tensor, head: torch.nn.Module, targets: Tensor, reduce, chunk_tokens: int) -> Tensor:
+    """reduce(head(hidden[i]), targets[i]) -> [k, values] (e.g. logprob and entropy), over chunks of
+    `chunk_tokens` rows of hidden [k, H]: at most one chunk's [chunk, V] logits exist at a time. With autograd
+    on, each chunk runs under torch.utils.checkpoint, so that backward recomputes its logits instead of
+    keeping them (the head's matmul once more per token); the gradients are those of the whole head at once."""
+    assert isinstance(head, torch.nn.Linear), \
+        f"learner.logits_chunk_tokens needs a linear LM head, not {type(head).__name__}"
+
+    def one_chunk(rows: Tensor, chunk_targets: Tensor) -> Tensor:
+        return torch.stack(reduce(F.linear(rows, head.weight, head.bias), chunk_targets), dim=-1)
+
+    parts = []
+    for start in range(0, len(targets), chunk_tokens):
+        rows, chunk_targets = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+        parts.append(checkpoint(one_chunk, rows, chunk_targets, use_reentrant=False) if torch.is_grad_enabled()
+                     else one_chunk(rows, chunk_targets))
+    return torch.cat(parts)
 
 
 def attention_cost_per_position(model: torch.nn.Module) -> float:

@@ -42,24 +42,35 @@ class _RankProcess:
     def node(self) -> str:
         return ray.util.get_node_ip_address()
 
-    def start(self, setup: LearnerSetup, rank: int, master_addr: str, master_port: int) -> None:
+    def start(self, setup: LearnerSetup, rank: int, rendezvous: tuple[str, int]) -> None:
         from nanoverl_async.learners.fsdp_rank import LearnerRank
         from nanoverl_async.models import require_model_dir
 
         node = ray.util.get_node_ip_address()
         require_model_dir(setup.model.path, f"node {node}")
         setup = dataclasses.replace(setup, wire_host=bind_host(setup.wire_host, node))
-        self.rank = LearnerRank(setup, rank, master_addr, master_port)
+        self.rank = LearnerRank(setup, rank, *rendezvous)
 
     def call(self, method: str, *args):
         return getattr(self.rank, method)(*args)
+
+    def share_gpu_with(self, generator_gpus: list[str]) -> bool:
+        """Rank 0: publish weights by CUDA IPC handles (weights.py) if every generator is on this rank's GPU
+        (their UUIDs) and on this machine (a publisher on loopback); whether it will."""
+        publisher, device = self.rank.publisher, self.rank.device
+        if device.type != "cuda" or not publisher.shared_memory or not generator_gpus:
+            return False
+        own = str(torch.cuda.get_device_properties(device).uuid)
+        publisher.device_handles = all(gpu == own for gpu in generator_gpus)
+        return publisher.device_handles
 
 
 class LearnerPool:
     def __init__(self, cfg: Config, model_path: str, curve: Optional[CurveKeys] = None):
         """The ranks of `cfg.learner`, each built from the sections of `cfg` it reads (LearnerSetup);
         `model_path` is model.path resolved to a directory; `curve` the run's wire keys (wire_auth.py).
-        Their weights are version 0 until `load_checkpoint` restores another."""
+        Their weights are version 0 until `load_checkpoint` restores another. Returns once the ranks are
+        placed: they build their models while the caller starts the other roles (`ready` waits for them)."""
         self.setup = setup = LearnerSetup(
             dataclasses.replace(cfg.model, path=model_path), cfg.learner, cfg.algorithm, cfg.kl, cfg.reference,
             cfg.critic, cfg.wire.host, cfg.generator.temperature, cfg.run.seed, cfg.agent.max_total_tokens, curve)
@@ -71,15 +82,22 @@ class LearnerPool:
         gpus = learner.gpus_per_rank if learner.device == "cuda" else 0
         actor = ray.remote(num_cpus=0, num_gpus=gpus, resources=cfg.ray.resources("learner"))(_RankProcess)
         self.ranks = [actor.remote() for _ in range(learner.world_size)]
-        master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=TIMEOUT_S)
-        ray.get([actor_rank.start.remote(setup, rank, master_addr, master_port)
-                 for rank, actor_rank in enumerate(self.ranks)], timeout=TIMEOUT_S)
-        self.weights_endpoint: str = ray.get(self.ranks[0].call.remote("weights_endpoint"), timeout=TIMEOUT_S)
-        self.nodes: list[str] = ray.get([rank.node.remote() for rank in self.ranks], timeout=TIMEOUT_S)  # per rank
+        rendezvous = self.ranks[0].rendezvous_address.remote()  # Ray hands every rank its value
+        self._starts = [actor_rank.start.remote(setup, rank, rendezvous) for rank, actor_rank in enumerate(self.ranks)]
+        self.weights_endpoint, self.nodes = "", []  # rank 0's publisher; each rank's node (set by `ready`)
+
+    def ready(self) -> None:
+        """Wait until every rank has built its models (raising a rank's own error); once, then returns at once."""
+        if self._starts:
+            ray.get(self._starts, timeout=TIMEOUT_S)
+            self._starts = []
+            self.weights_endpoint = ray.get(self.ranks[0].call.remote("weights_endpoint"), timeout=TIMEOUT_S)
+            self.nodes = ray.get([rank.node.remote() for rank in self.ranks], timeout=TIMEOUT_S)
 
     def _all(self, method: str, *args) -> list:
         """Call `method(*args)` on every rank at once (they run collectives together); one result per rank.
         The first rank to fail raises at once: its peers would otherwise sit in a collective until timeout."""
+        self.ready()
         refs = [rank.call.remote(method, *args) for rank in self.ranks]
         pending, deadline = list(refs), time.monotonic() + TIMEOUT_S
         while pending:
@@ -126,9 +144,16 @@ class LearnerPool:
         """generator.sglang.weight_transport=nccl: rank 0 joins one process group with every SGLang server
         (GeneratorRole.sglang_endpoints), meeting at its own node's IP on a free port there. From then on
         `publish_weights` loads weights straight into the servers."""
+        self.ready()
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=TIMEOUT_S)
         check_reachable(endpoints, master_addr)
         self._all("connect_sglang", endpoints, cfg, master_addr, master_port)
+
+    def share_gpu_with(self, generator_gpus: list[str]) -> bool:
+        """Weights to the generators without a host round trip when they all share rank 0's GPU (their device
+        UUIDs, GeneratorRole.gpu): rank 0 hands over CUDA IPC handles. Returns whether it will."""
+        self.ready()
+        return ray.get(self.ranks[0].share_gpu_with.remote(generator_gpus), timeout=TIMEOUT_S)
 
     def publish_weights(self, version: int) -> None:
         """Gathers the full state dict on rank 0, which sends it on a background thread (disk transport), or

@@ -28,4 +28,4 @@ class LearnerSetup:
     temperature: float = 1.0  # generator.temperature: logprobs of the distribution the generators sample
     seed: int = 0  # run.seed
     max_total_tokens: int = 0  # agent.max_total_tokens: overlong limit, seq-mean-token-sum-norm's constant
-    curve: Optional[CurveKeys] = None  # the run's keys when wire.host is not loopback (wire_auth.py)
+    curve: Optional[CurveKeys] = None  # the run's wire keys (wire_auth.py)

@@ -1,0 +1,255 @@
+"""The paged KV cache of `hf_engine`: which blocks of the pool each row holds, how many rows share each
+block, which full blocks hold which prefix (by hash) (`BlockPool`, pure Python), and the tensors on the
+device: the pool of keys and values and the running rows' block table (`PagedCache`).
+
+    pool = BlockPool(num_blocks=1024, block_size=16)
+    hashes = prefix_hashes(context, 16, seed=version_seed(3))   # one per full block of the context
+    hits = pool.match(hashes)                                  # the longest cached prefix, as blocks
+    if pool.fits(hits, 4):
+        blocks = pool.take(hits) + pool.allocate(4)            # shared (refcounted) + own blocks
+    pool.release(blocks)                                        # full blocks stay cached under their hash
+    cache = PagedCache(forward, num_blocks, block_size, rows, device)   # cache.pool, cache.kv, cache.table
+
+Each block holds `block_size` consecutive positions of one context. A block is in use (held by at least one
+row: its refcount), cached (held by none, its keys and values reusable by a request whose prefix hashes
+to it, until evicted), or never used yet. Invariants:
+  - block 0 is the null block, never handed out: a CUDA graph's padding rows point at it and write there
+    (decode_graphs.py), and the table's unused entries start there; `capacity` = num_blocks - 1 and
+    `in_use()` <= capacity always;
+  - hash i of a context = blake2b(hash i-1 + the token ids of block i), chained from a seed that names the
+    weights version the keys and values were computed with: a block computed under other weights never
+    matches (vLLM's automatic prefix caching and nano-vllm's hashes chain the same way);
+  - `allocate` takes never-used blocks first, then the least recently released (LRU: a later turn of the
+    same episode, or another group with the same system prompt, finds its prefix while it is fresh);
+    blocks holding no full prefix are released to the front of that queue, so they go first.
+
+Run alone: nothing to run; tests/test_kv_blocks.py checks it on its own and through the engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+import torch
+
+from nanoverl_async.models import on_device
+
+NULL_BLOCK = 0
+GIB = 2 ** 30
+
+
+def version_seed(version: int) -> bytes:
+    """The first link of the hash chains of blocks computed under weights `version`."""
+    return version.to_bytes(8, "little", signed=True)
+
+
+def block_hash(previous: bytes, tokens: Sequence[int]) -> bytes:
+    """The hash of one full block: its tokens, chained after the hash of the blocks before it."""
+    return hashlib.blake2b(previous + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+def prefix_hashes(tokens: Sequence[int], block_size: int, seed: bytes, known: Sequence[bytes] = ()) -> list[bytes]:
+    """The hashes of the full blocks of `tokens`, continuing `known` (the hashes of its first blocks)."""
+    hashes = list(known)
+    for start in range(len(hashes) * block_size, len(tokens) - block_size + 1, block_size):
+        hashes.append(block_hash(hashes[-1] if hashes else seed, tokens[start:start + block_size]))
+    return hashes
+
+
+def pool_blocks(kv_cache_memory: float, free_bytes: int, block_bytes: int) -> int:
+    """Blocks of `block_bytes` in the budget `generator.kv_cache_memory`: <= 1 is that fraction of `free_bytes`
+    (the device memory free once the model is loaded), > 1 is GiB. At least one block besides the null one."""
+    if not kv_cache_memory > 0:
+        raise ValueError(f"generator.kv_cache_memory must be > 0 (a fraction <= 1 of free memory, or GiB), "
+                         f"got {kv_cache_memory}")
+    budget = kv_cache_memory * free_bytes if kv_cache_memory <= 1 else kv_cache_memory * GIB
+    blocks = int(budget // block_bytes)
+    if blocks < 2:
+        raise ValueError(f"generator.kv_cache_memory={kv_cache_memory} is {budget / GIB:.3g} GiB: less than two "
+                         f"KV blocks of {block_bytes} bytes")
+    return blocks
+
+
+class BlockPool:
+    """Refcounts, the LRU queue of released blocks and the prefix-hash map of a pool of `num_blocks` blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if block_size < 1 or num_blocks < 2:
+            raise ValueError(f"a KV pool needs block_size >= 1 and >= 2 blocks, got {block_size}, {num_blocks}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.capacity = num_blocks - 1  # block 0 is the null block
+        self.fresh = 1  # blocks fresh.. have never been handed out
+        self.refs: dict[int, int] = {}  # block in use -> rows holding it
+        self.released: OrderedDict[int, None] = OrderedDict()  # held by no row, evicted first to last
+        self.block_of: dict[bytes, int] = {}  # prefix hash -> the full block holding it
+        self.hash_of: dict[int, bytes] = {}
+        self.peak = 0  # the most blocks in use at once
+
+    def in_use(self) -> int:
+        return len(self.refs)
+
+    def free(self) -> int:
+        """Blocks `allocate` can hand out now (never used, or released; a cached prefix is then evicted)."""
+        return self.num_blocks - self.fresh + len(self.released)
+
+    def match(self, hashes: Sequence[bytes]) -> list[int]:
+        """The blocks holding the longest prefix of `hashes`."""
+        blocks = []
+        for key in hashes:
+            block = self.block_of.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def fits(self, hits: Sequence[int], count: int) -> bool:
+        """Whether `take(hits)` then `allocate(count)` can be done (a released hit stops being free)."""
+        return self.free() - sum(block in self.released for block in hits) >= count
+
+    def take(self, blocks: Sequence[int]) -> list[int]:
+        """One more holder of each of `blocks` (a shared prefix); -> `blocks`."""
+        for block in blocks:
+            self.refs[block] = self.refs.get(block, 0) + 1
+            self.released.pop(block, None)
+        self.peak = max(self.peak, len(self.refs))
+        return list(blocks)
+
+    def allocate(self, count: int) -> list[int]:
+        """`count` blocks of one holder each: never-used ones first, then the least recently released."""
+        if count > self.free():
+            raise RuntimeError(f"{count} KV blocks asked, {self.free()} free: the engine checks `fits` first")
+        blocks = list(range(self.fresh, min(self.fresh + count, self.num_blocks)))
+        self.fresh += len(blocks)
+        while len(blocks) < count:
+            block, _ = self.released.popitem(last=False)
+            key = self.hash_of.pop(block, None)
+            if key is not None:
+                del self.block_of[key]
+            blocks.append(block)
+        return self.take(blocks)
+
+    def shared(self, block: int) -> bool:
+        return self.refs[block] > 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """One holder fewer for each of `blocks` (a row's, first to last); a block no row holds is queued for
+        reuse: last if it holds a full prefix (the tail of a context first), else first."""
+        for block in reversed(blocks):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                del self.refs[block]
+                self.released[block] = None
+                if block not in self.hash_of:
+                    self.released.move_to_end(block, last=False)
+
+    def register(self, key: bytes, block: int) -> None:
+        """`block` is full and holds the prefix hashed to `key` (a prefix already held elsewhere keeps its block)."""
+        if key not in self.block_of and block not in self.hash_of:
+            self.block_of[key], self.hash_of[block] = block, key
+
+    def forget(self) -> None:
+        """Drop every prefix hash (the weights changed: no cached block can be matched again)."""
+        self.block_of.clear()
+        self.hash_of.clear()
+
+
+class PagedCache:
+    """The pool's keys and values [layers, k|v, kv_heads, blocks, block_size, head_dim] (`LlamaForward.cache`) and
+    the block table [rows, columns] of the running rows on the device, with the `BlockPool` that hands out their
+    blocks. A row is the engine's request: `blocks`, `hashes` (of its context's full blocks), `seed` (theirs),
+    `length()` (its tokens; all but the last sampled one are cached), `context()`, `tokens(begin, end)`."""
+
+    def __init__(self, forward, num_blocks: int, block_size: int, rows: int, device: torch.device):
+        self.pool = BlockPool(num_blocks, block_size)
+        self.kv = forward.cache(num_blocks, block_size)
+        self.table = torch.full((rows, max(1, 256 // block_size)), NULL_BLOCK, dtype=torch.long, device=device)
+        self.zeroed = 0  # blocks 0..zeroed-1 are zeroed or written: garbage could be NaN, and 0 x NaN = NaN
+        self._zero_fresh()
+
+    def need(self, rows: Sequence) -> int:
+        """The most blocks `grow(rows)` takes."""
+        size = self.pool.block_size
+        return sum((row.length() - 1) % size == 0 or self.pool.shared(row.blocks[-1]) for row in rows)
+
+    def grow(self, rows: Sequence, seed: bytes) -> int:
+        """Running rows 0.. write their last sampled token in this step: each gets a new block where that token
+        starts one, or its own copy of its last block if other rows hold it (copy on write), and a block it
+        fills is registered under its prefix hash (chained from `seed`). -> the blocks copied."""
+        size, pool, refs = self.pool.block_size, self.pool, self.pool.refs
+        updates, copies = [], []  # (row, column, block) of the table; (from, to) blocks
+        for index, row in enumerate(rows):  # every step: kept lean
+            cached = row.length() - 1
+            offset = cached % size
+            if offset == 0:
+                row.blocks.append(pool.allocate(1)[0])
+                updates.append((index, cached // size, row.blocks[-1]))
+            elif refs[row.blocks[-1]] > 1:
+                copies.append((row.blocks[-1], pool.allocate(1)[0]))
+                pool.release(row.blocks[-1:])
+                row.blocks[-1] = copies[-1][1]
+                updates.append((index, cached // size, row.blocks[-1]))
+            if offset == size - 1 and row.seed == seed and len(row.hashes) == (column := cached // size):
+                row.hashes.append(block_hash(row.hashes[-1] if column else seed, row.tokens(cached + 1 - size,
+                                                                                           cached + 1)))
+                pool.register(row.hashes[-1], row.blocks[column])
+        self._zero_fresh()
+        if copies:
+            source, target = on_device(torch.tensor(copies).T, self.table.device)
+            self.kv[:, :, :, target] = self.kv[:, :, :, source]
+        if updates:
+            self._widen(max(column for _, column, _ in updates) + 1)
+            index, columns, blocks = on_device(torch.tensor(updates).T, self.table.device)
+            self.table[index, columns] = blocks
+        return len(copies)
+
+    def place(self, row, context: list[int], seed: bytes) -> Optional[int]:
+        """Blocks for `row`'s context: those of its longest cached prefix (short of its last token, which is
+        computed for its logits), and new ones for the rest -> the prefix's length, or None if they do not fit.
+        Its full blocks are registered under their hashes at once: a row placed after it in the same step reads
+        them in the same forward, after each layer has written them."""
+        size = self.pool.block_size
+        if row.seed != seed:
+            row.hashes, row.seed = [], seed
+        row.hashes = prefix_hashes(context, size, seed, row.hashes)
+        hits = self.pool.match(row.hashes[: (len(context) - 1) // size])
+        need = -(-len(context) // size) - len(hits)
+        if not self.pool.fits(hits, need):
+            return None
+        row.blocks = self.pool.take(hits) + self.pool.allocate(need)
+        for column in range(len(hits), len(row.hashes)):
+            self.pool.register(row.hashes[column], row.blocks[column])
+        self._zero_fresh()
+        return len(hits) * size
+
+    def share(self, copy, source) -> None:
+        """`copy` repeats `source`'s context: it holds the same blocks."""
+        copy.blocks = self.pool.take(source.blocks)
+        copy.hashes, copy.seed = list(source.hashes), source.seed
+
+    def release(self, row) -> None:
+        self.pool.release(row.blocks)
+        row.blocks = []
+
+    def seat(self, start: int, rows: Sequence) -> None:
+        """`rows` become rows start.. of the block table."""
+        width = max(len(row.blocks) for row in rows)
+        self._widen(width)
+        table = [row.blocks + [NULL_BLOCK] * (width - len(row.blocks)) for row in rows]
+        self.table[start:start + len(rows), :width] = on_device(torch.tensor(table), self.table.device)
+
+    def _widen(self, columns: int) -> None:
+        """Widen the block table, doubling, to at least `columns` (a new tensor: graphs are captured again)."""
+        old = self.table
+        if columns > old.shape[1]:
+            self.table = torch.full((old.shape[0], max(columns, 2 * old.shape[1])), NULL_BLOCK, dtype=old.dtype,
+                                    device=old.device)
+            self.table[:, :old.shape[1]] = old
+
+    def _zero_fresh(self) -> None:
+        """Zero the blocks handed out for the first time (on the CPU, their pages are taken only now)."""
+        if self.pool.fresh > self.zeroed:
+            self.kv[:, :, :, self.zeroed:self.pool.fresh] = 0
+            self.zeroed = self.pool.fresh

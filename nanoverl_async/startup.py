@@ -1,0 +1,74 @@
+"""Start-up of a run: Ray started once, while the controller's heavy imports load, and a console line per
+phase with the seconds since launch (a first run that builds its model for minutes says so).
+
+    started_ray, launcher = start_ray_while_importing(cfg.ray, "nanoverl_async.launcher")   # the CLI
+
+Why overlap: on a small machine start-up is CPU-bound, and the controller's imports (torch, transformers:
+seconds) use one core, while Ray's processes start on the others. This module imports only Ray, so the
+thread that imports the launcher holds torch's import alone.
+
+Run alone: tests/test_cli_run.py runs the CLI and checks the phase lines and time/startup_s.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
+
+import ray
+
+from nanoverl_async.config import RayConfig
+
+
+def process_start() -> float:
+    """This process's start as time.time(): on Linux from its start in clock ticks since boot (psutil's
+    create_time adds the boot time in whole seconds, up to 1 s off)."""
+    try:
+        with open("/proc/self/stat") as stat:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, AttributeError, ValueError, IndexError):
+        import psutil
+
+        return psutil.Process().create_time()
+
+
+def phase(started: float, what: str) -> None:
+    """A console line for a start-up phase, with the seconds since `started` (time.time() at launch)."""
+    print(f"[{time.time() - started:5.1f} s] {what}", file=sys.stderr, flush=True)
+
+
+def start_ray_while_importing(cfg: RayConfig, module: str) -> tuple[bool, ModuleType]:
+    """`start_ray(cfg)` here (Ray sets its signal handlers on the main thread) while a thread imports `module`;
+    (whether Ray was started here, the module)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="imports") as pool:
+        loading = pool.submit(importlib.import_module, module)
+        started_ray = start_ray(cfg)
+        return started_ray, loading.result()
+
+
+def start_ray(cfg: RayConfig) -> bool:
+    """Local Ray by default, a cluster when `ray.address` is set; returns whether we started it. Every
+    role runs this very checkout's code: on a cluster the package is shipped to the nodes (py_modules);
+    on this machine the workers import it from where the driver did, whatever else is installed."""
+    if ray.is_initialized():
+        return False
+    if not cfg.address:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local runs need no token (Ray >= 2.60)
+    quiet = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    os.environ.update(quiet)
+    package = Path(__file__).resolve().parent
+    runtime_env = None
+    if cfg.address:
+        runtime_env = {"env_vars": quiet, "py_modules": [str(package)]}
+    else:  # workers inherit this environment; a runtime_env would bar them from Ray's prestarted ones (~1.3 s)
+        paths = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+        os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(package.parent), *paths]))
+    ray.init(address=cfg.address or None, num_cpus=cfg.num_cpus or None, include_dashboard=False,
+             logging_level="WARNING", runtime_env=runtime_env)
+    return True

@@ -1,0 +1,232 @@
+"""The paged KV cache: kv_blocks.BlockPool on its own, and TransformersEngine under a block budget.
+
+Pool: the budget's units (a fraction <= 1 of free memory, GiB above) at their boundaries; never-used blocks
+are handed out first, then released ones, least recent first, those holding no full prefix before those that
+do; refcounts; prefix hashes chain (one different token early changes every later hash) and name the seed.
+Engine, against a full forward under each token's weights version (tests/test_engine.py's machinery): a
+request that needs exactly the pool runs and one more position is refused in one line; a pool too small for
+every row preempts rows (never drops one), the blocks in use never pass the pool and every block is back
+when the engine is empty; a group's samples share their prompt's blocks, and each copies the shared last
+block before writing into it (copy on write), leaving the others' tokens unchanged; another group with the
+same system prompt finds its full blocks by hash; a 4k-token row on a builtin:tiny-shaped model, with a
+weight swap mid-decode and preemptions, matches token by token; a step computes at most `prefill_tokens` of
+the requests it admits; a span pads its queries to at most twice its tokens; the config keys' bounds.
+"""
+
+import asyncio
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from nanoverl_async.config import ConfigError, load_config
+from nanoverl_async.generators.engine import SamplingParams
+from nanoverl_async.generators.hf_engine import TransformersEngine
+from nanoverl_async.generators.kv_blocks import GIB, BlockPool, pool_blocks, prefix_hashes, version_seed
+from nanoverl_async.generators.llama_forward import Tokens
+from nanoverl_async.validation import validate
+from test_engine import TOL, model_dir, one_thread, randomized, reference_logprobs, staggered  # noqa: F401
+
+
+def test_the_budget_is_a_fraction_up_to_one_and_gib_above():
+    assert pool_blocks(0.5, free_bytes=1000, block_bytes=100) == 5
+    assert pool_blocks(1.0, free_bytes=1000, block_bytes=100) == 10  # 1 is the whole free memory, not 1 GiB
+    assert pool_blocks(1.5, free_bytes=1000, block_bytes=GIB // 4) == 6  # above 1: GiB
+    assert pool_blocks(0.2, free_bytes=1000, block_bytes=100) == 2  # the least: the null block and one
+    for bad, match in ((0.19, "less than two KV blocks"), (0.0, "must be > 0"), (-1.0, "must be > 0")):
+        with pytest.raises(ValueError, match=rf"generator.kv_cache_memory.*{match}"):
+            pool_blocks(bad, free_bytes=1000, block_bytes=100)
+
+
+def test_the_pool_hands_out_fresh_blocks_first_then_the_least_recently_released():
+    pool = BlockPool(6, block_size=2)
+    a, b = pool.allocate(2), pool.allocate(2)
+    assert (a, b, pool.in_use(), pool.free(), pool.peak) == ([1, 2], [3, 4], 4, 1, 4)
+    pool.register(b"a0", a[0])  # a's first block is full and holds a prefix; its second does not
+    pool.release(a)
+    pool.release(b)
+    assert pool.in_use() == 0 and pool.free() == 5 and pool.match([b"a0", b"x"]) == [1]
+    # fresh 5 first; then the released blocks that hold no prefix (the latest released first), then block 1
+    assert pool.allocate(5) == [5, 3, 4, 2, 1]
+    assert pool.match([b"a0"]) == [] and pool.free() == 0  # handing block 1 out evicted its prefix
+    with pytest.raises(RuntimeError, match="1 KV blocks asked, 0 free"):
+        pool.allocate(1)
+
+
+def test_shared_blocks_are_refcounted_and_a_released_hit_stops_being_free():
+    pool = BlockPool(4, block_size=2)
+    blocks = pool.allocate(2)
+    pool.register(b"p", blocks[0])
+    assert pool.take(blocks) == blocks and pool.shared(blocks[0]) and pool.in_use() == 2
+    pool.release(blocks)
+    assert not pool.shared(blocks[0])
+    pool.release(blocks)
+    hits = pool.match([b"p"])
+    assert hits == [blocks[0]] and pool.free() == 3
+    assert pool.fits(hits, 2) and not pool.fits(hits, 3)  # taking the hit leaves 2 free, not 3
+    pool.register(b"q", blocks[0])  # a block keeps its first prefix, a prefix its first block
+    pool.register(b"p", blocks[1])
+    assert pool.match([b"q"]) == [] and pool.match([b"p"]) == [blocks[0]]
+    pool.forget()
+    assert pool.match([b"p"]) == []
+
+
+def test_prefix_hashes_chain_over_full_blocks_and_name_the_weights():
+    tokens = list(range(10))
+    hashes = prefix_hashes(tokens, 4, version_seed(0))
+    assert len(hashes) == 2  # the last 2 tokens do not fill a block
+    assert prefix_hashes(tokens + [7, 7], 4, version_seed(0), hashes[:1]) == prefix_hashes(tokens + [7, 7], 4,
+                                                                                          version_seed(0))
+    changed = prefix_hashes([99] + tokens[1:], 4, version_seed(0))
+    assert changed[0] != hashes[0] and changed[1] != hashes[1]  # a prefix differs: every later block differs
+    assert prefix_hashes(tokens, 4, version_seed(1))[0] != hashes[0]
+
+
+class Budgeted:
+    """Runs an engine's steps, recording the blocks in use after each and checking they never pass the pool and
+    are exactly those the running rows hold (none leaks)."""
+
+    def __init__(self, engine: TransformersEngine):
+        self.engine, self.step, self.in_use = engine, engine._step, []
+        engine._step = self
+
+    def __call__(self):
+        self.step()
+        engine = self.engine
+        held = {block for request in engine._rows for block in request.blocks}
+        assert engine.cache.pool.in_use() == len(held) <= engine.cache.pool.capacity
+        self.in_use.append(len(held))
+
+
+def test_a_request_that_needs_exactly_the_pool_runs_and_one_position_more_is_refused(model_dir):
+    engine = TransformersEngine(model_dir, seed=3, block_size=4, num_blocks=9)  # 8 blocks: 32 positions
+    reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+    budget, prompt = Budgeted(engine), list(range(1, 21))
+    completion = asyncio.run(engine.generate(prompt, SamplingParams(13, 1.0)))  # 20 + 13 - 1 = 32 positions
+    assert len(completion.token_ids) == 13 and max(budget.in_use) == engine.cache.pool.peak == 8
+    assert completion.logprobs == pytest.approx(reference_logprobs(reference, prompt, completion.token_ids, 1.0),
+                                                abs=TOL)
+    with pytest.raises(ValueError, match=r"20 input tokens \+ max_new_tokens=14 need 33 positions of KV cache; "
+                                         r"generator.kv_cache_memory holds 32"):
+        asyncio.run(engine.generate(prompt, SamplingParams(14, 1.0)))
+    assert engine.cache.pool.in_use() == 0
+
+
+def test_a_short_pool_preempts_rows_and_recomputes_them_exactly(model_dir):
+    engine = TransformersEngine(model_dir, seed=5, block_size=4, num_blocks=13)  # 12 blocks for 5 long rows
+    reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+    budget = Budgeted(engine)
+    requests = [(0, [i + 1] * (3 + i), 30) for i in range(5)] + [(4, [50, 51], 10)]
+    completions = staggered(engine, requests, temperature=1.0)
+    assert engine.preemptions >= 2 and max(budget.in_use) == engine.cache.pool.capacity
+    assert sum(c.preemptions for c in completions) == engine.preemptions  # each request says how often
+    assert engine.cache.pool.in_use() == 0 and engine.in_flight() == 0
+    for (_, prompt, limit), completion in zip(requests, completions):
+        assert len(completion.token_ids) == limit and completion.finish_reason == "length"
+        assert completion.logprobs == pytest.approx(reference_logprobs(reference, prompt, completion.token_ids, 1.0),
+                                                    abs=TOL)
+
+
+def test_a_group_shares_its_prompt_and_each_sample_copies_the_shared_block_it_writes(model_dir):
+    """6 prompt tokens in blocks of 4: the 4 samples share both blocks; the second is half full, and each sample
+    writes its first token there. Without the copies, the samples' second tokens would see the last writer's."""
+    engine = TransformersEngine(model_dir, seed=4, block_size=4)
+    reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+    group = [5, 6, 7, 8, 9, 10]
+
+    async def main():
+        return await asyncio.gather(*(engine.generate(group, SamplingParams(3, 1.0)) for _ in range(4)))
+
+    completions = asyncio.run(main())
+    assert len({c.token_ids[0] for c in completions}) > 1  # they wrote different tokens into their copies
+    for completion in completions:
+        assert completion.logprobs == pytest.approx(reference_logprobs(reference, group, completion.token_ids, 1.0),
+                                                    abs=TOL)
+    assert engine.cow_copies == 3 and engine.reused_tokens == 3 * len(group)  # the last writer keeps the block
+    assert engine.cache.pool.peak == 2 + 3  # the shared prompt, then 3 copies of its last block
+
+
+def test_another_group_with_the_same_system_prompt_finds_its_blocks_by_hash(model_dir):
+    engine = TransformersEngine(model_dir, seed=6, block_size=4)
+    reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+    system = list(range(30, 43))  # 13 tokens: 3 full blocks
+    requests = [(0, system + [1, 2], 6), (0, system + [1, 2], 6), (3, system + [7], 5), (3, [9, 9], 5)]
+    completions = staggered(engine, requests, temperature=1.0)
+    # the second sample copies its first's 15 tokens; the later group finds the 12 tokens of the 3 full blocks
+    assert engine.reused_tokens == 15 + 12 and engine.computed_tokens == 15 + 2 + 2
+    # per request, as the agent loop sums them for metrics.jsonl's generator/prefix_cache_hit_frac
+    assert [(c.prefill_tokens, c.cached_tokens) for c in completions] == [(15, 0), (15, 15), (14, 12), (2, 0)]
+    stats = engine.stats()  # what the generator worker reports
+    assert stats["prefix_cache_hit_frac"] == pytest.approx(27 / 46) and stats["preemptions"] == 0
+    assert stats["kv_blocks"] == engine.cache.pool.capacity and 0 < stats["kv_blocks_peak"] <= stats["kv_blocks"]
+    for (_, prompt, _), completion in zip(requests, completions):
+        assert completion.logprobs == pytest.approx(reference_logprobs(reference, prompt, completion.token_ids, 1.0),
+                                                    abs=TOL)
+
+
+def tiny_shaped(vocab: int, seed: int) -> Qwen2ForCausalLM:
+    """builtin:tiny's shape (tiny_model.TinyRecipe: hidden 128, 4 layers, 4/2 heads), positions for 4k tokens."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4_608,
+                         tie_word_embeddings=True)
+    return randomized(Qwen2ForCausalLM(config))
+
+
+def test_a_4k_token_row_matches_a_full_forward_across_a_swap_and_preemptions(tmp_path):
+    vocab = 128
+    tiny_shaped(vocab, seed=0).save_pretrained(tmp_path)
+    new = tiny_shaped(vocab, seed=1)
+    engine = TransformersEngine(str(tmp_path), seed=2, block_size=16, num_blocks=258)  # 4,112 positions
+    budget = Budgeted(engine)
+    generator = torch.Generator().manual_seed(0)
+    long = torch.randint(1, vocab, (4_000,), generator=generator).tolist()
+    requests = [(0, long, 24), (0, [3, 4, 5], 20), (2, list(range(40, 90)), 16), (5, [7] * 9, 12)]
+    state_dict = {k: v for k, v in new.state_dict().items() if k != "lm_head.weight"}
+    completions = staggered(engine, requests, temperature=1.0, swap=(8, state_dict, 1))
+    assert engine.preemptions >= 1 and max(budget.in_use) <= engine.cache.pool.capacity
+    assert engine.cache.pool.in_use() == 0
+    weights = [Qwen2ForCausalLM.from_pretrained(tmp_path).eval(), new.eval()]
+    for (_, prompt, limit), completion in zip(requests, completions):
+        versions = completion.versions
+        assert len(completion.token_ids) == limit and versions == sorted(versions)
+        expected = [reference_logprobs(model, prompt, completion.token_ids, 1.0) for model in weights]
+        assert completion.logprobs == pytest.approx([expected[v][i] for i, v in enumerate(versions)], abs=TOL)
+    assert 0 < completions[0].versions.count(0) < len(completions[0].versions)  # swapped mid-decode
+
+
+def test_a_step_computes_at_most_prefill_tokens_of_the_requests_it_admits(model_dir):
+    """10 tokens a step: requests of 6 and 4 tokens join in one step, of 6 and 5 in two (the first of a step
+    is admitted whatever its length, or a long context would never run)."""
+    for sizes, steps in (((6, 4), [2]), ((6, 5), [1, 1]), ((12, 1), [1, 1])):
+        engine = TransformersEngine(model_dir, seed=1, prefill_tokens=10)
+        admitted, admissions = [], engine._admissions
+
+        def counted():
+            new = admissions()
+            if new[0]:
+                admitted.append(len(new[0]))
+            return new
+
+        engine._admissions = counted
+
+        async def main():
+            return await asyncio.gather(*(engine.generate(list(range(1, 1 + n)), SamplingParams(3, 1.0))
+                                          for n in sizes))
+
+        assert [len(c.token_ids) for c in asyncio.run(main())] == [3, 3] and admitted == steps
+
+
+def test_the_config_keys_hold_their_bounds():
+    for key, good, bad in (("generator.kv_cache_memory", 0, -0.01), ("generator.kv_block_size", 1, 0)):
+        validate(load_config(None, [f"{key}={good}"]))
+        with pytest.raises(ConfigError, match=f"'{key}': must be"):
+            validate(load_config(None, [f"{key}={bad}"]))
+
+
+def test_a_span_pads_its_queries_to_at_most_twice_its_tokens():
+    tokens = Tokens()
+    tokens.add(0, [0] * 5, [[1, 1, 1], [1], [1], [1], [1]])  # 4 rows: 3 x 4 = 2 x 6 tokens; a fifth: 15 > 14
+    tokens.add(5, [0, 7], [[2] * 100, [3]])  # 100 x 2 <= 2 x 101
+    assert [(span.first, span.rows) for span in tokens.spans] == [(0, 4), (4, 1), (5, 2)]
+    assert tokens.rows == [0, 0, 0, 1, 2, 3, 4] + [5] * 100 + [6] and tokens.positions[-1] == 7
