@@ -49,12 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "simulate":
         return simulate_run(args.run_dir, args.staleness, args.generators, args.cores, args.seed)
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        if args.command == "validate":
-            from nanoverl_async.preflight import prepare  # launch's own import of it overlaps Ray's start
+    from nanoverl_async.preflight import prepare  # no torch: a config is checked in a fraction of a second
 
-            print(to_yaml(prepare(cfg)), end="")
+    try:  # bad input fails in one line here, before Ray starts (launch prepares again: instant)
+        cfg = prepare(load_config(args.config, args.overrides))
+        if args.command == "validate":
+            print(to_yaml(cfg), end="")
             return 0
     except ConfigError as error:
         return config_error(error)

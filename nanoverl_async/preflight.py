@@ -21,14 +21,10 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
-
 from nanoverl_async import checkpoint, sandbox
 from nanoverl_async.config import Config, ConfigError
 from nanoverl_async.data import load_samples, prompt_source
 from nanoverl_async.env import env_factory
-from nanoverl_async.learners.memory import learner_fit_error
 from nanoverl_async.rewards import load_reward
 from nanoverl_async.user_code import absolute_spec, load_object
 from nanoverl_async.wire_auth import placed_host
@@ -100,6 +96,8 @@ def check_learner_fits(cfg: Config) -> None:
     counted = learner_parameters(cfg)
     memory = learner_memory(cfg) if counted else None
     if memory:
+        from nanoverl_async.learners.memory import learner_fit_error  # torch: only for a model counted here
+
         error = learner_fit_error(*counted, cfg.learner.world_size, *memory, ranks_share_it=cfg.learner.device == "cpu")
         if error:
             raise ConfigError(f"config key 'model.path': {error}")
@@ -108,6 +106,12 @@ def check_learner_fits(cfg: Config) -> None:
 def learner_parameters(cfg: Config) -> Optional[tuple[int, int]]:
     """(trained, frozen) parameter counts: the policy and, for gae, the critic trained; the KL reference
     frozen. None if a path is not a directory or Hub id, or its config cannot be read (launch says why)."""
+    if all(":" in path and not Path(path).expanduser().is_dir()
+           for path in (cfg.model.path, cfg.reference.path or cfg.model.path, cfg.critic.path or cfg.model.path)):
+        return None  # builtin:NAME or file.py:fn everywhere: nothing to count, and no torch to import for it
+    import torch  # here, not at the top: the CLI checks a config before starting Ray, in a fraction of a second
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
     def count(path: str, model_class, **config) -> Optional[int]:
         if ":" in path and not Path(path).expanduser().is_dir():
             return None
