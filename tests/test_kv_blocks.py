@@ -230,3 +230,21 @@ def test_a_span_pads_its_queries_to_at_most_twice_its_tokens():
     tokens.add(5, [0, 7], [[2] * 100, [3]])  # 100 x 2 <= 2 x 101
     assert [(span.first, span.rows) for span in tokens.spans] == [(0, 4), (4, 1), (5, 2)]
     assert tokens.rows == [0, 0, 0, 1, 2, 3, 4] + [5] * 100 + [6] and tokens.positions[-1] == 7
+
+
+def test_a_later_turn_that_differs_only_at_the_last_cached_token_does_not_reuse_its_block(model_dir):
+    """The audit's planted bug: a kept cache reused for a turn that differs from it only at its last cached
+    token. Turn 1 caches 12 tokens (3 full blocks of 4); turn 2 changes token 11 only: 2 blocks are reused."""
+    engine = TransformersEngine(model_dir, seed=3, block_size=4)
+    reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+    prompt = list(range(10, 18))
+    first = asyncio.run(engine.generate(prompt, SamplingParams(5, 1.0), episode_id="e"))
+    cached = prompt + first.token_ids[:4]  # the last sampled token is never cached
+    changed = cached[:11] + [(cached[11] + 1) % 50 + 1] + [2, 3]
+    second = asyncio.run(engine.generate(changed, SamplingParams(3, 1.0), episode_id="e"))
+    assert engine.reused_tokens == 8
+    assert second.logprobs == pytest.approx(reference_logprobs(reference, changed, second.token_ids, 1.0), abs=TOL)
+    third = asyncio.run(engine.generate(cached + [2, 3], SamplingParams(3, 1.0), episode_id="e"))
+    assert engine.reused_tokens == 8 + 12  # the unchanged history still finds all 3 of its blocks
+    assert third.logprobs == pytest.approx(reference_logprobs(reference, cached + [2, 3], third.token_ids, 1.0),
+                                           abs=TOL)
