@@ -14,6 +14,13 @@
 #   weights), with one profiled update of each (GPU busy time, host waits);
 # - engine: the engine vs bare model.generate on the same shape (C = 64, 256, multi-turn), with and without CUDA
 #   graphs, and where its host waits for the GPU per engine step (one wait per step by design).
+# - kv (issue 31): the paged engine at scale beside static-cache compiled generate (bench/engine_at_scale.py;
+#   SHAPES, default 0.5b; one shape a call);
+# - scale (issue 32): the learner at the Qwen2.5 shapes, with and without activation checkpointing and chunked
+#   logits, 4k and 16k tokens per micro-batch (bench/scale.py; SIZES, default 0.5b,1.5b,3b; 7b in a call of its own).
+# - trl (issue 32): nanoverl-async vs TRL's GRPOTrainer, both on the GPU, on the default job with the Qwen2.5-0.5B
+#   body (bench/vs_trl.py --device cuda; TRL travels in the kit).
+# Not in the default STEPS: kv, scale and trl each want a call of their own.
 # All of them take some 11 minutes on one H200, more than one device call: split them with STEPS. Each step stops
 # at its own limit or at the call's deadline (DEADLINE_S, 575 s after the start), whichever comes first. Python
 # output is unbuffered so that a step cut short still logs.
@@ -61,5 +68,20 @@ if want engine; then
 step engine
 timeout -k 5 $(limit 600) python3 bench/engine_vs_generate.py --device cuda --model qwen0.5b --concurrency 64,256 --repeats 2 \
     --old-ref '' --max-wait 0 --profile 2>&1 | grep -v -E "$quiet" | tee "$out/engine.log"
+fi
+if want kv; then
+step kv
+timeout -k 5 $(limit 570) python3 bench/engine_at_scale.py --device cuda --shapes ${SHAPES:-0.5b} 2>&1 \
+    | grep -v -E "$quiet" | tee "$out/engine_at_scale.log"
+fi
+if want scale; then
+step scale
+timeout -k 5 $(limit 570) python3 bench/scale.py --sizes ${SIZES:-0.5b,1.5b,3b} 2>&1 | grep -v -E "$quiet" | tee "$out/scale.log"
+fi
+if want trl; then
+step trl
+timeout -k 5 $(limit 570) python3 bench/vs_trl.py --device cuda --trl-python python3 \
+    --model bench/qwen_shape.py:qwen_body_with_tiny_tokenizer --steps ${TRL_STEPS:-30} --repeats 2 2>&1 \
+    | grep -v -E "$quiet" | tee "$out/vs_trl.log"
 fi
 step done

@@ -14,6 +14,9 @@ packages=(antlr4-python3-runtime jsonschema jsonschema-specifications omegaconf 
           transformers)
 pins=()
 for name in "${packages[@]}"; do pins+=("$name==$(version "$name")"); done
+# bench/vs_trl.py --device cuda (gpu.sh's trl step): TRL and datasets are not in this venv nor on the GPU
+# machine (which has accelerate, pyarrow, psutil and xxhash); datasets' own pins of dill and multiprocess
+pins+=(trl==1.16.0 datasets "dill<0.4.1" "multiprocess<0.70.19")
 platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
            --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 rm -rf .dev && mkdir -p .dev/wheels

@@ -88,6 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-total-tokens", type=int, default=96)
     p.add_argument("--max-observation-chars", type=int, default=40)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: the trainer's GPU (accelerate)")
     return p.parse_args(argv)
 
 
@@ -223,7 +224,7 @@ def main(argv=None) -> int:
     model.generation_config.eos_token_id = [end_id, call_end_id]  # adaptation 5: turns stop at </call> too
     with tempfile.TemporaryDirectory(prefix="trl_side_") as scratch:
         config = GRPOConfig(
-            output_dir=scratch, use_cpu=True, bf16=args.dtype == "bfloat16", fp16=False, seed=args.seed,
+            output_dir=scratch, use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16", fp16=False, seed=args.seed,
             max_steps=args.steps, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
             num_generations=args.samples_per_prompt, num_iterations=1, shuffle_dataset=False,
             learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=args.weight_decay,

@@ -1,7 +1,12 @@
 """nanoverl-async vs TRL's synchronous GRPOTrainer on our own default job, side by side.
 
     python bench/vs_trl.py --trl-python /work/trl-venv/bin/python [--steps 60] [--repeats 2] [--vary-seed]
-                           [--project-overrides key=value ...] [--out results.json]
+                           [--device cpu|cuda] [--model PATH] [--project-overrides key=value ...] [--out results.json]
+
+--device cuda runs both sides on one GPU, in bfloat16 (autocast over float32 weights on both): TRL's trainer
+on it (generation by `model.generate`: TRL's vLLM mode needs vllm, which the GPU machine lacks), ours with
+learner and generator sharing it (half a GPU each, as bench/gpu.sh's async step). --model (both sides) picks
+the shape, e.g. bench/qwen_shape.py:qwen_body_with_tiny_tokenizer (the Qwen2.5-0.5B body, random weights).
 
 TRL is an optional extra (`pip install '.[bench]'`), best kept in its own virtual environment so that its
 pins never touch this one:
@@ -60,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="repeat i of both sides uses run.seed + i (default: every repeat uses run.seed)")
     p.add_argument("--trl-python", default=sys.executable, help="interpreter with trl==1.16.0 and datasets")
     p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where both sides run")
+    p.add_argument("--model", default="", help="model.path of both sides (default: the config's)")
     p.add_argument("--project-overrides", nargs="*", default=[], metavar="KEY=VALUE",
                    help="extra overrides for our side only, e.g. learner.torch_threads=2")
     p.add_argument("--out", default="outputs/bench/vs_trl/results.json", help="raw results ('' for none)")
@@ -101,6 +108,17 @@ def run_project(args, scratch: Path, index: int, seed: int) -> dict:
     return summarize(walls, [row["reward/mean"] for row in rows], rows[-1]["samples/trained"], wall)
 
 
+# ours on one GPU: learner and generator share it (as bench/gpu.sh's async step)
+GPU_PLACEMENT = ["learner.device=cuda", "generator.device=cuda", "learner.gpus_per_rank=0.5",
+                 "generator.gpus_per_replica=0.5"]
+
+
+def job_overrides(args) -> list[str]:
+    """What both sides run: the config's job, on --model, in bfloat16 on a GPU."""
+    return ([f"model.path={args.model}"] if args.model else []) + (["model.dtype=bfloat16"] if args.device == "cuda"
+                                                                   else [])
+
+
 def trl_arguments(cfg) -> list[str]:
     """The job's task and learner settings for bench/trl_side.py (from the config, without our overrides)."""
     return ["--model", cfg.model.path, "--dtype", cfg.model.dtype,
@@ -117,7 +135,7 @@ def run_trl(args, scratch: Path, index: int, seed: int, settings: list[str]) -> 
     steps_file, summary_file = scratch / f"trl_{index}.jsonl", scratch / f"trl_{index}.json"
     command = [args.trl_python, str(REPO / "bench" / "trl_side.py"), "--steps", str(args.steps),
                "--out", str(steps_file), "--summary", str(summary_file), "--threads", str(args.trl_threads),
-               "--seed", str(seed), *settings]
+               "--seed", str(seed), "--device", args.device, *settings]
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
     wall = run_logged(command, scratch / f"trl_{index}.log", "TRL side", env)
     rows = [json.loads(line) for line in steps_file.read_text().splitlines() if line.strip()]
@@ -147,7 +165,9 @@ def ratio(ours: list[float | None], theirs: list[float | None]) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    cfg = load_config(str(REPO / CONFIG))
+    job = job_overrides(args)  # the job and its shape: both sides
+    args.project_overrides = [*job, *(GPU_PLACEMENT if args.device == "cuda" else []), *args.project_overrides]
+    cfg = load_config(str(REPO / CONFIG), job)
     ours_cfg = load_config(str(REPO / CONFIG), args.project_overrides)  # a bad override fails here, early
     settings = trl_arguments(cfg)
     order = [(side, cfg.run.seed + i if args.vary_seed else cfg.run.seed) for i in range(args.repeats)
