@@ -51,10 +51,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from nanoverl_async.preflight import prepare  # no torch: a config is checked in a fraction of a second
 
-    try:  # bad input fails in one line here, before Ray starts (launch prepares again: instant)
-        cfg = prepare(load_config(args.config, args.overrides))
+    try:  # bad input fails in one line here, before Ray starts
+        cfg = load_config(args.config, args.overrides)
+        prepared = prepare(cfg)  # launch prepares `cfg` again (instant): prepared, wire.host is already placed
         if args.command == "validate":
-            print(to_yaml(cfg), end="")
+            print(to_yaml(prepared), end="")
             return 0
     except ConfigError as error:
         return config_error(error)

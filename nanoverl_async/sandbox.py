@@ -121,9 +121,10 @@ def refusal(why: str) -> str:
 
 @dataclass(frozen=True)
 class _Bwrap:
-    args: tuple  # bwrap and its arguments that do not depend on the limits
+    args: tuple  # bwrap and its namespaces
     fds: tuple  # file descriptors they name (the user namespace, as root)
     drop: tuple  # command prefix that becomes uid 65534 (as root: setpriv)
+    binds: tuple = ()  # the read-only filesystem (_filesystem), mounted after the private /tmp
 
 
 def unavailable() -> Optional[str]:
@@ -151,7 +152,7 @@ def _bwrap() -> Union[_Bwrap, str]:
         sandbox = _Bwrap((path, "--userns", str(userns)), (userns,),
                          (setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
                           "--bounding-set=-all", "--"))
-    sandbox = dataclasses.replace(sandbox, args=sandbox.args + NAMESPACES + _filesystem())
+    sandbox = dataclasses.replace(sandbox, args=sandbox.args + NAMESPACES, binds=_filesystem())
     try:
         probe = subprocess.run([*_argv(sandbox, SandboxLimits()), "/bin/true"], pass_fds=sandbox.fds,
                                stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
@@ -208,8 +209,9 @@ def _parents(path: str) -> list:
 
 
 def _argv(sandbox: _Bwrap, limits: SandboxLimits) -> list:
-    """bwrap's command line up to the program: the private /tmp, the read-only root, the drop to 65534."""
-    return [*sandbox.args, "--perms", "1777", "--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp",
+    """bwrap's command line up to the program: the private /tmp, then the read-only binds (an interpreter under
+    /tmp, say a venv in a checkout there, stays visible above it), the read-only root, the drop to 65534."""
+    return [*sandbox.args, "--perms", "1777", "--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp", *sandbox.binds,
             "--remount-ro", "/", "--chdir", "/tmp", "--", *sandbox.drop]
 
 
