@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from nanoverl_async.reaper import Reaper
-    from nanoverl_async.startup import phase, process_start, start_ray_while_importing
+    from nanoverl_async.startup import collecting_later, phase, process_start, start_ray_while_importing
 
     # start-up (time/startup_s) counts from this process's start when it is the command, else from here
     started = process_start() if argv is None else time.time()
@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     started_ray = False
     try:
         phase(started, "starting Ray, importing torch and transformers meanwhile")
-        started_ray, launcher = start_ray_while_importing(cfg.ray, "nanoverl_async.launcher")  # heavy: only now
+        with collecting_later():  # heavy: only now
+            started_ray, launcher = start_ray_while_importing(cfg.ray, "nanoverl_async.launcher")
         return launch_run(launcher, cfg, started)
     finally:
         if started_ray:

@@ -3,15 +3,18 @@ combinations that cannot work together. `load_config` runs `validate`; each fail
 naming the offending key. Kept apart from config.py so the tree of keys reads on its own.
 
 Pure: it looks at values only. Files, checkpoints and user code are checked at launch (preflight.py).
-It imports no other module of the package but the algorithms' name tables, so config.py can import it;
-those only when validating (`choices`), so that a process that merely reads a Config (the buffer's) never
-imports torch.
+It imports no other module of the package, so config.py can import it: the algorithm keys' choices are read
+from the source of algorithms/ (`algorithm_names`), since importing those modules imports torch, ~3 s of CPU
+before the CLI may start Ray, and in a process that merely reads a Config (the buffer's).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 # `Config` in the annotations below is config.py's, not imported: config.py imports this module.
@@ -43,22 +46,40 @@ def get_key(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
+@cache
+def algorithm_names() -> dict[str, tuple[str, ...]]:
+    """Table of algorithms/ ("ADVANTAGES", ...) -> its names, as its modules give them: each `@register(TABLE,
+    "name")`, and the strings of a dict's keys or a tuple assigned to TABLE (KL_ESTIMATORS, IS_LEVELS).
+    tests/test_imports.py checks they equal the imported tables."""
+    names: dict[str, list[str]] = {}
+    for path in sorted((Path(__file__).parent / "algorithms").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "register"
+                    and len(node.args) == 2 and isinstance(node.args[0], ast.Name)):
+                names.setdefault(node.args[0].id, []).append(ast.literal_eval(node.args[1]))
+            elif (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                  and node.targets[0].id.isupper() and isinstance(node.value, (ast.Dict, ast.Tuple))):
+                items = node.value.keys if isinstance(node.value, ast.Dict) else node.value.elts
+                if items and all(isinstance(item, ast.Constant) and isinstance(item.value, str) for item in items):
+                    names.setdefault(node.targets[0].id, []).extend(item.value for item in items)
+    return {table: tuple(found) for table, found in names.items()}
+
+
 def choices() -> dict[str, Any]:
     """Every key with a fixed set of values -> those values; the algorithm keys read the algorithm modules'
-    own tables, so a new estimator is valid at once."""
-    from nanoverl_async import algorithms  # here, not above: see the module docstring
-
+    own tables (their source), so a new estimator is valid at once."""
+    algorithms = algorithm_names()
     return {
         "model.dtype": ("float32", "bfloat16"),
         "generator.engine": ("transformers", "sglang"),
         "generator.device": ("cpu", "cuda"),
         "learner.device": ("cpu", "cuda"),
-        "algorithm.advantage": algorithms.ADVANTAGES,
-        "algorithm.loss": algorithms.POLICY_LOSSES,
-        "algorithm.correction": algorithms.CORRECTIONS,
-        "algorithm.is_level": algorithms.IS_LEVELS,
-        "algorithm.loss_agg": algorithms.AGGREGATIONS,
-        "kl.estimator": algorithms.KL_ESTIMATORS,
+        "algorithm.advantage": algorithms["ADVANTAGES"],
+        "algorithm.loss": algorithms["POLICY_LOSSES"],
+        "algorithm.correction": algorithms["CORRECTIONS"],
+        "algorithm.is_level": algorithms["IS_LEVELS"],
+        "algorithm.loss_agg": algorithms["AGGREGATIONS"],
+        "kl.estimator": algorithms["KL_ESTIMATORS"],
         "weight_sync.mode": ("interrupt", "drain"),
         "generator.sglang.weight_transport": ("disk", "nccl"),
         "generator.sglang.pause_mode": ("abort", "retract"),

@@ -70,3 +70,18 @@ def test_processes_import_only_what_their_role_needs(process, modules, heavy):
     probe = f"import sys\nimport {modules}\nprint(','.join(sorted({set(heavy)!r} & set(sys.modules))))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"{process} process would import {out.stdout.strip()}"
+
+
+def test_a_config_is_checked_without_torch_and_knows_every_registered_algorithm():
+    """The CLI checks a config before it starts Ray: the algorithm keys' choices come from the algorithm
+    modules' source (validation.algorithm_names), so no torch is imported (~3 s of CPU), and they are
+    exactly the names those modules register when imported."""
+    probe = ("import sys\nfrom nanoverl_async.config import load_config\nfrom nanoverl_async.preflight import prepare\n"
+             "prepare(load_config('configs/agent_grpo.yaml', []))\nprint('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=PACKAGE.parent)
+    assert out.stdout.strip() == "False"
+    from nanoverl_async import algorithms
+    from nanoverl_async.validation import algorithm_names
+
+    tables = ("ADVANTAGES", "POLICY_LOSSES", "CORRECTIONS", "IS_LEVELS", "AGGREGATIONS", "KL_ESTIMATORS")
+    assert {t: algorithm_names()[t] for t in tables} == {t: tuple(getattr(algorithms, t)) for t in tables}

@@ -1,4 +1,5 @@
-"""LearnerPool: `learner.world_size` LearnerRank processes placed by Ray; the only Ray code of learners/.
+"""LearnerPool: `learner.world_size` LearnerRank processes placed by Ray (each a role_actors.LearnerRankRole,
+whose module is light, so a rank imports torch in its constructor); the only Ray code of learners/.
 
 Every call goes to all ranks at once (they run collectives together) with the whole batch, put into
 Ray's object store once per step phase that needs it; each rank takes its own shard. Metrics come back
@@ -12,7 +13,6 @@ LearnerRank without Ray, tests/test_cli_run.py and tests/test_configs_run.py cov
 from __future__ import annotations
 
 import dataclasses
-import socket
 import time
 from typing import Optional
 
@@ -24,45 +24,10 @@ from nanoverl_async.config import Config, SGLangConfig
 from nanoverl_async.learners.batch import TrainBatch, collate, explained_variance, group_size_of, with_advantages
 from nanoverl_async.learners.setup import PROCESS_GROUP_TIMEOUT_S, LearnerSetup
 from nanoverl_async.learners.sglang_nccl import check_reachable
-from nanoverl_async.wire_auth import CurveKeys, bind_host
+from nanoverl_async.role_actors import LearnerRankRole
+from nanoverl_async.wire_auth import CurveKeys
 
 TIMEOUT_S = PROCESS_GROUP_TIMEOUT_S + 60  # a rank stuck in a collective fails first, with its own error
-
-
-class _RankProcess:
-    """One learner rank's process. It starts empty, so that rank 0 can first pick where the ranks meet;
-    `start` then builds the LearnerRank, imported only here, in the rank's own process (the controller
-    needs none of FSDP or a model class), and `call` runs one of its methods."""
-
-    def rendezvous_address(self) -> tuple[str, int]:
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            return ray.util.get_node_ip_address(), probe.getsockname()[1]
-
-    def node(self) -> str:
-        return ray.util.get_node_ip_address()
-
-    def start(self, setup: LearnerSetup, rank: int, rendezvous: tuple[str, int]) -> None:
-        from nanoverl_async.learners.fsdp_rank import LearnerRank
-        from nanoverl_async.models import require_model_dir
-
-        node = ray.util.get_node_ip_address()
-        require_model_dir(setup.model.path, f"node {node}")
-        setup = dataclasses.replace(setup, wire_host=bind_host(setup.wire_host, node))
-        self.rank = LearnerRank(setup, rank, *rendezvous)
-
-    def call(self, method: str, *args):
-        return getattr(self.rank, method)(*args)
-
-    def share_gpu_with(self, generator_gpus: list[str]) -> bool:
-        """Rank 0: publish weights by CUDA IPC handles (weights.py) if every generator is on this rank's GPU
-        (their UUIDs) and on this machine (a publisher on loopback); whether it will."""
-        publisher, device = self.rank.publisher, self.rank.device
-        if device.type != "cuda" or not publisher.shared_memory or not generator_gpus:
-            return False
-        own = str(torch.cuda.get_device_properties(device).uuid)
-        publisher.device_handles = all(gpu == own for gpu in generator_gpus)
-        return publisher.device_handles
 
 
 class LearnerPool:
@@ -80,7 +45,7 @@ class LearnerPool:
         self.needs_reference = cfg.kl.loss_coef > 0 or cfg.kl.reward_coef > 0
         self.needs_values = cfg.algorithm.advantage == "gae"
         gpus = learner.gpus_per_rank if learner.device == "cuda" else 0
-        actor = ray.remote(num_cpus=0, num_gpus=gpus, resources=cfg.ray.resources("learner"))(_RankProcess)
+        actor = ray.remote(num_cpus=0, num_gpus=gpus, resources=cfg.ray.resources("learner"))(LearnerRankRole)
         self.ranks = [actor.remote() for _ in range(learner.world_size)]
         rendezvous = self.ranks[0].rendezvous_address.remote()  # Ray hands every rank its value
         self._starts = [actor_rank.start.remote(setup, rank, rendezvous) for rank, actor_rank in enumerate(self.ranks)]
