@@ -82,8 +82,9 @@ def check_sandbox(cfg: Config) -> None:
     tools = getattr(load_object(cfg.agent.env, "agent.env"), "tools", ())
     uses_python = any(getattr(tool, "fn", tool) is sandbox.python for tool in tools
                       if isinstance(tools, (list, tuple)))
-    if cfg.agent.sandbox == "bwrap" and uses_python and sandbox.unavailable():
-        raise ConfigError(f"config key 'agent.sandbox': {sandbox.refusal(sandbox.unavailable())}")
+    why = sandbox.unavailable() if cfg.agent.sandbox == "bwrap" and uses_python else None
+    if why:
+        raise ConfigError(f"config key 'agent.sandbox': {sandbox.refusal(why)}")
 
 
 def check_learner_fits(cfg: Config) -> None:
