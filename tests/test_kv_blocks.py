@@ -156,7 +156,7 @@ def test_another_group_with_the_same_system_prompt_finds_its_blocks_by_hash(mode
     assert engine.reused_tokens == 15 + 12 and engine.computed_tokens == 15 + 2 + 2
     # per request, as the agent loop sums them for metrics.jsonl's generator/prefix_cache_hit_frac
     assert [(c.prefill_tokens, c.cached_tokens) for c in completions] == [(15, 0), (15, 15), (14, 12), (2, 0)]
-    stats = engine.stats()  # what the generator worker reports
+    stats = engine.stats()  # the engine's own counters, since it started
     assert stats["prefix_cache_hit_frac"] == pytest.approx(27 / 46) and stats["preemptions"] == 0
     assert stats["kv_blocks"] == engine.cache.pool.capacity and 0 < stats["kv_blocks_peak"] <= stats["kv_blocks"]
     for (_, prompt, _), completion in zip(requests, completions):

@@ -101,9 +101,8 @@ class GeneratorWorker:
             loop.call_soon_threadsafe(self._wake.set)
 
     def stats(self) -> dict:
-        engine = getattr(self.engine, "stats", dict)()  # the transformers engine's KV cache counters
         return {**self.counts, "version": self.engine.version, "groups_in_flight": len(self._groups),
-                "engine_in_flight": self.engine.in_flight(), "weight_apply_s": self.weight_apply_s, **engine}
+                "engine_in_flight": self.engine.in_flight(), "weight_apply_s": self.weight_apply_s}
 
     async def run(self, buffer_endpoints: dict, weights_endpoint: str, curve: Optional[CurveKeys] = None) -> None:
         """Lease, generate and apply weights until `stop()`: the buffer's sockets (BufferService.endpoints)
