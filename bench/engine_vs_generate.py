@@ -44,7 +44,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from cuda_waits import host_wait_sites, print_wait_sites  # bench/, the script's folder
 from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
-from nanoverl_async.models import DTYPES, resolve_model_path
+from nanoverl_async.models.load import DTYPES, resolve_model_path
 
 
 OLD_ENGINE_REF = "5c0e5bdef43e08afc6a475d2562f79de69d1151f"  # the last commit with the batch-at-a-time engine

@@ -48,8 +48,8 @@ from nanoverl_async.learners.batch import collate, sequence_logprobs, token_budg
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.learners.packing import attention_cost_per_position, pack, prompt_lengths
 from nanoverl_async.learners.setup import LearnerSetup
-from nanoverl_async.models import DTYPES, resolve_model_path
-from nanoverl_async.trajectory import Trajectory
+from nanoverl_async.models.load import DTYPES, resolve_model_path
+from nanoverl_async.wire.trajectory import Trajectory
 
 GROUPS, GROUP_SIZE, MAX_TOTAL_TOKENS = 16, 8, 96
 QWEN_SEQUENCES, QWEN_PROMPT, QWEN_SAMPLED, QWEN_MICRO_BATCH_TOKENS = 64, 128, 896, 8_192

@@ -2,7 +2,7 @@
 tests catch. Not part of CI (minutes per module); run it after changing a module or its tests.
 
     .venv/bin/python bench/mutation.py                              # every module below
-    .venv/bin/python bench/mutation.py --modules trajectory.py      # one of them
+    .venv/bin/python bench/mutation.py --modules wire/trajectory.py      # one of them
     .venv/bin/python bench/mutation.py --modules buffer/gate.py --max-children 2 --timeout 900
 
 mutmut (3.x) rewrites each function of a module into many mutants (a comparison flipped, a constant off
@@ -34,12 +34,12 @@ MUTMUT_VERSION = "3.8.1"
 COPIED = ("nanoverl_async", "tests", "pyproject.toml", "configs", "examples")  # what the tests read
 # module (under nanoverl_async/) -> the test files that check it; only these run against its mutants
 MODULES = {
-    "trajectory.py": ["tests/test_wire.py", "tests/test_buffer_service.py"],
+    "wire/trajectory.py": ["tests/test_wire.py", "tests/test_buffer_service.py"],
     "buffer/gate.py": ["tests/test_gate.py", "tests/test_replay.py"],
     "buffer/replay.py": ["tests/test_replay.py", "tests/test_buffer_service.py"],
     "checkpoint.py": ["tests/test_checkpoint.py"],
-    "sandbox.py": ["tests/test_sandbox.py"],
-    "weights.py": ["tests/test_weights.py", "tests/test_wire_auth.py"],
+    "agents/sandbox.py": ["tests/test_sandbox.py"],
+    "wire/weights.py": ["tests/test_weights.py", "tests/test_wire_auth.py"],
 }
 
 

@@ -74,8 +74,8 @@ def wide_vocab_model(directory: str) -> str:
 
 def qwen_body_with_tiny_tokenizer(cache_dir: str = "") -> str:
     """The 0.5B body on the tiny model's tokenizer (~360M parameters), built once in the model cache."""
-    from nanoverl_async.model_cache import build_once
-    from nanoverl_async.tiny_model import build_tokenizer
+    from nanoverl_async.models.cache import build_once
+    from nanoverl_async.models.tiny import build_tokenizer
 
     def write(directory: Path) -> str:
         tokenizer = build_tokenizer()

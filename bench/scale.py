@@ -45,7 +45,7 @@ from nanoverl_async.config import LearnerConfig, ModelConfig
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.learners.memory import GB, learner_fit_error
 from nanoverl_async.learners.setup import LearnerSetup
-from nanoverl_async.weights import WeightSubscriber
+from nanoverl_async.wire.weights import WeightSubscriber
 
 PROMPT, SAMPLED = 128, 896
 SMOKE = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -24,7 +24,7 @@ from rich.table import Table
 
 from nanoverl_async.config import load_config
 from nanoverl_async.launcher import launch, start_ray
-from nanoverl_async.plot import save_plot
+from nanoverl_async.observe.plot import save_plot
 
 CONFIG = "configs/agent_grpo.yaml"
 TARGET, WINDOW = 0.8, 5  # "steps to 0.8": the first step whose last-5-step mean reward reaches 0.8

@@ -23,11 +23,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from nanoverl_async.config import AgentConfig  # noqa: E402
-from nanoverl_async.env import env_factory  # noqa: E402
-from nanoverl_async.generators.agent_loop import run_episode  # noqa: E402
+from nanoverl_async.agents.env import env_factory  # noqa: E402
+from nanoverl_async.agents.agent_loop import run_episode  # noqa: E402
 from nanoverl_async.generators.hf_engine import TransformersEngine  # noqa: E402
-from nanoverl_async.models import load_tokenizer, resolve_model_path  # noqa: E402
-from nanoverl_async.user_code import load_object  # noqa: E402
+from nanoverl_async.models.load import load_tokenizer, resolve_model_path  # noqa: E402
+from nanoverl_async.agents.user_code import load_object  # noqa: E402
 
 
 async def evaluate(model: str, env: str, task: str, episodes: int, agent: AgentConfig, temperature: float,

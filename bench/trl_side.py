@@ -132,10 +132,10 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from nanoverl_async import multiply_task
-    from nanoverl_async.models import load_tokenizer, resolve_model_path
-    from nanoverl_async.tiny_model import CALL_END, END, RES_END
-    from nanoverl_async.tool_parsers import parse_builtin
+    from nanoverl_async.agents import multiply_task
+    from nanoverl_async.models.load import load_tokenizer, resolve_model_path
+    from nanoverl_async.models.tiny import CALL_END, END, RES_END
+    from nanoverl_async.agents.tool_parsers import parse_builtin
 
     datasets.disable_progress_bar()
     path = resolve_model_path(args.model)

@@ -2,7 +2,7 @@
 
     python bench/warm_start_eval.py [model_dir|builtin:tiny] [--episodes 256] [--seed 0]
 
-Episodes follow the token-level format of nanoverl_async/multiply_task.py: sample until `</call>` or
+Episodes follow the token-level format of nanoverl_async/agents/multiply_task.py: sample until `</call>` or
 `<|end|>`; after `</call>` the true `<res>result</res>` (or `<res>error: ...</res>`) is appended as a
 chat-template delta and sampling continues, for at most `max_turns` assistant segments. An episode
 succeeds when its last segment ends with `<|end|>` and its text equals the product. Sampling is plain
@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from nanoverl_async import multiply_task  # noqa: E402
-from nanoverl_async.models import resolve_model_path  # noqa: E402
+from nanoverl_async.agents import multiply_task  # noqa: E402
+from nanoverl_async.models.load import resolve_model_path  # noqa: E402
 
 _CALL = re.compile(r"<call>(.*?)</call>$", re.S)
 

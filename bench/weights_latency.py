@@ -31,8 +31,8 @@ from transformers import AutoModelForCausalLM
 from nanoverl_async.config import LearnerConfig, ModelConfig
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.learners.setup import LearnerSetup
-from nanoverl_async.models import DTYPES, resolve_model_path
-from nanoverl_async.weights import WeightSubscriber
+from nanoverl_async.models.load import DTYPES, resolve_model_path
+from nanoverl_async.wire.weights import WeightSubscriber
 
 TIMEOUT_S = 120
 ORDER = ("socket", "shared memory", "shared memory", "socket")  # A B B A

@@ -5,7 +5,7 @@
 The task: a two-sentence story around a product of a 2-digit and a 2-3-digit number, sometimes with a
 sum or difference on top ("Mia buys 23 boxes of 47 pencils and gives away 15. How many pencils does she
 keep?"). A 135M model cannot multiply such numbers itself, so the reward (math-verify of the final
-answer against the true number, the default of nanoverl_async/rewards.py) rewards calling the tool.
+answer against the true number, the default of nanoverl_async/agents/rewards.py) rewards calling the tool.
 The tool is `calc` from examples/arithmetic_env.py, called in Hermes form:
 
     <tool_call>{"name": "calc", "arguments": {"expression": "23*47-15"}}</tool_call>
@@ -35,11 +35,11 @@ from transformers import AutoModelForCausalLM
 
 from nanoverl_async import Environment
 from nanoverl_async.config import AgentConfig
-from nanoverl_async.generators.agent_loop import run_episode
+from nanoverl_async.agents.agent_loop import run_episode
 from nanoverl_async.generators.engine import Completion
-from nanoverl_async.model_cache import build_once
-from nanoverl_async.models import load_tokenizer, resolve_model_path
-from nanoverl_async.tools import as_tool
+from nanoverl_async.models.cache import build_once
+from nanoverl_async.models.load import load_tokenizer, resolve_model_path
+from nanoverl_async.agents.tools import as_tool
 
 # The warm start (model.path: examples/smollm2_tools.py:warm_started). Measured at temperature 1: the base
 # model never calls the tool (0 of 48 episodes, whatever the system message); after these 4 steps it calls

@@ -6,7 +6,7 @@
     rollout_tools            the tools a plain `rollout` function runs          (env.py)
     as_tool, Tool, call_tool typed functions as tools: schema, checks, timeout (tools.py)
     python, run_python, SandboxLimits   a sandboxed Python tool              (sandbox.py)
-    Episode                  what a full-control `rollout(episode, sample)` drives (generators/agent_loop.py)
+    Episode                  what a full-control `rollout(episode, sample)` drives (agents/agent_loop.py)
     math_compute_score       the default verl-style reward                    (rewards.py)
     DatasetPrompts           verl-format parquet/jsonl prompts                 (data.py)
 
@@ -18,21 +18,21 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Environment": "nanoverl_async.env",
-    "Step": "nanoverl_async.env",
-    "rollout_tools": "nanoverl_async.env",
-    "load_object": "nanoverl_async.user_code",
-    "Tool": "nanoverl_async.tools",
-    "ToolResult": "nanoverl_async.tools",
-    "as_tool": "nanoverl_async.tools",
-    "call_tool": "nanoverl_async.tools",
-    "python": "nanoverl_async.sandbox",
-    "run_python": "nanoverl_async.sandbox",
-    "SandboxLimits": "nanoverl_async.sandbox",
-    "Episode": "nanoverl_async.generators.agent_loop",
-    "run_episode": "nanoverl_async.generators.agent_loop",
-    "math_compute_score": "nanoverl_async.rewards",
-    "DatasetPrompts": "nanoverl_async.data",
+    "Environment": "nanoverl_async.agents.env",
+    "Step": "nanoverl_async.agents.env",
+    "rollout_tools": "nanoverl_async.agents.env",
+    "load_object": "nanoverl_async.agents.user_code",
+    "Tool": "nanoverl_async.agents.tools",
+    "ToolResult": "nanoverl_async.agents.tools",
+    "as_tool": "nanoverl_async.agents.tools",
+    "call_tool": "nanoverl_async.agents.tools",
+    "python": "nanoverl_async.agents.sandbox",
+    "run_python": "nanoverl_async.agents.sandbox",
+    "SandboxLimits": "nanoverl_async.agents.sandbox",
+    "Episode": "nanoverl_async.agents.agent_loop",
+    "run_episode": "nanoverl_async.agents.agent_loop",
+    "math_compute_score": "nanoverl_async.agents.rewards",
+    "DatasetPrompts": "nanoverl_async.agents.data",
 }
 __all__ = sorted(_EXPORTS)
 

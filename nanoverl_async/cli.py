@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "simulate":
         return simulate_run(args.run_dir, args.staleness, args.generators, args.cores, args.seed)
 
-    from nanoverl_async.preflight import prepare  # no torch: a config is checked in a fraction of a second
+    from nanoverl_async.runtime.preflight import prepare  # no torch: a config is checked in a fraction of a second
 
     try:  # bad input fails in one line here, before Ray starts
         cfg = load_config(args.config, args.overrides)
@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from nanoverl_async.reaper import Reaper
-    from nanoverl_async.startup import collecting_later, phase, process_start, start_ray_while_importing
+    from nanoverl_async.runtime.reaper import Reaper
+    from nanoverl_async.runtime.startup import collecting_later, phase, process_start, start_ray_while_importing
 
     # start-up (time/startup_s) counts from this process's start when it is the command, else from here
     started = process_start() if argv is None else time.time()
@@ -98,7 +98,7 @@ def launch_run(launcher, cfg, started: float) -> int:
 
 
 def plot_runs(run_dirs: list[str], output: str | None) -> int:
-    from nanoverl_async.plot import save_plot  # matplotlib only when plotting
+    from nanoverl_async.observe.plot import save_plot  # matplotlib only when plotting
 
     try:
         path = save_plot(run_dirs, output)
@@ -128,7 +128,7 @@ def replay_run(run_dir: str) -> int:
 
 
 def simulate_run(run_dir: str, staleness: str, generators: str, cores: float | None, seed: int) -> int:
-    from nanoverl_async.simulate import report
+    from nanoverl_async.observe.simulate import report
 
     try:
         print(report(run_dir, staleness, generators, cores, seed))

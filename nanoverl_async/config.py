@@ -44,7 +44,7 @@ class RunConfig:
     # does not depend on timing (generators/hf_engine.py "lockstep"); needs staleness.max=0, one replica
     deterministic: bool = False
     # output_dir/trace.json (Chrome trace events, open in ui.perfetto.dev): episodes per generator, the
-    # buffer's leases and gate, learner prepare/update/publish, weight loads (nanoverl_async/trace.py)
+    # buffer's leases and gate, learner prepare/update/publish, weight loads (nanoverl_async/observe/trace.py)
     trace: bool = False
     # output_dir/record/: every batch the learner trained on, in order (msgpack), for `nanoverl-async replay`
     record: bool = False
@@ -228,7 +228,7 @@ class RayConfig:
 
 @dataclass
 class RewardConfig:
-    path: str = ""  # a .py file or module with a verl-style compute_score; "" = the math-verify scorer (nanoverl_async/rewards.py)
+    path: str = ""  # a .py file or module with a verl-style compute_score; "" = the math-verify scorer (nanoverl_async/agents/rewards.py)
     name: str = "compute_score"  # the function's name in reward.path
 
 
@@ -236,7 +236,7 @@ class RewardConfig:
 class WireConfig:
     # Where the buffer and the weight publisher bind ZeroMQ: "auto" = 127.0.0.1 on one machine and, on a
     # cluster (ray.address), the address of the node each one is placed on; or one address for all.
-    # Every socket, loopback included, uses CURVE with keys made for each run (wire_auth.py).
+    # Every socket, loopback included, uses CURVE with keys made for each run (wire/auth.py).
     host: str = "auto"
 
 

@@ -27,18 +27,20 @@ from typing import Optional
 
 import ray
 
-from nanoverl_async import checkpoint, record
+from nanoverl_async import checkpoint
+
+from nanoverl_async.observe import record
 from nanoverl_async.buffer.service import Batch
 from nanoverl_async.config import Config, ConfigError, RayConfig, load_config, to_dict, to_yaml
-from nanoverl_async.data import load_samples
+from nanoverl_async.agents.data import load_samples
 from nanoverl_async.learners.pool import LearnerPool
-from nanoverl_async.metrics import MetricsLogger, step_metrics
-from nanoverl_async.models import check_positions, load_tokenizer, resolve_model_path, vocab_size
-from nanoverl_async.preflight import prepare
-from nanoverl_async.role_actors import BufferRole, GeneratorRole
-from nanoverl_async.startup import phase, start_ray
-from nanoverl_async.trace import PipelineTrace, TracedRole
-from nanoverl_async.wire_auth import run_keys
+from nanoverl_async.observe.metrics import MetricsLogger, step_metrics
+from nanoverl_async.models.load import check_positions, load_tokenizer, resolve_model_path, vocab_size
+from nanoverl_async.runtime.preflight import prepare
+from nanoverl_async.runtime.role_actors import BufferRole, GeneratorRole
+from nanoverl_async.runtime.startup import phase, start_ray
+from nanoverl_async.observe.trace import PipelineTrace, TracedRole
+from nanoverl_async.wire.auth import run_keys
 
 
 class RunFailed(RuntimeError):

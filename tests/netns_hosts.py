@@ -147,7 +147,7 @@ def _serve(host: str) -> None:
     stdin closes."""
     from nanoverl_async.buffer.service import BufferService
     from nanoverl_async.config import BufferConfig, GeneratorConfig
-    from nanoverl_async.wire_auth import run_keys
+    from nanoverl_async.wire.auth import run_keys
 
     keys = run_keys()
     service = BufferService(1, 1, 0, BufferConfig(lease_timeout_s=30), host, GeneratorConfig(replicas=1), 110,
@@ -164,7 +164,7 @@ def _lease(endpoint: str, *keys_jsons: str) -> None:
     (""): prints the replies (null: none), in one process since its imports take seconds."""
     from test_wire_auth import lease_request  # beside this file: the same request as the one-host test
 
-    from nanoverl_async.wire_auth import CurveKeys
+    from nanoverl_async.wire.auth import CurveKeys
 
     keys = [CurveKeys(**{k: v.encode() for k, v in json.loads(j).items()}) if j else None for j in keys_jsons]
     print(json.dumps([lease_request(endpoint, k) for k in keys]), flush=True)

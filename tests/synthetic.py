@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from nanoverl_async.trajectory import Trajectory
+from nanoverl_async.wire.trajectory import Trajectory
 
 
 def episodes(shapes, seed: int, group_size: int = 2, shared_prompts: bool = False) -> list[Trajectory]:

@@ -12,15 +12,15 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from nanoverl_async import multiply_task
+from nanoverl_async.agents import multiply_task
 from nanoverl_async.config import AgentConfig
-from nanoverl_async.env import FunctionEnv, rollout_tools
-from nanoverl_async.generators.agent_loop import run_episode
+from nanoverl_async.agents.env import FunctionEnv, rollout_tools
+from nanoverl_async.agents.agent_loop import run_episode
 from nanoverl_async.generators.engine import Completion, SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
-from nanoverl_async.tiny_model import build_tokenizer
-from nanoverl_async.trajectory import decode, encode, validate
-from nanoverl_async.user_code import UserCodeError, load_object
+from nanoverl_async.models.tiny import build_tokenizer
+from nanoverl_async.wire.trajectory import decode, encode, validate
+from nanoverl_async.agents.user_code import UserCodeError, load_object
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +204,7 @@ def test_user_errors_name_the_hook_and_the_users_own_frames(tokenizer, tmp_path)
                               "my_env.py:11 in step"), message
     assert "agent_loop" not in message and "\n" not in message
     with pytest.raises(UserCodeError, match=r"^agent.env ReturnsFloat.step\(\) \(defined at my_env.py:15\) returned "
-                                            r"float 1.0; return a nanoverl_async.env.Step"):
+                                            r"float 1.0; return a nanoverl_async.agents.env.Step"):
         episode(ScriptedEngine(tokenizer, ["42<|end|>"]), tokenizer, sample,
                 env=load_object(f"{tmp_path}/my_env.py:ReturnsFloat")())
 

@@ -17,17 +17,17 @@ import numpy as np
 import pytest
 import zmq
 
-from nanoverl_async import multiply_task
+from nanoverl_async.agents import multiply_task
 from nanoverl_async.buffer.service import BufferService
 from nanoverl_async.cli import main
 from nanoverl_async.config import AgentConfig, BufferConfig, ConfigError, GeneratorConfig, load_config
-from nanoverl_async.env import Environment
-from nanoverl_async.generators.agent_loop import run_episode
+from nanoverl_async.agents.env import Environment
+from nanoverl_async.agents.agent_loop import run_episode
 from nanoverl_async.launcher import launch
-from nanoverl_async.metrics import MetricsLogger, step_metrics
-from nanoverl_async.tiny_model import build_tokenizer
-from nanoverl_async.trajectory import encode
-from nanoverl_async.user_code import UserCodeError, load_object
+from nanoverl_async.observe.metrics import MetricsLogger, step_metrics
+from nanoverl_async.models.tiny import build_tokenizer
+from nanoverl_async.wire.trajectory import encode
+from nanoverl_async.agents.user_code import UserCodeError, load_object
 from test_agent_loop import ScriptedEngine
 from test_buffer_service import VOCAB, make_trajectory
 from test_metrics import make_batch
@@ -63,7 +63,7 @@ LAUNCH_CASES = [
     ("model.path=/nonexistent/model", "'model.path': '/nonexistent/model' is not a directory"),
     ("wire.host=203.0.113.7", "'wire.host': cannot bind '203.0.113.7'"),
     ("wire.host=not a host", "'wire.host'"),
-    ("agent.env=nanoverl_async.env:Nope", "'agent.env'"),
+    ("agent.env=nanoverl_async.agents.env:Nope", "'agent.env'"),
     ("agent.env=builtin:nope", "'agent.env'"),
     ("data.task=builtin:nope", "'data.task'"),
     ("reward.path=/nonexistent/reward.py", "'reward.path'"),
@@ -232,7 +232,7 @@ HOOK_CASES = [
     ("StepRaises", "agent.env StepRaises.step() raised KeyError: 'answr' at user_envs.py:7 in step"),
     ("ResetRaises", "agent.env ResetRaises.reset() raised RuntimeError: no prompt for you at user_envs.py:12 in reset"),
     ("StepReturnsFloat", "agent.env StepReturnsFloat.step() (defined at user_envs.py:16) returned float 1.0; return a "
-                         "nanoverl_async.env.Step with a finite reward"),
+                         "nanoverl_async.agents.env.Step with a finite reward"),
     ("StepReturnsNone", "agent.env StepReturnsNone.step() (defined at user_envs.py:21) returned NoneType None;"),
     ("RolloutReturnsText", "agent.env RolloutReturnsText.rollout() (defined at user_envs.py:26) returned str '1.0'; "
                            "return the episode's reward as a finite number"),
@@ -265,7 +265,7 @@ def one_episode(env, sample: dict, turns: list[str]):
 # --- tools the model could only guess how to call -> refused at launch, naming the tool and what it lacks
 TOOL_ENVS = '''
 from nanoverl_async import rollout_tools
-from nanoverl_async.multiply_task import MultiplyEnv
+from nanoverl_async.agents.multiply_task import MultiplyEnv
 
 
 def untyped(key):

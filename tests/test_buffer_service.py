@@ -13,12 +13,12 @@ import pytest
 import zmq
 
 from nanoverl_async.buffer.service import BufferService, GatedClock, parse_request
-from nanoverl_async.data import prompt_source
-from nanoverl_async import multiply_task
+from nanoverl_async.agents.data import prompt_source
+from nanoverl_async.agents import multiply_task
 from nanoverl_async.config import BufferConfig, ConfigError, DataConfig, GeneratorConfig
-from nanoverl_async.metrics import step_metrics
-from nanoverl_async.models import check_positions
-from nanoverl_async.trajectory import Trajectory, encode
+from nanoverl_async.observe.metrics import step_metrics
+from nanoverl_async.models.load import check_positions
+from nanoverl_async.wire.trajectory import Trajectory, encode
 
 _ids = itertools.count()
 VOCAB = 110  # the services' model vocabulary: token ids 0..109

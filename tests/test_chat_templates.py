@@ -20,13 +20,13 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from nanoverl_async import smollm2
+from nanoverl_async.models import smollm2
 from nanoverl_async.config import AgentConfig
-from nanoverl_async.env import Environment, Step
-from nanoverl_async.generators.agent_loop import run_episode
+from nanoverl_async.agents.env import Environment, Step
+from nanoverl_async.agents.agent_loop import run_episode
 from nanoverl_async.generators.engine import Completion
-from nanoverl_async.models import load_tokenizer, resolve_model_path
-from nanoverl_async.user_code import load_object
+from nanoverl_async.models.load import load_tokenizer, resolve_model_path
+from nanoverl_async.agents.user_code import load_object
 
 QWEN25 = (
     "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}"

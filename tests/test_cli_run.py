@@ -86,7 +86,7 @@ def test_cli_bad_config_fails_before_starting(tmp_path):
 
 NONE_REWARD_ENV = '''
 from nanoverl_async import Step
-from nanoverl_async.multiply_task import MultiplyEnv
+from nanoverl_async.agents.multiply_task import MultiplyEnv
 
 
 class NoneReward(MultiplyEnv):

@@ -22,7 +22,7 @@ from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
 from nanoverl_async.learners.checkpoint import full_state_dict
 from nanoverl_async.learners.fsdp_rank import LearnerRank
-from nanoverl_async.weights import WeightPublisher, WeightSubscriber
+from nanoverl_async.wire.weights import WeightPublisher, WeightSubscriber
 from test_engine import tiny_qwen2
 from test_fsdp import (LEARNER, bfloat16_rank_matches_a_float32_pass, free_port, make_batch, plain_reference,
                        published_versions_equal_held, setup, write_model_dir)

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from nanoverl_async.config import AgentConfig, ConfigError, load_config
-from nanoverl_async.data import DatasetPrompts
-from nanoverl_async.env import Environment, FunctionEnv, Step, env_factory
-from nanoverl_async.preflight import prepare
-from nanoverl_async.generators.agent_loop import run_episode
+from nanoverl_async.agents.data import DatasetPrompts
+from nanoverl_async.agents.env import Environment, FunctionEnv, Step, env_factory
+from nanoverl_async.runtime.preflight import prepare
+from nanoverl_async.agents.agent_loop import run_episode
 from nanoverl_async.generators.engine import Completion
-from nanoverl_async.multiply_task import MultiplyEnv
-from nanoverl_async.rewards import load_reward, math_compute_score, score_sample
-from nanoverl_async.tiny_model import build_tokenizer
-from nanoverl_async.user_code import load_object
+from nanoverl_async.agents.multiply_task import MultiplyEnv
+from nanoverl_async.agents.rewards import load_reward, math_compute_score, score_sample
+from nanoverl_async.models.tiny import build_tokenizer
+from nanoverl_async.agents.user_code import load_object
 
 ROWS = [{"data_source": "toy", "prompt": [{"role": "user", "content": f"{i}+{i}?"}],
          "reward_model": {"style": "rule", "ground_truth": str(2 * i)}, "extra_info": {"index": i}} for i in range(5)]
@@ -49,12 +49,12 @@ def write_parquet(path, rows):
 
 
 def test_load_object_by_module_and_file(tmp_path):
-    assert load_object("nanoverl_async.multiply_task:MultiplyEnv") is MultiplyEnv
+    assert load_object("nanoverl_async.agents.multiply_task:MultiplyEnv") is MultiplyEnv
     (tmp_path / "my_env.py").write_text(ENV_FILE)
     echo = load_object(f"{tmp_path}/my_env.py:Echo")
     assert issubclass(echo, Environment)
     for spec, why in [("nomodule", "is not of the form"), (f"{tmp_path}/nope.py:X", "does not exist"),
-                      ("nanoverl_async.env:Nope", "has no attribute 'Nope'")]:
+                      ("nanoverl_async.agents.env:Nope", "has no attribute 'Nope'")]:
         with pytest.raises(ValueError, match=why):
             load_object(spec)
 
@@ -70,7 +70,7 @@ def test_env_factory_classes_functions_and_reward(tmp_path):
 
     assert env_factory("builtin:chat", reward)().reward_fn is reward
     with pytest.raises(ValueError, match="neither a class"):
-        env_factory("nanoverl_async.multiply_task:score")
+        env_factory("nanoverl_async.agents.multiply_task:score")
 
 
 @pytest.mark.parametrize("writer,suffix", [(write_jsonl, "jsonl"), (write_parquet, "parquet")])
@@ -171,7 +171,7 @@ def test_dataset_episode_with_custom_reward(tmp_path):
 
 def test_preflight_names_the_bad_key(tmp_path, monkeypatch):
     for override, key in ((f"data.train_files=[{tmp_path}/missing.parquet]", "data.train_files.*does not exist"),
-                          ("agent.env=nanoverl_async.env:Nope", "agent.env"),
+                          ("agent.env=nanoverl_async.agents.env:Nope", "agent.env"),
                           ("agent.env=builtin:nope", "agent.env.*the built-ins are builtin:multiply, builtin:chat"),
                           (f"reward.path={tmp_path}/none.py", "reward.path"),
                           ("data.task=builtin:nope", "data.task")):

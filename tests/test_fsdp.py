@@ -24,9 +24,9 @@ from nanoverl_async.learners.checkpoint import full_state_dict
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.learners.packing import pack, prompt_lengths
 from nanoverl_async.learners.setup import LearnerSetup
-from nanoverl_async.tiny_model import build_tokenizer
+from nanoverl_async.models.tiny import build_tokenizer
 from synthetic import episodes
-from nanoverl_async.weights import WeightSubscriber
+from nanoverl_async.wire.weights import WeightSubscriber
 from weight_waits import wait_newest
 
 torch.set_num_threads(1)

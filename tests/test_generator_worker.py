@@ -18,13 +18,13 @@ import zmq.asyncio
 from safetensors.torch import save as safetensors_save
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from nanoverl_async import multiply_task
+from nanoverl_async.agents import multiply_task
 from nanoverl_async.config import AgentConfig, Config, DataConfig, GeneratorConfig, WeightSyncConfig
-from nanoverl_async.preflight import prepare
+from nanoverl_async.runtime.preflight import prepare
 from nanoverl_async.generators.worker import GeneratorWorker
-from nanoverl_async.tiny_model import build_tokenizer
-from nanoverl_async.trajectory import decode
-from nanoverl_async.user_code import UserCodeError
+from nanoverl_async.models.tiny import build_tokenizer
+from nanoverl_async.wire.trajectory import decode
+from nanoverl_async.agents.user_code import UserCodeError
 
 GROUP_SIZE = 3
 

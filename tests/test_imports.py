@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nanoverl_async"
-SOCKETS_OR_USER_CODE = {"zmq", "ray", "httpx", "nanoverl_async.user_code", "nanoverl_async.env",
-                        "nanoverl_async.rewards", "nanoverl_async.buffer.service", "nanoverl_async.checkpoint"}
+SOCKETS_OR_USER_CODE = {"zmq", "ray", "httpx", "nanoverl_async.agents.user_code", "nanoverl_async.agents.env",
+                        "nanoverl_async.agents.rewards", "nanoverl_async.buffer.service", "nanoverl_async.checkpoint"}
 
 
 def module_name(path: Path) -> str:
@@ -60,7 +60,7 @@ def test_the_value_checker_opens_no_socket_and_runs_no_user_code():
 
 
 @pytest.mark.parametrize("process, modules, heavy", [
-    ("the buffer's", "nanoverl_async.config, nanoverl_async.role_actors", ("torch", "transformers")),
+    ("the buffer's", "nanoverl_async.config, nanoverl_async.runtime.role_actors", ("torch", "transformers")),
     ("the controller's", "nanoverl_async.launcher", ("torch.distributed.fsdp", "transformers.modeling_utils")),
 ])
 def test_processes_import_only_what_their_role_needs(process, modules, heavy):
@@ -76,7 +76,7 @@ def test_a_config_is_checked_without_torch_and_knows_every_registered_algorithm(
     """The CLI checks a config before it starts Ray: the algorithm keys' choices come from the algorithm
     modules' source (validation.algorithm_names), so no torch is imported (~3 s of CPU), and they are
     exactly the names those modules register when imported."""
-    probe = ("import sys\nfrom nanoverl_async.config import load_config\nfrom nanoverl_async.preflight import prepare\n"
+    probe = ("import sys\nfrom nanoverl_async.config import load_config\nfrom nanoverl_async.runtime.preflight import prepare\n"
              "prepare(load_config('configs/agent_grpo.yaml', []))\nprint('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=PACKAGE.parent)
     assert out.stdout.strip() == "False"

@@ -19,7 +19,7 @@ from nanoverl_async.config import ConfigError, ModelConfig, load_config
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.learners.memory import GB, learner_fit_error, learner_state_bytes
 from nanoverl_async.learners.packing import pack, prompt_lengths
-from nanoverl_async.preflight import check_learner_fits
+from nanoverl_async.runtime.preflight import check_learner_fits
 
 ENTROPY_ALGO = dataclasses.replace(ALGO, entropy_coef=0.01)  # the entropy's gradient goes through the chunks too
 SAVING = {"activation_checkpointing": True, "logits_chunk_tokens": 2}
@@ -119,7 +119,7 @@ def test_the_persistent_state_fits_up_to_the_exact_byte():
 
 
 def test_launch_refuses_a_learner_that_cannot_fit_before_any_role_starts(model_dir, monkeypatch):
-    from nanoverl_async import preflight
+    from nanoverl_async.runtime import preflight
 
     cfg = load_config(None, [f"model.path={model_dir}", "learner.world_size=2"])
     trained = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())

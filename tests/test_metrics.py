@@ -6,8 +6,8 @@ import numpy as np
 
 from nanoverl_async.buffer.replay import Group
 from nanoverl_async.buffer.service import Batch, batch_stats
-from nanoverl_async.metrics import BUFFER_STAT_KEYS, MetricsLogger, reward_info_means, step_metrics
-from nanoverl_async.trajectory import Trajectory
+from nanoverl_async.observe.metrics import BUFFER_STAT_KEYS, MetricsLogger, reward_info_means, step_metrics
+from nanoverl_async.wire.trajectory import Trajectory
 
 
 def trajectory(version: int, reward: float, tool_calls: int) -> Trajectory:

@@ -12,7 +12,7 @@ import yaml
 
 from nanoverl_async.cli import main
 from nanoverl_async.config import ConfigError
-from nanoverl_async.plot import draw, read_rows, read_run, run_labels, series, staleness_shares
+from nanoverl_async.observe.plot import draw, read_rows, read_run, run_labels, series, staleness_shares
 from test_cli_run import read_metrics
 
 

@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from nanoverl_async.buffer.gate import AdmissionGate
 from nanoverl_async.buffer.replay import ADDED, COMPLETED, DUPLICATE, FILTERED, MISMATCH, STRAGGLER, ReplayBuffer
-from nanoverl_async.trajectory import Trajectory
+from nanoverl_async.wire.trajectory import Trajectory
 
 TIMEOUT = 20.0
 _ids = itertools.count()

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from nanoverl_async.cli import main
 from nanoverl_async.config import ConfigError, load_config
 from nanoverl_async.launcher import launch
-from nanoverl_async.record import compare_weights, read_batches, record_dir, write_batch
+from nanoverl_async.observe.record import compare_weights, read_batches, record_dir, write_batch
 from tests.synthetic import episodes
 
 SMALL = ("data.prompts_per_step=4", "data.samples_per_prompt=4", "run.progress=false")

@@ -17,9 +17,9 @@ import uuid
 
 import pytest
 
-from nanoverl_async import sandbox
-from nanoverl_async.sandbox import SandboxLimits, SandboxUnavailable, python, run_python
-from nanoverl_async.tools import as_tool, call_tool
+from nanoverl_async.agents import sandbox
+from nanoverl_async.agents.sandbox import SandboxLimits, SandboxUnavailable, python, run_python
+from nanoverl_async.agents.tools import as_tool, call_tool
 
 FAST = SandboxLimits(cpu_s=2, wall_s=10.0, memory_mb=256, max_output_chars=400)
 UNSAFE = "unsafe_no_isolation"
@@ -299,7 +299,7 @@ def test_without_bubblewrap_the_tool_refuses_in_one_line_unless_the_user_opts_ou
 
 def test_an_env_with_the_python_tool_is_refused_at_start_without_bubblewrap(monkeypatch, tmp_path):
     from nanoverl_async.config import ConfigError, load_config
-    from nanoverl_async.preflight import prepare
+    from nanoverl_async.runtime.preflight import prepare
     (tmp_path / "coder.py").write_text("from nanoverl_async import Environment, python\n\n"
                                        "class Coder(Environment):\n    tools = [python]\n")
     config = ["configs/agent_grpo.yaml", [f"agent.env={tmp_path / 'coder.py'}:Coder"]]

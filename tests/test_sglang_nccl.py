@@ -23,9 +23,9 @@ from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.worker import make_engine
 from nanoverl_async.generators.sglang_engine import SGLangEngine
 from nanoverl_async.generators.sglang_server import SGLangServer
-from nanoverl_async.sglang_client import SGLangClient, SGLangError
+from nanoverl_async.generators.sglang_client import SGLangClient, SGLangError
 from nanoverl_async.learners.sglang_nccl import SGLangWeightSender, check_reachable, server_handles
-from nanoverl_async.weights import WeightPublisher, WeightSubscriber, serialise
+from nanoverl_async.wire.weights import WeightPublisher, WeightSubscriber, serialise
 from sglang_helpers import PROMPT, assert_close, model_dirs, reference_logprobs, server, shared_server  # noqa: F401
 from test_sglang_engine import FAKE, free_port, run_cli_on_fake_servers
 from weight_waits import wait_newest
@@ -162,7 +162,7 @@ def test_loopback_servers_on_another_node_are_refused_before_joining():
 
 
 def test_roles_meet_only_through_the_wire():
-    """Neither role imports the other: both reach the servers through nanoverl_async/sglang_client.py."""
+    """Neither role imports the other: both reach the servers through nanoverl_async/generators/sglang_client.py."""
     import ast
 
     package = Path(__file__).resolve().parents[1] / "nanoverl_async"

@@ -9,8 +9,8 @@ import pytest
 
 from nanoverl_async.cli import main
 from nanoverl_async.config import load_config, to_yaml
-from nanoverl_async.run_costs import fit_interference, load_trace, read_source, speeds
-from nanoverl_async.simulate import parse_list, predict, recommend, report
+from nanoverl_async.observe.run_costs import fit_interference, load_trace, read_source, speeds
+from nanoverl_async.observe.simulate import parse_list, predict, recommend, report
 
 PREPARE_S, PUBLISH_S, HANDOVER_S, WEIGHTS_S = 0.001, 0.01, 0.001, 0.002
 
@@ -140,7 +140,7 @@ def test_speeds_share_the_cores_and_reproduce_the_measured_slowdowns():
 
 
 def test_recommendation_is_the_smallest_staleness_near_the_best():
-    from nanoverl_async.simulate import Prediction
+    from nanoverl_async.observe.simulate import Prediction
 
     rates = {(0, 1): 50.0, (1, 1): 97.0, (1, 2): 99.0, (4, 1): 100.0}
     assert recommend({k: Prediction(v, {}, 0.0) for k, v in rates.items()}) == (1, 1)

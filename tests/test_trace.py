@@ -11,13 +11,13 @@ import msgpack
 import pytest
 import zmq
 
-from nanoverl_async import multiply_task
+from nanoverl_async.agents import multiply_task
 from nanoverl_async.buffer.service import BufferService
 from nanoverl_async.config import AgentConfig, BufferConfig, GeneratorConfig
-from nanoverl_async.generators.agent_loop import run_episode
-from nanoverl_async.trace import (Lanes, PipelineTrace, Span, SpanLog, TracedRole, TraceFile, estimate_offset,
+from nanoverl_async.agents.agent_loop import run_episode
+from nanoverl_async.observe.trace import (Lanes, PipelineTrace, Span, SpanLog, TracedRole, TraceFile, estimate_offset,
                                   sequential)
-from nanoverl_async.trajectory import decode, encode
+from nanoverl_async.wire.trajectory import decode, encode
 from test_agent_loop import ScriptedEngine
 from test_buffer_service import VOCAB, make_trajectory
 
@@ -69,7 +69,7 @@ def test_sequential_drops_a_call_that_overlaps_the_one_before():
 
 
 def test_an_episode_carries_its_calls_inside_its_span_over_the_wire():
-    from nanoverl_async.tiny_model import build_tokenizer
+    from nanoverl_async.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     sample = multiply_task.make_prompt(0, 5)

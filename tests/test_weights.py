@@ -16,8 +16,8 @@ import zmq
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
-from nanoverl_async import shared_payloads
-from nanoverl_async.weights import WeightPublisher, WeightSubscriber, deserialise, serialise
+from nanoverl_async.wire import shared_payloads
+from nanoverl_async.wire.weights import WeightPublisher, WeightSubscriber, deserialise, serialise
 from weight_waits import wait_newest, wait_sent
 
 TIMEOUT_S = 10.0
@@ -157,7 +157,7 @@ needs_memfd = pytest.mark.skipif(not shared_payloads.AVAILABLE, reason="shared m
 READER = """
 import json, sys
 from safetensors.torch import save_file
-from nanoverl_async.weights import WeightSubscriber
+from nanoverl_async.wire.weights import WeightSubscriber
 sys.path.insert(0, "tests")
 from weight_waits import wait_newest
 subscriber = WeightSubscriber(sys.argv[1])

@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from nanoverl_async.trajectory import TooLong, Trajectory, WireError, check_bounds, decode, encode
+from nanoverl_async.wire.trajectory import TooLong, Trajectory, WireError, check_bounds, decode, encode
 
 
 def make_trajectory() -> Trajectory:

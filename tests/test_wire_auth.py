@@ -16,9 +16,9 @@ import zmq
 
 from nanoverl_async.buffer.service import BufferService
 from nanoverl_async.config import BufferConfig, GeneratorConfig
-from nanoverl_async.trajectory import Trajectory, encode
-from nanoverl_async.weights import WeightPublisher, WeightSubscriber, serialise
-from nanoverl_async.wire_auth import CurveKeys, connect, run_keys
+from nanoverl_async.wire.trajectory import Trajectory, encode
+from nanoverl_async.wire.weights import WeightPublisher, WeightSubscriber, serialise
+from nanoverl_async.wire.auth import CurveKeys, connect, run_keys
 from weight_waits import wait_newest
 
 REFUSED_WAIT_MS = 1500  # a refused peer's handshake never completes: nothing arrives in this time

@@ -3,7 +3,7 @@ newest version between decode steps, never wait for one), so these live beside t
 
 import time
 
-from nanoverl_async.weights import WeightPublisher, WeightSubscriber
+from nanoverl_async.wire.weights import WeightPublisher, WeightSubscriber
 
 POLL_S = 0.005
 

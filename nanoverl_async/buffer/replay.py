@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nanoverl_async import trajectory as wire
-from nanoverl_async.trajectory import Trajectory
+from nanoverl_async.wire import trajectory as wire
+from nanoverl_async.wire.trajectory import Trajectory
 
 # What `add` did with a trajectory.
 ADDED = "added"  # joined its open group, which still waits for more

@@ -45,13 +45,13 @@ import msgpack
 import numpy as np
 import zmq
 
-from nanoverl_async import trajectory as wire
+from nanoverl_async.wire import trajectory as wire
 from nanoverl_async.buffer.gate import AdmissionGate
 from nanoverl_async.buffer.replay import ADDED, COMPLETED, FILTERED, Group, ReplayBuffer
 from nanoverl_async.config import BufferConfig, GeneratorConfig
-from nanoverl_async.trace import SpanLog
-from nanoverl_async.trajectory import Trajectory
-from nanoverl_async.wire_auth import CurveKeys, admit_run_clients, serve
+from nanoverl_async.observe.trace import SpanLog
+from nanoverl_async.wire.trajectory import Trajectory
+from nanoverl_async.wire.auth import CurveKeys, admit_run_clients, serve
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class BufferService:
                  trace: bool = False, max_tokens: Optional[int] = None):
         """`host`: the address both sockets bind (this node's); `generators`: how many there are (replicas: ids 0..replicas-1) and how many groups each may run;
         `vocab_size`: the model's, which bounds every token id; `max_tokens`: agent.max_total_tokens, which
-        bounds every trajectory's length (None: no bound, for tests); `curve`: the run's keys (wire_auth.py):
+        bounds every trajectory's length (None: no bound, for tests); `curve`: the run's keys (wire/auth.py):
         only the run's generators can then connect."""
         self.prompts_per_step, self.group_size, self.staleness = prompts_per_step, group_size, staleness
         self.generators, self.vocab_size, self.max_tokens = generators, vocab_size, max_tokens

@@ -77,7 +77,7 @@ from nanoverl_async.generators.decode_graphs import DecodeGraphs
 from nanoverl_async.generators.engine import Completion, SamplingParams
 from nanoverl_async.generators.kv_blocks import PagedCache, pool_blocks, version_seed
 from nanoverl_async.generators.llama_forward import LlamaForward, Tokens
-from nanoverl_async.models import DTYPES, on_device
+from nanoverl_async.models.load import DTYPES, on_device
 
 LOCKSTEP_POLL_S = 0.001  # how often a lockstep engine checks whether every episode is waiting
 DEFAULT_KV_MEMORY = {"cuda": 0.5, "cpu": 2.0}  # kv_cache_memory=0: a fraction of free GPU memory; CPU GiB

@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from nanoverl_async.models import on_device
+from nanoverl_async.models.load import on_device
 
 NULL_BLOCK = 0
 GIB = 2 ** 30

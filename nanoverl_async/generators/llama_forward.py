@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from nanoverl_async.models import on_device
+from nanoverl_async.models.load import on_device
 
 
 def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:

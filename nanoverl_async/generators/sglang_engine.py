@@ -56,7 +56,7 @@ from safetensors.torch import save_file
 from nanoverl_async.config import SGLangConfig
 from nanoverl_async.generators.engine import Completion, SamplingParams
 from nanoverl_async.generators.sglang_server import SGLangServer
-from nanoverl_async.sglang_client import SGLangError, checked, paused
+from nanoverl_async.generators.sglang_client import SGLangError, checked, paused
 
 log = logging.getLogger(__name__)
 

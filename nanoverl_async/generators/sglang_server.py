@@ -6,7 +6,7 @@
 
 Invariants:
   - the control calls (pause/continue, weight version, begin/end update, the protocol variant from the
-    server's own version) are `SGLangClient`'s (nanoverl_async/sglang_client.py), which learner rank 0
+    server's own version) are `SGLangClient`'s (nanoverl_async/generators/sglang_client.py), which learner rank 0
     uses too; start-up waits at most `cfg.launch_timeout_s`, every other call `cfg.control_timeout_s`;
   - the process inherits this process's environment, so it runs on the GPUs Ray assigned to the
     generator (CUDA_VISIBLE_DEVICES); `restart` relaunches it with the newest weights on disk and the
@@ -39,7 +39,7 @@ import httpx
 
 from nanoverl_async.config import SGLangConfig
 from nanoverl_async.generators.watchdog import signal_group, spawn_watched
-from nanoverl_async.sglang_client import SGLangClient, SGLangError
+from nanoverl_async.generators.sglang_client import SGLangClient, SGLangError
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def sglang_version() -> str:
 
 
 class SGLangServer(SGLangClient):
-    """A client (nanoverl_async/sglang_client.py) of a server this process launches, watches and restarts."""
+    """A client (nanoverl_async/generators/sglang_client.py) of a server this process launches, watches and restarts."""
 
     def __init__(self, model_path: str, port: int, cfg: SGLangConfig, *, initial_version: int = 0,
                  command: Optional[list[str]] = None, url: str = "", legacy_protocol: Optional[bool] = None,

@@ -38,18 +38,18 @@ import torch
 import zmq
 import zmq.asyncio
 
-from nanoverl_async import sandbox
+from nanoverl_async.agents import sandbox
 from nanoverl_async.config import Config, GeneratorConfig
-from nanoverl_async.env import env_factory
-from nanoverl_async.models import load_tokenizer, resolve_model_path
-from nanoverl_async.rewards import load_reward
-from nanoverl_async.trace import SpanLog
-from nanoverl_async.generators.agent_loop import run_episode
+from nanoverl_async.agents.env import env_factory
+from nanoverl_async.models.load import load_tokenizer, resolve_model_path
+from nanoverl_async.agents.rewards import load_reward
+from nanoverl_async.observe.trace import SpanLog
+from nanoverl_async.agents.agent_loop import run_episode
 from nanoverl_async.generators.engine import Engine
-from nanoverl_async.trajectory import encode
-from nanoverl_async.user_code import UserCodeError
-from nanoverl_async.weights import WeightSubscriber
-from nanoverl_async.wire_auth import CurveKeys, connect
+from nanoverl_async.wire.trajectory import encode
+from nanoverl_async.agents.user_code import UserCodeError
+from nanoverl_async.wire.weights import WeightSubscriber
+from nanoverl_async.wire.auth import CurveKeys, connect
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class GeneratorWorker:
 
     async def run(self, buffer_endpoints: dict, weights_endpoint: str, curve: Optional[CurveKeys] = None) -> None:
         """Lease, generate and apply weights until `stop()`: the buffer's sockets (BufferService.endpoints)
-        and the learner's weights publisher, with the run's keys (wire_auth.py)."""
+        and the learner's weights publisher, with the run's keys (wire/auth.py)."""
         self.buffer_endpoints = buffer_endpoints
         self._wake, self._new_weights = asyncio.Event(), asyncio.Event()
         self._loop = asyncio.get_running_loop()

@@ -26,8 +26,8 @@ from torch import Tensor
 
 from nanoverl_async.algorithms import ADVANTAGES, kl_reward_penalty, overlong_penalty, token_logprobs
 from nanoverl_async.config import AlgorithmConfig, KLConfig
-from nanoverl_async.models import on_device
-from nanoverl_async.trajectory import Trajectory
+from nanoverl_async.models.load import on_device
+from nanoverl_async.wire.trajectory import Trajectory
 
 PAD_TOKEN_ID = 0  # any valid id: padded positions are masked out of attention and of the loss
 

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.fsdp import FSDPModule
 
-from nanoverl_async.models import load_tokenizer
+from nanoverl_async.models.load import load_tokenizer
 
 
 def _modules(learner) -> dict:

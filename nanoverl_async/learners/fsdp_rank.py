@@ -55,8 +55,8 @@ from nanoverl_async.learners.memory import peak_memory
 from nanoverl_async.learners.packing import (Packing, attends_to_whole_context, attention_cost_per_position,
                                              keeps_packed_sequences_apart, pack, prompt_lengths)
 from nanoverl_async.learners.setup import PROCESS_GROUP_TIMEOUT_S, LearnerSetup
-from nanoverl_async.models import DTYPES
-from nanoverl_async.weights import WeightPublisher, serialise
+from nanoverl_async.models.load import DTYPES
+from nanoverl_async.wire.weights import WeightPublisher, serialise
 
 log = logging.getLogger(__name__)
 

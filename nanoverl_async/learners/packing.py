@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nanoverl_async.algorithms import token_logprobs, token_logprobs_and_entropy
 from nanoverl_async.learners.batch import PAD_TOKEN_ID
-from nanoverl_async.models import on_device
+from nanoverl_async.models.load import on_device
 
 
 def prompt_lengths(loss_mask: Tensor) -> Tensor:

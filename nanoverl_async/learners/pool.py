@@ -24,8 +24,8 @@ from nanoverl_async.config import Config, SGLangConfig
 from nanoverl_async.learners.batch import TrainBatch, collate, explained_variance, group_size_of, with_advantages
 from nanoverl_async.learners.setup import PROCESS_GROUP_TIMEOUT_S, LearnerSetup
 from nanoverl_async.learners.sglang_nccl import check_reachable
-from nanoverl_async.role_actors import LearnerRankRole
-from nanoverl_async.wire_auth import CurveKeys
+from nanoverl_async.runtime.role_actors import LearnerRankRole
+from nanoverl_async.wire.auth import CurveKeys
 
 TIMEOUT_S = PROCESS_GROUP_TIMEOUT_S + 60  # a rank stuck in a collective fails first, with its own error
 
@@ -33,7 +33,7 @@ TIMEOUT_S = PROCESS_GROUP_TIMEOUT_S + 60  # a rank stuck in a collective fails f
 class LearnerPool:
     def __init__(self, cfg: Config, model_path: str, curve: Optional[CurveKeys] = None):
         """The ranks of `cfg.learner`, each built from the sections of `cfg` it reads (LearnerSetup);
-        `model_path` is model.path resolved to a directory; `curve` the run's wire keys (wire_auth.py).
+        `model_path` is model.path resolved to a directory; `curve` the run's wire keys (wire/auth.py).
         Their weights are version 0 until `load_checkpoint` restores another. Returns once the ranks are
         placed: they build their models while the caller starts the other roles (`ready` waits for them)."""
         self.setup = setup = LearnerSetup(

@@ -9,7 +9,7 @@ from typing import Optional
 
 from nanoverl_async.config import (AlgorithmConfig, CriticConfig, KLConfig, LearnerConfig, ModelConfig,
                                    ReferenceConfig)
-from nanoverl_async.wire_auth import CurveKeys
+from nanoverl_async.wire.auth import CurveKeys
 
 PROCESS_GROUP_TIMEOUT_S = 600  # a collective that waits longer than this fails loudly instead of hanging
 
@@ -24,8 +24,8 @@ class LearnerSetup:
     kl: KLConfig = field(default_factory=KLConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)  # KL's frozen policy; "" = model.path
     critic: CriticConfig = field(default_factory=CriticConfig)  # algorithm.advantage=gae only
-    wire_host: str = "127.0.0.1"  # where rank 0's weight publisher binds (wire.host as placed, wire_auth.py)
+    wire_host: str = "127.0.0.1"  # where rank 0's weight publisher binds (wire.host as placed, wire/auth.py)
     temperature: float = 1.0  # generator.temperature: logprobs of the distribution the generators sample
     seed: int = 0  # run.seed
     max_total_tokens: int = 0  # agent.max_total_tokens: overlong limit, seq-mean-token-sum-norm's constant
-    curve: Optional[CurveKeys] = None  # the run's wire keys (wire_auth.py)
+    curve: Optional[CurveKeys] = None  # the run's wire keys (wire/auth.py)

@@ -11,7 +11,7 @@ any process a role forked. The watcher keeps a fresh list of the launcher's desc
 when its pipe from the launcher closes without a word, the launcher is gone, and it kills every process on
 the list that is still the same process (pid and start time), orphans included.
 
-Run alone: python -m nanoverl_async.reaper PID   (stdin: a pipe held by PID; "release" on it ends quietly)
+Run alone: python -m nanoverl_async.runtime.reaper PID   (stdin: a pipe held by PID; "release" on it ends quietly)
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Reaper:
     terminal's process group reaches the run, not the watcher)."""
 
     def __init__(self):
-        self.process = subprocess.Popen([sys.executable, "-m", "nanoverl_async.reaper", str(os.getpid())],
+        self.process = subprocess.Popen([sys.executable, "-m", "nanoverl_async.runtime.reaper", str(os.getpid())],
                                         stdin=subprocess.PIPE, start_new_session=True)
 
     def release(self) -> None:

@@ -19,10 +19,10 @@ import ray
 
 from nanoverl_async.buffer.service import BufferService
 from nanoverl_async.config import Config
-from nanoverl_async.data import prompt_source
+from nanoverl_async.agents.data import prompt_source
 from nanoverl_async.learners.setup import LearnerSetup
-from nanoverl_async.startup import collecting_later
-from nanoverl_async.wire_auth import CurveKeys, bind_host
+from nanoverl_async.runtime.startup import collecting_later
+from nanoverl_async.wire.auth import CurveKeys, bind_host
 
 
 class BufferRole:
@@ -67,7 +67,7 @@ class GeneratorRole:
         with collecting_later():  # imports and a model: seconds of CPU, less without the collector (startup.py)
             # in the generator's own process: the engine's imports (torch, transformers) stay out of this module
             from nanoverl_async.generators.worker import GeneratorWorker
-            from nanoverl_async.models import require_model_dir
+            from nanoverl_async.models.load import require_model_dir
 
             require_model_dir(kwargs["model_path"], f"node {ray.util.get_node_ip_address()}")
             self.worker = GeneratorWorker(**kwargs)
@@ -124,7 +124,7 @@ class LearnerRankRole:
     def start(self, setup: LearnerSetup, rank: int, rendezvous: tuple[str, int]) -> None:
         with collecting_later():  # imports and a model: seconds of CPU, less without the collector (startup.py)
             from nanoverl_async.learners.fsdp_rank import LearnerRank
-            from nanoverl_async.models import require_model_dir
+            from nanoverl_async.models.load import require_model_dir
 
             node = ray.util.get_node_ip_address()
             require_model_dir(setup.model.path, f"node {node}")

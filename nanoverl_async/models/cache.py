@@ -3,7 +3,7 @@
     path = build_once("tiny", recipe.digest(), write, cache_dir, note="one-time warm start, ~70 s")
 
 `write(directory)` fills an empty directory with a Hugging Face model (config, weights, tokenizer) and
-returns a short summary for the log line. Used by every `builtin:` model (nanoverl_async/models.py).
+returns a short summary for the log line. Used by every `builtin:` model (nanoverl_async/models/load.py).
 
 Invariants:
 - the directory is `<root>/<kind>-<digest>`, where the digest names everything that determines the

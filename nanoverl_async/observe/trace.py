@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Hashable, Iterable, NamedTuple
 
-from nanoverl_async.trajectory import Trajectory
+from nanoverl_async.wire.trajectory import Trajectory
 
 ROUND_TRIPS = 8  # per role, at the first step; the shortest trip bounds the offset's error best
 STEP_PHASES = ("wait batch", "prepare", "update", "publish")  # the learners' spans, between the step's marks

@@ -6,21 +6,21 @@
 What it is: a byte-level tokenizer without merges (every byte one token, so each digit and operator
 is one token, and any text round-trips) with a compact chat template, and a ~1M-parameter
 Qwen2ForCausalLM warm-started by a short SFT on demos of the built-in "A*B?" task
-(nanoverl_async/multiply_task.py). The warm start is calibrated to leave RL something to learn: the
+(nanoverl_async/agents/multiply_task.py). The warm start is calibrated to leave RL something to learn: the
 policy sampled at temperature 1 uses the tool rarely and succeeds rarely at first (docs/design.md
 "The embedded default model and task").
 
 Invariants:
 - the cache directory name carries a hash of the whole recipe (every hyperparameter, the recipe
   version, the chat template), so a changed recipe never reuses a stale model;
-- it is built once and cached (nanoverl_async/model_cache.py: atomic rename under a lock);
+- it is built once and cached (nanoverl_async/models/cache.py: atomic rename under a lock);
 - the tokenizer is exactly what transformers' `Qwen2Tokenizer` (which `AutoTokenizer` returns for a
   `qwen2` config) rebuilds from tokenizer.json: byte-level BPE, NFC, no merges, so `final/` loads as
-  itself in transformers and SGLang (nanoverl_async/models.py);
+  itself in transformers and SGLang (nanoverl_async/models/load.py);
 - the chat template is prefix-consistent: rendering messages[:k] and then the delta of the rest
   gives exactly the rendering of all messages (the agent loop appends deltas, never re-renders).
 
-Run alone:  python -m nanoverl_async.tiny_model [cache_dir]   (builds or finds, prints the path)
+Run alone:  python -m nanoverl_async.models.tiny [cache_dir]   (builds or finds, prints the path)
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config
 
-from nanoverl_async import multiply_task
-from nanoverl_async.model_cache import build_once
+from nanoverl_async.agents import multiply_task
+from nanoverl_async.models.cache import build_once
 
 RECIPE_VERSION = 2  # bump whenever the build code changes what it produces
 SECONDS_PER_STEP = 0.23  # warm-start step time at batch 64, measured on one busy core (log line only)
@@ -150,7 +150,7 @@ def build_model(tokenizer: PreTrainedTokenizerFast, recipe: TinyRecipe) -> Qwen2
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    from transformers import Qwen2ForCausalLM  # here: modeling code costs every importer of models.py a second
+    from transformers import Qwen2ForCausalLM  # here: modeling code costs every importer of models/load.py a second
 
     torch.manual_seed(recipe.seed)
     model = Qwen2ForCausalLM(config)
@@ -279,7 +279,7 @@ def warm_start(model: Qwen2ForCausalLM, tokenizer, recipe: TinyRecipe) -> dict:
 
 
 def build_tiny(cache_dir: str = "", recipe: TinyRecipe = TinyRecipe()) -> str:
-    """The directory of the tiny model for `recipe`, built once and cached (nanoverl_async/model_cache.py)."""
+    """The directory of the tiny model for `recipe`, built once and cached (nanoverl_async/models/cache.py)."""
     def write(directory: Path) -> str:
         with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
             tokenizer = build_tokenizer()

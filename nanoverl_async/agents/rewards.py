@@ -5,7 +5,7 @@
 
 A reward function returns a float, or a dict with a "score" entry (its other numeric entries are kept in
 trajectory.info["reward_info"]); it may be sync or async. Samples carry verl's fields: `data_source`,
-`reward_model.ground_truth`, `extra_info` (nanoverl_async/data.py). The default, `math_compute_score`,
+`reward_model.ground_truth`, `extra_info` (nanoverl_async/agents/data.py). The default, `math_compute_score`,
 checks the last \\boxed{...} (or the whole answer) against the ground truth with the `math-verify`
 package; where math-verify is not installed it falls back to an exact match of the normalised strings.
 
@@ -26,7 +26,7 @@ import re
 import threading
 from typing import Any, Callable, Optional
 
-from nanoverl_async.user_code import call_user, load_object
+from nanoverl_async.agents.user_code import call_user, load_object
 
 MISSING_GROUND_TRUTH = "ground_truth_missing"  # reward info of an episode whose sample had no ground truth
 

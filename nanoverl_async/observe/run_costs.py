@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from nanoverl_async.config import ConfigError, load_config
-from nanoverl_async.plot import read_rows
+from nanoverl_async.observe.plot import read_rows
 
 COMPUTE = ("prepare", "update", "publish")  # the learner's phases that compete for the cores
 STEP_COSTS = ("handover", *COMPUTE, "between")  # per step: seconds, work (COMPUTE) and seconds, in this order

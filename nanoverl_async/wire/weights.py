@@ -9,7 +9,7 @@ Wire (one multipart message per version):
 How the payload travels (the publisher picks, per version):
   - socket: in frame 1; the only way between machines (a publisher bound beyond loopback);
   - shared memory (a publisher on loopback, so every subscriber is on its machine, and Linux): the payload
-    is a memfd segment the learner wrote (shared_payloads.py), "segment": {"path": ...};
+    is a memfd segment the learner wrote (wire/shared_payloads.py), "segment": {"path": ...};
   - CUDA IPC (`device_handles`, set when learner rank 0 and every generator share one GPU): the payload is
     on that GPU, "segment": {"cuda": handle}; no host round trip at all.
 A subscriber copies a segment's payload into memory of its own (two buffers, alternating) and checks the
@@ -57,8 +57,8 @@ import torch
 import xxhash
 import zmq
 
-from nanoverl_async import shared_payloads
-from nanoverl_async.wire_auth import CurveKeys, admit_run_clients, connect, serve
+from nanoverl_async.wire import shared_payloads
+from nanoverl_async.wire.auth import CurveKeys, admit_run_clients, connect, serve
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def empty_payload(entries: dict[str, tuple[torch.dtype, tuple[int, ...]]], pin_m
     and each tensor's slot in it, a view to copy that tensor into (`serialise`; the learner copies straight
     from its device, so a version is copied once). On a CUDA `device`, a uint8 tensor there; else a numpy
     array (bytes to zmq and xxhash without a copy) in pinned memory, or in shared memory where this machine
-    offers it (shared_payloads.py). Every key gets its own bytes (tied tensors too), widest dtypes first, so
+    offers it (wire/shared_payloads.py). Every key gets its own bytes (tied tensors too), widest dtypes first, so
     that every slot starts aligned to its element size."""
     header, offset = {}, 0
     for name in sorted(entries, key=lambda name: -entries[name][0].itemsize):

@@ -20,7 +20,7 @@ Invariants: `call_tool` never raises (except cancellation): unknown arguments, m
 arguments, a raising tool and a timeout each come back as `ToolResult(text="error: ...", error=True)`,
 cut to `max_chars`. Ints are accepted for float parameters; bools are not ints. A synchronous tool runs
 in a thread so the event loop (and the other episodes) keep going; Python cannot kill that thread on
-timeout, so code that may run away belongs in `nanoverl_async.sandbox` (a killable subprocess).
+timeout, so code that may run away belongs in `nanoverl_async.agents.sandbox` (a killable subprocess).
 
 Run alone: `python -m pytest tests/test_tools.py -q`.
 """
@@ -77,7 +77,7 @@ def as_tool(fn: Callable | Tool, name: Optional[str] = None, timeout_s: Optional
     missing = ([f"a type hint on {', '.join(untyped)}"] if untyped else []) + ([] if doc else ["a docstring"])
     if missing:
         raise ValueError(f"tool '{name}' needs {' and '.join(missing)}: its JSON schema, all the model "
-                         f"sees of it, is built from them (nanoverl_async/tools.py)")
+                         f"sees of it, is built from them (nanoverl_async/agents/tools.py)")
     description, arg_docs = parse_docstring(doc)
     properties, required = {}, []
     for param in params:

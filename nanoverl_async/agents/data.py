@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from nanoverl_async.config import DataConfig
-from nanoverl_async.user_code import load_object, user_error
+from nanoverl_async.agents.user_code import load_object, user_error
 
 
 def read_rows(path: str) -> list[dict]:

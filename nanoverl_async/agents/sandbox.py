@@ -1,6 +1,6 @@
 """A sandboxed Python tool: run model-written code under OS isolation (bubblewrap), with hard limits.
 
-    from nanoverl_async.sandbox import python          # a tool: async def python(code: str) -> str
+    from nanoverl_async.agents.sandbox import python          # a tool: async def python(code: str) -> str
     class MyEnv(Environment):
         tools = [python]
 

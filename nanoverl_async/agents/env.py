@@ -1,8 +1,8 @@
 """Environments: what a user writes to define a task. One instance per episode.
 
     class Calculator(Environment):
-        tools = [calculator]                  # typed functions, sync or async (nanoverl_async/tools.py)
-        tool_format = "hermes"                # how the model writes calls (nanoverl_async/tool_parsers.py)
+        tools = [calculator]                  # typed functions, sync or async (nanoverl_async/agents/tools.py)
+        tool_format = "hermes"                # how the model writes calls (nanoverl_async/agents/tool_parsers.py)
 
         async def reset(self, sample):        # the prompt messages (default: sample["messages"])
             return [{"role": "user", "content": sample["question"]}]
@@ -13,7 +13,7 @@
 or, for full control, one function (or an Environment method) driving the episode itself:
 
     @rollout_tools(calculator, tool_format="builtin")  # the tools it runs and how calls are written
-    async def rollout(episode, sample) -> float:   # episode: nanoverl_async.generators.agent_loop.Episode
+    async def rollout(episode, sample) -> float:   # episode: nanoverl_async.agents.agent_loop.Episode
         episode.start(sample["messages"])            # the prompt (mask 0)
         message = await episode.generate()           # one sampled assistant turn (mask 1); None: out of room
         episode.add_turn(message)                    # into the message history
@@ -24,7 +24,7 @@ or, for full control, one function (or an Environment method) driving the episod
 YAML names either with `agent.env: package.module:Name` or `agent.env: path/to/file.py:Name`; the
 built-in task is `builtin:multiply` (multiply_task.MultiplyEnv) and `builtin:chat` is this base class:
 single-turn, no tools, scored by the verl-style reward function (`reward.path` / `reward.name`, default
-a math-verify scorer; nanoverl_async/rewards.py).
+a math-verify scorer; nanoverl_async/agents/rewards.py).
 
 Invariants: `reset` and `step` may be sync or async; `step` returning `done=False` appends its
 `messages` (e.g. a user follow-up) with mask 0 and the episode goes on; an episode cut by a limit
@@ -42,9 +42,9 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from nanoverl_async.rewards import is_reward, score_sample
-from nanoverl_async.tools import as_tool
-from nanoverl_async.user_code import load_object
+from nanoverl_async.agents.rewards import is_reward, score_sample
+from nanoverl_async.agents.tools import as_tool
+from nanoverl_async.agents.user_code import load_object
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from nanoverl_async.rewards import MISSING_GROUND_TRUTH
+from nanoverl_async.agents.rewards import MISSING_GROUND_TRUTH
 
 
 # Stats the buffer computes once per batch at hand-out (buffer/service.py: batch_stats and its counters),

@@ -4,7 +4,7 @@ Why this task: a tiny CPU model cannot multiply two-digit numbers itself, so it 
 the tool; the tool syntax is a few characters long, so a character-level model learns the format in
 seconds. See docs/design.md "The embedded default model and task" for the reasons behind the choice.
 
-Token-level episode, with the built-in chat template (nanoverl_async/tiny_model.py):
+Token-level episode, with the built-in chat template (nanoverl_async/models/tiny.py):
 
     prompt        <|user|>12*34?<|end|><|assistant|>
     tool call     <call>12*34</call>        sampled; generation stops at </call>
@@ -19,7 +19,7 @@ Invariants: `make_prompt` is a pure function of (seed, index) and returns JSON-a
 `calculator` accepts exactly "<int> <op> <int>" with non-negative integers and op in + - *, and
 raises ValueError on anything else.
 
-Run alone:  python -m nanoverl_async.multiply_task   (prints a few prompts and a tool call)
+Run alone:  python -m nanoverl_async.agents.multiply_task   (prints a few prompts and a tool call)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import random
 import re
 
-from nanoverl_async.env import Environment, Step
+from nanoverl_async.agents.env import Environment, Step
 
 MAX_OPERAND = 100  # operands are drawn from [0, MAX_OPERAND)
 _MAX_DIGITS = 12  # the tool refuses longer operands: keeps a bad call from building a huge number

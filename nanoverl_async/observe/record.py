@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from nanoverl_async.config import ConfigError
-from nanoverl_async.trajectory import Trajectory, WireError, decode, encode
+from nanoverl_async.wire.trajectory import Trajectory, WireError, decode, encode
 
 
 def record_dir(output_dir: str | Path) -> Path:

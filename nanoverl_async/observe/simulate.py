@@ -51,8 +51,8 @@ from nanoverl_async.buffer.gate import AdmissionGate
 from nanoverl_async.buffer.replay import ReplayBuffer
 from nanoverl_async.buffer.service import GatedClock
 from nanoverl_async.config import ConfigError
-from nanoverl_async.run_costs import COMPUTE, STEP_COSTS, Source, read_source, speeds
-from nanoverl_async.trajectory import Trajectory
+from nanoverl_async.observe.run_costs import COMPUTE, STEP_COSTS, Source, read_source, speeds
+from nanoverl_async.wire.trajectory import Trajectory
 
 STEP_POOL = 5  # a simulated step after the first draws its costs among the run's this many nearest steps
 REPEATS, POOLED_STEPS = 3, 120  # per setting, at least this many simulated runs and steps in all, pooled

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 BUILTINS = {  # config key -> built-in name -> the object it stands for
-    "agent.env": {"builtin:multiply": "nanoverl_async.multiply_task:MultiplyEnv",
-                  "builtin:chat": "nanoverl_async.env:Environment"},
-    "data.task": {"builtin:multiply": "nanoverl_async.multiply_task:make_prompt"},
+    "agent.env": {"builtin:multiply": "nanoverl_async.agents.multiply_task:MultiplyEnv",
+                  "builtin:chat": "nanoverl_async.agents.env:Environment"},
+    "data.task": {"builtin:multiply": "nanoverl_async.agents.multiply_task:make_prompt"},
 }
 
 

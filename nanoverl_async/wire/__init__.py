@@ -1,0 +1,1 @@
+"""What crosses the wire between roles: trajectories, versioned weights, and the keys that authenticate both."""
