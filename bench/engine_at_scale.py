@@ -93,23 +93,23 @@ def run_engine(engine: TransformersEngine, warm_up: list[list[int]], prompts: li
                device: str) -> dict:
     """tok/s, peak KV blocks, preemptions and prefix hits of one pass of `prompts`, after a pass of `warm_up`
     (other prompts of the same shape: the timed pass finds none of its blocks cached)."""
-    async def one_pass(batch: list[list[int]], tokens: int) -> int:
-        completions = await asyncio.gather(*(engine.generate(p, SamplingParams(tokens, 1.0)) for p in batch))
-        return sum(len(c.token_ids) for c in completions)
+    async def one_pass(batch: list[list[int]], tokens: int) -> list:
+        return await asyncio.gather(*(engine.generate(p, SamplingParams(tokens, 1.0)) for p in batch))
 
     asyncio.run(one_pass(warm_up, 4))
     engine.cache.pool.peak, preempted = engine.cache.pool.in_use(), engine.preemptions
-    reused, computed = engine.reused_tokens, engine.computed_tokens
     sync(device)
     started = time.perf_counter()
-    tokens = asyncio.run(one_pass(prompts, new_tokens))
+    completions = asyncio.run(one_pass(prompts, new_tokens))
     sync(device)
     wall = time.perf_counter() - started
+    tokens = sum(len(c.token_ids) for c in completions)
     assert tokens == len(prompts) * new_tokens
-    prefilled = engine.reused_tokens - reused + engine.computed_tokens - computed
+    # the per-request counts (engine.Completion), as the agent loop sums them for metrics.jsonl
+    prefilled = sum(c.prefill_tokens for c in completions)
     return {"tok/s": tokens / wall, "peak blocks": engine.cache.pool.peak,
             "preemptions": engine.preemptions - preempted,
-            "prefix hit": (engine.reused_tokens - reused) / max(1, prefilled)}
+            "prefix hit": sum(c.cached_tokens for c in completions) / max(1, prefilled)}
 
 
 def workload(requests: int, context: int, new_tokens: int, group: int, vocab: int, salt: int = 0) -> list[list[int]]:

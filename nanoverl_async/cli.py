@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                                                     "limits and generator counts from a traced run (run.trace)")
     simulate.add_argument("run_dir", metavar="RUN_DIR", help="a run.output_dir of a run launched with run.trace=true")
     simulate.add_argument("--staleness", default="0,1,2,4,8", help="staleness.max values, comma-separated")
-    simulate.add_argument("--generators", default="1,2,4", help="generator.replicas values, comma-separated")
+    simulate.add_argument("--generators", help="generator.replicas values, comma-separated (default: the run's)")
     simulate.add_argument("--cores", type=float, help="the run's machine's cores (default: this machine's)")
     simulate.add_argument("--seed", type=int, default=0, help="the simulation's seed")
     args = parser.parse_args(argv)

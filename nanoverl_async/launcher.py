@@ -64,7 +64,7 @@ def launch(cfg: Config, started: Optional[float] = None) -> Path:
     (output_dir / "config.yaml").write_text(to_yaml(cfg))
     start = checkpoint.read_meta(resume_from)["step"] if resume_from else 0
     if resume_from:
-        warn_config_changes(cfg, resume_from)
+        announce_resume(cfg, resume_from, started)
     if not ray.is_initialized():  # the CLI starts it while it imports this module (startup.py)
         phase(started, "starting Ray")
     started_ray = start_ray(cfg.ray)
@@ -80,7 +80,8 @@ def launch(cfg: Config, started: Optional[float] = None) -> Path:
         with checkpoint.writing("the run's files", output_dir):  # a full disk names itself
             train(cfg, roles, logger, start, trace, started)
         with checkpoint.writing("the final model", output_dir / checkpoint.FINAL), roles.failures("learner pool"):
-            checkpoint.publish_final(output_dir, lambda folder: roles.learners.save_pretrained(str(folder)))
+            final = checkpoint.publish_final(output_dir, lambda folder: roles.learners.save_pretrained(str(folder)))
+        print(logger.summary(final), file=sys.stderr, flush=True)  # steps, reward first -> last, where things are
     finally:
         if trace:
             trace.close()
@@ -142,11 +143,12 @@ def maybe_checkpoint(cfg: Config, roles: "Roles", version: int) -> None:
         checkpoint.commit(folder, checkpoint.make_meta(cfg, version, counters, written_on), cfg.run.keep_checkpoints)
 
 
-def warn_config_changes(cfg: Config, resume_from: Path) -> None:
-    """Resuming with other settings (say a new learning rate) is allowed, but never silent."""
+def announce_resume(cfg: Config, resume_from: Path, started: float) -> None:
+    """One line: the checkpoint resumed, and any other settings it resumes with (say a new learning rate:
+    allowed, but never silent)."""
     changed = checkpoint.changed_keys(checkpoint.read_meta(resume_from)["config"], checkpoint.trained_config(cfg))
-    if changed:
-        print(f"resuming from {resume_from} with changed config keys: {', '.join(changed)}", file=sys.stderr)
+    phase(started, f"resuming from {resume_from.name} ({resume_from})"
+          + (f" with changed config keys: {', '.join(changed)}" if changed else ""))
 
 
 def replay(run_dir: str) -> dict:

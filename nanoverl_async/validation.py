@@ -48,21 +48,18 @@ def get_key(cfg: Any, dotted: str) -> Any:
 
 @cache
 def algorithm_names() -> dict[str, tuple[str, ...]]:
-    """Table of algorithms/ ("ADVANTAGES", ...) -> its names, as its modules give them: each `@register(TABLE,
-    "name")`, and the strings of a dict's keys or a tuple assigned to TABLE (KL_ESTIMATORS, IS_LEVELS).
-    tests/test_imports.py checks they equal the imported tables."""
-    names: dict[str, list[str]] = {}
+    """Table of algorithms/ ("ADVANTAGES", ...) -> its names, as its modules give them: the string keys of a
+    dict, or the strings of a tuple, assigned to an upper-case name. tests/test_imports.py checks they equal
+    the imported tables."""
+    names: dict[str, tuple[str, ...]] = {}
     for path in sorted((Path(__file__).parent / "algorithms").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "register"
-                    and len(node.args) == 2 and isinstance(node.args[0], ast.Name)):
-                names.setdefault(node.args[0].id, []).append(ast.literal_eval(node.args[1]))
-            elif (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-                  and node.targets[0].id.isupper() and isinstance(node.value, (ast.Dict, ast.Tuple))):
+        for node in ast.parse(path.read_text()).body:
+            if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                    and node.targets[0].id.isupper() and isinstance(node.value, (ast.Dict, ast.Tuple))):
                 items = node.value.keys if isinstance(node.value, ast.Dict) else node.value.elts
                 if items and all(isinstance(item, ast.Constant) and isinstance(item.value, str) for item in items):
-                    names.setdefault(node.targets[0].id, []).extend(item.value for item in items)
-    return {table: tuple(found) for table, found in names.items()}
+                    names[node.targets[0].id] = tuple(item.value for item in items)
+    return names
 
 
 def choices() -> dict[str, Any]:
@@ -98,10 +95,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'algorithm.clip.low': must be < 1, got {cfg.algorithm.clip.low}")
     if len(cfg.learner.betas) != 2 or not all(0 <= b < 1 for b in cfg.learner.betas):
         raise ConfigError(f"config key 'learner.betas': must be two numbers in [0, 1), got {cfg.learner.betas}")
-    samples = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
-    if samples % cfg.learner.world_size:
-        raise ConfigError(f"config key 'learner.world_size': {cfg.learner.world_size} does not divide the "
-                          f"{samples} samples per step (data.prompts_per_step x data.samples_per_prompt)")
     for key in (f.name for f in dataclasses.fields(cfg.ray) if f.name.endswith("_resource")):
         if getattr(cfg.ray, key) and not cfg.ray.address:
             raise ConfigError(f"config key 'ray.{key}': places roles on a cluster's nodes, so it needs ray.address "
@@ -135,26 +128,27 @@ def _check_run(cfg: Config) -> None:
     if cfg.run.eval_every and not cfg.data.val_files:
         raise ConfigError("config key 'run.eval_every': needs data.val_files (the evaluation prompts)")
     # Asynchronous batches depend on how fast each role runs, and so does which replica samples a group.
-    timing_free = {"staleness.max": (cfg.staleness.max, 0), "generator.replicas": (cfg.generator.replicas, 1),
-                   "generator.engine": (cfg.generator.engine, "transformers")}
-    for key, (value, needed) in timing_free.items():
-        if cfg.run.deterministic and value != needed:
-            raise ConfigError(f"config key 'run.deterministic': needs {key}={needed} (got {value}); for an "
-                              f"asynchronous run, run.record=true and `nanoverl-async replay` reproduce the learner")
+    for key, needed in {"staleness.max": 0, "generator.replicas": 1, "generator.engine": "transformers"}.items():
+        if cfg.run.deterministic and get_key(cfg, key) != needed:
+            raise ConfigError(f"config key 'run.deterministic': needs {key}={needed} (got {get_key(cfg, key)}); "
+                              f"for an asynchronous run, run.record=true and `nanoverl-async replay` reproduce the "
+                              f"learner")
 
 
 POSITIVE = ("run.total_steps", "data.prompts_per_step", "data.samples_per_prompt", "agent.max_turns",
             "agent.max_new_tokens", "agent.max_total_tokens", "agent.tool_timeout_s", "agent.max_tool_calls",
-            "generator.replicas", "generator.max_groups_in_flight", "generator.torch_threads", "generator.kv_block_size",
-            "learner.world_size",
-            "learner.torch_threads", "run.step_timeout_s", "weight_sync.timeout_s", "buffer.lease_timeout_s",
-            "generator.temperature", "learner.lr", "algorithm.is_cap", "generator.sglang.servers",
+            "generator.replicas", "generator.max_groups_in_flight", "generator.torch_threads",
+            "generator.kv_block_size", "learner.world_size", "learner.torch_threads", "learner.ppo_epochs",
+            "learner.minibatches", "learner.lr", "critic.lr", "run.step_timeout_s", "weight_sync.timeout_s",
+            "buffer.lease_timeout_s", "generator.temperature", "algorithm.is_cap", "generator.sglang.servers",
             "generator.sglang.tp_size", "generator.sglang.mem_fraction_static", "generator.sglang.launch_timeout_s",
             "generator.sglang.request_timeout_s", "generator.sglang.control_timeout_s")
 NON_NEGATIVE = ("staleness.max", "run.seed", "run.eval_every", "run.save_every", "run.keep_checkpoints",
                 "run.log_samples", "run.print_sample_every", "learner.weight_decay", "learner.grad_clip",
-                "learner.logits_chunk_tokens", "algorithm.clip.low", "algorithm.clip.high", "ray.num_cpus",
-                "generator.kv_cache_memory")
+                "learner.logits_chunk_tokens", "learner.micro_batch_tokens", "algorithm.clip.low",
+                "algorithm.clip.high", "algorithm.entropy_coef", "algorithm.is_low", "algorithm.overlong.buffer",
+                "algorithm.overlong.penalty", "kl.loss_coef", "kl.reward_coef", "critic.weight_decay",
+                "critic.grad_clip", "critic.value_clip", "ray.num_cpus", "generator.kv_cache_memory")
 
 
 def _check_numbers(cfg: Config) -> None:
@@ -171,30 +165,22 @@ def _check_numbers(cfg: Config) -> None:
     if cfg.run.seed > MAX_SEED:
         raise ConfigError(f"config key 'run.seed': must be at most {MAX_SEED} (numpy seeds are 32-bit), "
                           f"got {cfg.run.seed}")
+    for key in ("algorithm.gamma", "algorithm.lam"):
+        if not 0 <= get_key(cfg, key) <= 1:
+            raise ConfigError(f"config key '{key}': must be in [0, 1], got {get_key(cfg, key)}")
     if cfg.buffer.lease_timeout_s < MIN_LEASE_TIMEOUT_S:
         raise ConfigError(f"config key 'buffer.lease_timeout_s': must be >= {MIN_LEASE_TIMEOUT_S} s (a lease must "
                           f"outlive an episode, or every group expires), got {cfg.buffer.lease_timeout_s}")
 
 
-INF = float("inf")
-
-
 def validate_algorithm(cfg: Config) -> None:
     """Algorithm, KL and update-schedule values, and the combinations that cannot work together."""
     algo, kl, learner = cfg.algorithm, cfg.kl, cfg.learner
-    ranges = {"learner.ppo_epochs": (1, INF), "learner.minibatches": (1, INF), "algorithm.gamma": (0, 1),
-              "algorithm.lam": (0, 1), "critic.lr": (1e-12, INF)}
-    ranges.update({key: (0, INF) for key in (
-        "learner.micro_batch_tokens", "algorithm.entropy_coef", "algorithm.is_low", "kl.loss_coef", "kl.reward_coef",
-        "algorithm.overlong.buffer", "algorithm.overlong.penalty", "critic.weight_decay", "critic.grad_clip",
-        "critic.value_clip")})
-    for key, (low, high) in ranges.items():
-        if not low <= get_key(cfg, key) <= high:
-            raise ConfigError(f"config key '{key}': must be in [{low}, {high}], got {get_key(cfg, key)}")
-    samples = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
+    samples = cfg.data.prompts_per_step * cfg.data.samples_per_prompt  # data.prompts_per_step x samples_per_prompt
     if samples % (learner.minibatches * learner.world_size):
-        raise ConfigError(f"config key 'learner.minibatches': {learner.minibatches} minibatches x "
-                          f"{learner.world_size} ranks do not divide the {samples} samples per step evenly")
+        key = "learner.world_size" if samples % learner.world_size else "learner.minibatches"
+        raise ConfigError(f"config key '{key}': {learner.minibatches} minibatches x {learner.world_size} ranks do "
+                          f"not divide the {samples} samples per step evenly")
     if algo.clip.ratio_c != 0 and algo.clip.ratio_c <= 1:
         raise ConfigError(f"config key 'algorithm.clip.ratio_c': must be 0 (off) or > 1, got {algo.clip.ratio_c}")
     if algo.is_low >= algo.is_cap:

@@ -55,6 +55,14 @@ def test_a_run_with_every_observation_key_on(observed_run):
     elapsed = [float(console.split(line)[0].rsplit("[", 1)[1].split(" s")[0]) for line in phases]
     assert elapsed == sorted(elapsed) and elapsed[-1] < rows[0]["time/startup_s"]
     assert all("time/startup_s" not in row for row in rows[1:])  # the first trained step's only
+    assert "resuming from" not in console  # a fresh run
+    seconds = sum(row["time/step_s"] for row in rows)  # the summary: from these rows, reward first -> last step
+    out = observed_run.resolve()
+    assert "\n".join([
+        f"done: 4 steps in {seconds:.0f} s, {16 * steps / seconds:.1f} samples/s; reward {rows[0]['reward/mean']:.3f} "
+        f"-> {rows[-1]['reward/mean']:.3f} (mean of the first and the last 1 step(s))", f"  final model: {out}/final",
+        f"  samples:     {out}/samples.jsonl (3 episodes a step)",
+        f"  metrics:     {out}/metrics.jsonl; plot them: nanoverl-async plot {out}"]) + "\n" in console, console[-2000:]
 
 
 def test_cli_runs_two_ranks_two_generators_synchronously_with_drain(ray_session, tmp_path):
@@ -118,8 +126,11 @@ def test_cli_saves_and_resumes_the_whole_async_state(ray_session, tmp_path, caps
     continues at version 4, and no prompt is trained on twice across the two runs."""
     common = ("run.save_every=2", "staleness.max=1", "data.prompts_per_step=4", "data.samples_per_prompt=4")
     assert launch_in_process(tmp_path, "run.total_steps=4", *common) == 0
+    assert "resuming from" not in capsys.readouterr().err
     shutil.rmtree(tmp_path / "final")  # as if it had crashed after its last checkpoint, before final/
     assert launch_in_process(tmp_path, "run.total_steps=4", "run.resume=auto", *common) == 0
+    resumed = [line for line in capsys.readouterr().err.splitlines() if "resuming from" in line]
+    assert len(resumed) == 1 and resumed[0].endswith(f"] resuming from step_4 ({tmp_path.resolve()}/checkpoints/step_4)")
     assert (tmp_path / "final" / "config.json").is_file()
     capsys.readouterr()  # only the next launch's stderr below
     again = launch_in_process(tmp_path, "run.total_steps=6", *common)  # a fresh launch must not reuse the directory

@@ -211,7 +211,7 @@ def test_one_bfloat16_rank_accumulates_fsdp2_micro_batches_like_a_float32_pass(m
 
 def bfloat16_rank_matches_a_float32_pass(model_dir, device: str) -> None:
     """model.dtype=bfloat16 on one rank is the FSDP2 path a lone GPU learner runs (mixed precision; gradients
-    kept unsharded across micro-batches until the last, `_accumulating`): over one micro-batch per sequence,
+    kept unsharded across micro-batches until the last, `LearnerRank._train`): over one micro-batch per sequence,
     its first step's gradient (AdamW's first moment / (1 - beta1)) and loss equal a float32 pass over the
     whole batch on the CPU up to bfloat16 rounding (0.7% on the CPU; a dropped micro-batch: 79%). The
     published weights are the held ones in bfloat16."""

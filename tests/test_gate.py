@@ -19,7 +19,7 @@ def test_admission_rule_caps_groups_started_by_version():
     assert [l.sample["index"] for l in leases] == [0, 1, 2, 3]
     assert gate.lease(0, 1, 0.0) == [] and gate.capacity(0) == 0
     assert len(gate.lease(1, 10, 0.0)) == 2  # version 1 opens B more slots
-    assert gate.groups_started == 6 and gate.in_flight == 6
+    assert gate.groups_started == 6 and gate.in_flight() == 6
     assert len(gate.lease(3, 1, 0.0)) == 1  # max_groups is respected
     assert gate.counters["leased"] == 7
 
@@ -71,7 +71,7 @@ def test_expire_frees_incomplete_leases_only():
     assert gate.expire(9.9) == []
     assert gate.expire(10.0) == [a.group_id, c.group_id]
     assert gate.counters["expired"] == 2 and gate.counters["reissued"] == 2
-    assert gate.groups_started == 1 and gate.in_flight == 0
+    assert gate.groups_started == 1 and gate.in_flight() == 0
     assert gate.frontier()["reissue"] == [a.prompt_index, c.prompt_index]
     again = gate.lease(0, 3, now=20.0)
     assert [l.prompt_index for l in again] == [a.prompt_index, c.prompt_index]

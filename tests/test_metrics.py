@@ -6,7 +6,8 @@ import numpy as np
 
 from nanoverl_async.buffer.replay import Group
 from nanoverl_async.buffer.service import Batch, batch_stats
-from nanoverl_async.observe.metrics import BUFFER_STAT_KEYS, MetricsLogger, reward_info_means, step_metrics
+from nanoverl_async.observe.metrics import (BUFFER_STAT_KEYS, MetricsLogger, reward_info_means, run_summary,
+                                           step_metrics)
 from nanoverl_async.wire.trajectory import Trajectory
 
 
@@ -117,3 +118,43 @@ def test_samples_jsonl_holds_episodes_with_tool_calls_and_reward_parts(tmp_path,
     resumed.close()
     steps = [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert steps == [2, 2, 3, 3]
+
+
+def summary_row(step: int, reward: float) -> dict:
+    """A metrics.jsonl row with what the summary reads (and the logger's warnings check): 8 samples a 0.5 s step."""
+    return {"step": step, "reward/mean": reward, "reward/std": 0.5, "time/step_s": 0.5,
+            "samples/trained": 8 * (step + 1), "batch/tied_groups_frac": 0.0, "episodes/tool_calls": 0,
+            "episodes/tool_errors": 0, "episodes/ground_truth_missing": 0}
+
+
+def test_the_run_summary_averages_the_first_and_last_steps_rewards(tmp_path):
+    """Steps, reward/mean over a third of the run at each end (at least 1 step, at most 5), samples trained per
+    second of step time, and where the model, samples and metrics are; the window's boundaries exactly."""
+    rows = [summary_row(step, step / 10) for step in range(18)]
+    assert run_summary(rows[:2], tmp_path, tmp_path / "final", log_samples=0).splitlines() == [
+        "done: 2 steps in 1 s, 16.0 samples/s; reward 0.000 -> 0.100 (mean of the first and the last 1 step(s))",
+        f"  final model: {tmp_path}/final",
+        "  samples:     not kept (run.log_samples=N keeps N episodes a step)",
+        f"  metrics:     {tmp_path}/metrics.jsonl; plot them: nanoverl-async plot {tmp_path}"]
+    for n, window, first, last in ((5, 1, 0.0, 0.4), (6, 2, 0.05, 0.45), (15, 5, 0.2, 1.2), (18, 5, 0.2, 1.5)):
+        lines = run_summary(rows[:n], tmp_path, tmp_path / "final", log_samples=3).splitlines()
+        assert lines[0] == (f"done: {n} steps in {n / 2:.0f} s, 16.0 samples/s; reward {first:.3f} -> {last:.3f} "
+                            f"(mean of the first and the last {window} step(s))")
+        assert lines[2] == f"  samples:     {tmp_path}/samples.jsonl (3 episodes a step)"
+
+
+def test_the_logger_summarises_a_resumed_runs_earlier_steps_too(tmp_path):
+    """MetricsLogger.summary reads metrics.jsonl: a run resumed at step 2 counts the earlier run's steps 0-1,
+    not the row of step 2 that the earlier run logged after its checkpoint."""
+    logger = MetricsLogger(tmp_path, total_steps=4, progress=False)
+    for step, reward in ((0, 0.0), (1, 0.0), (2, 0.9)):
+        logger.log(summary_row(step, reward))
+    logger.close()
+    resumed = MetricsLogger(tmp_path, total_steps=4, progress=False, start_step=2)
+    for step in (2, 3):
+        resumed.log(summary_row(step, 1.0))
+    summary = resumed.summary(tmp_path / "final")
+    resumed.close()
+    assert summary.splitlines()[:2] == [
+        "done: 4 steps in 2 s, 16.0 samples/s; reward 0.000 -> 1.000 (mean of the first and the last 1 step(s))",
+        f"  final model: {tmp_path.resolve()}/final"]

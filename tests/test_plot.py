@@ -32,10 +32,11 @@ def write_run(path, rows, config=None):
 def test_series_gives_each_panel_one_value_per_step():
     rows = [row(0), row(1), {"step": 2, "reward/mean": 0.5, "time/step_s": 1.0}]  # an older row: no split
     s = series(rows)
-    assert s.step.tolist() == [0, 1, 2] and s.reward.tolist() == [0.0, 0.1, 0.5]
+    assert s.step.tolist() == [0, 1, 2] and s.curves["reward/mean"].tolist() == [0.0, 0.1, 0.5]
     assert s.wall_s.tolist() == [2.0, 4.0, 5.0]  # the running sum of time/step_s
     assert s.time_split["time/train_s"][:2].tolist() == [1.0, 1.0] and np.isnan(s.time_split["time/train_s"][2])
-    assert s.tokens_per_s[:2].tolist() == [0.0, 100.0] and np.isnan(s.gated_frac[2])
+    assert s.curves["tokens/generated_per_s"][:2].tolist() == [0.0, 100.0]
+    assert np.isnan(s.curves["generators/gated_frac"][2]) and np.isnan(s.curves["episodes/tool_use_frac"]).all()
 
 
 def test_staleness_shares_are_per_step_fractions_up_to_the_limit_or_the_largest_lag():
@@ -102,11 +103,15 @@ def test_the_figure_of_two_real_runs_has_every_panel(two_runs):
     first, second = two_runs
     rows = read_metrics(first)
     labels = ["algorithm.correction=decoupled, staleness.max=1", "algorithm.correction=none, staleness.max=4"]
-    axes = {ax.get_title(): ax for ax in draw([read_run(first), read_run(second)]).axes if ax.get_title()}
+    figure = draw([read_run(first), read_run(second)])
+    axes = {ax.get_title(): ax for ax in figure.axes if ax.get_title()}
     assert set(axes) == {"reward vs step", "reward vs wall clock", "generators gated", "generated tokens/s",
+                         "tool use: share of episodes with a tool call", "tool errors: failed calls / calls",
                          *(f"{panel}: {label}" for label in labels for panel in ("staleness", "step time"))}
     reward = axes["reward vs step"]
-    assert [text.get_text() for text in reward.get_legend().get_texts()] == labels
+    assert [text.get_text() for text in figure.legends[0].get_texts()] == labels  # one legend for the figure
+    tool_use = axes["tool use: share of episodes with a tool call"].get_lines()[0].get_ydata()
+    assert tool_use.tolist() == [r["episodes/tool_use_frac"] for r in rows]
     for line in reward.get_lines():  # one point per step, for each run
         assert line.get_xdata().tolist() == list(range(4))
         assert line.get_ydata().tolist() == [r["reward/mean"] for r in rows]

@@ -52,7 +52,7 @@ def test_groups_complete_at_group_size_and_come_out_oldest_first():
     groups, dropped = replay.take(step=2, batch_groups=2, staleness=2)
     assert dropped == [] and [g.group_id for g in groups] == [2, 1]
     assert [t.sample_index for t in groups[0].trajectories] == [0, 1]
-    assert replay.num_ready == 1 and not replay.open_groups
+    assert len(replay.ready) == 1 and not replay.open_groups
 
 
 def test_stragglers_duplicates_and_mismatches_are_dropped_and_counted():
@@ -65,8 +65,8 @@ def test_stragglers_duplicates_and_mismatches_are_dropped_and_counted():
     assert replay.add(make_trajectory(6, 60, 0, [0])) == STRAGGLER  # never leased
     replay.close(5)  # the lease expired: the partial group is forgotten
     assert replay.add(make_trajectory(5, 50, 1, [0])) == STRAGGLER
-    assert replay.counters == {"stragglers": 2, "duplicates": 1, "mismatched": 2, "dropped_stale": 0, "filtered": 0}
-    assert not replay.open_groups and replay.num_ready == 0
+    assert replay.counters == {"dropped_stragglers": 2, "dropped_duplicates": 1, "dropped_mismatched": 2, "dropped_stale": 0, "dropped_filtered": 0}
+    assert not replay.open_groups and len(replay.ready) == 0
 
 
 def test_group_without_sampled_tokens_takes_the_lease_version():
@@ -87,7 +87,7 @@ def test_group_filter_drops_tied_groups_and_gives_their_slot_back_without_reissu
                     for i, reward in enumerate(rewards)]
         assert outcomes == [ADDED, FILTERED if lease is tied else COMPLETED]
     gate.release(tied.group_id, reissue=False)  # what BufferService does with FILTERED
-    assert replay.counters["filtered"] == 1 and replay.num_ready == 1
+    assert replay.counters["dropped_filtered"] == 1 and len(replay.ready) == 1
     assert gate.groups_started == 1 and gate.frontier()["reissue"] == []  # slot back, prompt consumed
     assert replay.add(make_trajectory(tied.group_id, tied.prompt_index, 0, [1])) == STRAGGLER
     groups, _ = replay.take(step=1, batch_groups=B, staleness=0)

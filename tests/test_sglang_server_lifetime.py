@@ -1,15 +1,15 @@
 """An SGLang server process never outlives the process that launched it (generators/sglang_server.py).
 
 Fast tier (a stand-in server: a Python sleeper that spawns a grandchild, so process-group handling shows):
-the launcher process is SIGKILLed and the server, its grandchild and the watchdog are gone within seconds;
-a server launched from a short-lived thread survives that thread's exit (the reason for the watchdog
-rather than PR_SET_PDEATHSIG), `stop` takes down its whole process group and the watchdog, and a restart
-after the server was killed clears what it left behind. Slow tier:
+the launcher process is SIGKILLed and the server, its grandchild and its watcher (runtime/reaper.py) are gone
+within seconds; a server launched from a short-lived thread survives that thread's exit (the reason for the
+watcher rather than PR_SET_PDEATHSIG), `stop` takes down its whole process group and the watcher, and a
+restart after the server was killed clears what it left behind. Slow tier:
 the fake SGLang server (tests/fake_sglang_server.py), healthy, dies with its SIGKILLed launcher, and a Ray
 actor that launched one from a worker thread takes it down when `ray.kill`ed.
 
 Every process of one test carries a unique token in its command line (the `--model-path`), so the test
-finds them all in /proc: the server, its children, and the watchdog (a fork of the exec trampoline).
+finds them all in /proc: the server and its children; the watcher's command line names the server's group.
 Run alone: `python -m pytest tests/test_sglang_server_lifetime.py -q`.
 """
 
@@ -54,6 +54,16 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def running(pid: int) -> bool:
     """Whether `pid` exists and is not a zombie (an unreaped dead process)."""
     try:
@@ -77,10 +87,28 @@ def carrying(token: str) -> list[int]:
     return pids
 
 
-def wait_until(condition, timeout_s: float, what: str) -> None:
+def watcher(group: int) -> list[int]:
+    """Live pids of the watcher of process group `group` (python -m nanoverl_async.runtime.reaper PID GROUP)."""
+    return [pid for pid in carrying(f"\0{group}\0") if pid in carrying("nanoverl_async.runtime.reaper\0")]
+
+
+def described(pids: list[int]) -> list[str]:
+    """Each pid with its state and command line, for a failure's message."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                command = cmdline.read().replace(b"\0", b" ")[:120].decode()
+            out.append(f"{pid} {command}")
+        except OSError:
+            out.append(f"{pid} (gone)")
+    return out
+
+
+def wait_until(condition, timeout_s: float, what) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what() if callable(what) else what}"
         time.sleep(0.05)
 
 
@@ -98,7 +126,7 @@ def run_launcher(token: str, port: int, command: list[str], start: bool) -> tupl
                 return launcher, int(line.split()[1])
         raise AssertionError(f"the launcher exited with code {launcher.wait()} before reporting the server pid")
     except BaseException:
-        launcher.kill()  # its watchdog then takes the server down
+        launcher.kill()  # its watcher then takes the server down
         launcher.stdout.close()
         raise
 
@@ -115,13 +143,15 @@ def test_server_and_its_group_die_with_a_sigkilled_launcher(tmp_path):
     token = str(tmp_path / f"model-{uuid.uuid4().hex}")
     launcher, server_pid = run_launcher(token, free_port(), standin_command(), start=False)
     try:
-        # server + grandchild + watchdog (the launcher's own argv carries the token too)
-        wait_until(lambda: len(set(carrying(token)) - {launcher.pid}) >= 3, 20, "server, grandchild, watchdog up")
+        # server + grandchild (the launcher's own argv carries the token too) + watcher
+        wait_until(lambda: len(set(carrying(token)) - {launcher.pid}) >= 2 and watcher(server_pid), 20,
+                   "server, grandchild, watcher up")
         assert running(server_pid) and os.getpgid(server_pid) == server_pid  # leads its own group
         launcher.kill()  # SIGKILL: no atexit, no close()
         launcher.wait(10)
         wait_until(lambda: not running(server_pid), 5, "the server dies with its launcher")
-        wait_until(lambda: not carrying(token), 5, f"nothing of it left: {carrying(token)}")
+        wait_until(lambda: not carrying(token) and not watcher(server_pid), 5,
+                   f"nothing of it left: {carrying(token)}, watcher {watcher(server_pid)}")
     finally:
         launcher.kill()
         launcher.stdout.close()
@@ -136,11 +166,12 @@ def test_server_launched_from_a_short_lived_thread_outlives_the_thread(tmp_path)
         thread.start()
         thread.join()
         pid = server.process.pid
-        wait_until(lambda: len(carrying(token)) >= 3, 20, "server, grandchild, watchdog up")
-        time.sleep(1.5)  # well past the watchdog's poll period (and any thread-death signal)
-        assert server.alive() and running(pid) and len(carrying(token)) >= 3
+        wait_until(lambda: len(carrying(token)) >= 2 and watcher(pid), 20, "server, grandchild, watcher up")
+        time.sleep(1.5)  # well past the watcher's poll period (and any thread-death signal)
+        assert server.alive() and running(pid) and len(carrying(token)) >= 2 and watcher(pid)
         server.stop(timeout_s=10)
         assert server.process is None and not running(pid)
+        wait_until(lambda: not watcher(pid), 5, "the released watcher leaves")
         wait_until(lambda: not carrying(token), 5, f"stop leaves nothing: {carrying(token)}")
     finally:
         server.close()
@@ -152,17 +183,20 @@ def test_restart_after_the_server_was_killed_clears_its_whole_group(tmp_path):
     server = SGLangServer(token, free_port(), SGLangConfig(), command=standin_command())
     try:
         server.launch()
-        wait_until(lambda: len(carrying(token)) >= 3, 20, "server, grandchild, watchdog up")
-        old = set(carrying(token))
+        first = server.process.pid
+        wait_until(lambda: len(carrying(token)) >= 2 and watcher(first), 20, "server, grandchild, watcher up")
+        old = set(carrying(token) + watcher(first))
         server.process.kill()  # the server dies, its child lives on (as a crashed sglang's scheduler might)
         wait_until(lambda: not server.alive(), 5, "the server is dead")
-        assert len(set(carrying(token)) & old) == 2  # the orphaned grandchild and the watchdog
+        assert len(set(carrying(token) + watcher(first)) & old) == 2  # the orphaned grandchild and the watcher
         server.start = server.launch  # restart without waiting for /health (the stand-in serves none)
         thread = threading.Thread(target=server.restart, args=(token,))
         thread.start()
         thread.join()
-        wait_until(lambda: not set(carrying(token)) & old, 5, f"the old group and watchdog are gone: {old}")
-        wait_until(lambda: len(carrying(token)) >= 3, 20, "the new server, grandchild, watchdog up")
+        wait_until(lambda: not set(carrying(token) + watcher(first)) & old, 5,
+                   f"the old group and watcher are gone: {old}")
+        wait_until(lambda: len(carrying(token)) >= 2 and watcher(server.process.pid), 20,
+                   "the new server, grandchild, watcher up")
         assert server.restarts == 1 and server.alive()
     finally:
         server.close()
@@ -197,9 +231,9 @@ def test_healthy_fake_server_dies_with_a_sigkilled_launcher(model_dir):
         launcher.wait(10)
         wait_until(lambda: not running(server_pid), 5, "the fake server dies with its launcher")
         wait_until(lambda: not carrying(model_dir), 5, f"nothing of it left: {carrying(model_dir)}")
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind(("127.0.0.1", port))  # the port is free again
+        # the port is free again (its listening socket closes as the last of the server's threads exits,
+        # a moment after the process shows as dead)
+        wait_until(lambda: port_free(port), 5, f"port {port} free again")
     finally:
         launcher.kill()
         launcher.stdout.close()
@@ -226,12 +260,13 @@ def test_server_dies_with_its_ray_killed_actor(ray_session, tmp_path):
     actor = Launcher.remote()
     try:
         server_pid = ray.get(actor.launch.remote(token, free_port(), standin_command()), timeout=120)
-        wait_until(lambda: len(carrying(token)) >= 3, 20, "server, grandchild, watchdog up")
+        wait_until(lambda: len(carrying(token)) >= 2 and watcher(server_pid), 20, "server, grandchild, watcher up")
         time.sleep(1.0)
         assert running(server_pid)  # the pool thread is gone by now: the server is not
         ray.kill(actor)
         wait_until(lambda: not running(server_pid), 15, "the server dies with its actor")
-        wait_until(lambda: not carrying(token), 5, f"nothing of it left: {carrying(token)}")
+        wait_until(lambda: not carrying(token) and not watcher(server_pid), 5,
+                   lambda: f"nothing of it left: {described(carrying(token) + watcher(server_pid))}")
     finally:
         ray.kill(actor)
         kill_leftovers(token)

@@ -1,6 +1,7 @@
 """Tools (schema from signature and docstring, argument checks, timeouts, errors) and call parsers."""
 
 import asyncio
+import time
 from typing import Literal, Optional
 
 import pytest
@@ -106,13 +107,15 @@ def test_argument_checks(arguments, problem):
 
 def test_call_results_and_errors():
     ok = run(call_tool(as_tool(search), {"query": "a"}))
-    assert (ok.text, ok.error) == ("a:5:fast:None:1.0", False) and ok.latency_s >= 0
+    assert (ok.text, ok.error) == ("a:5:fast:None:1.0", False)
     bad = run(call_tool(as_tool(search), {"query": 1}))
     assert bad.error and bad.text.startswith("error: argument 'query'")
     raised = run(call_tool(as_tool(boom), {"x": 1}))
     assert (raised.text, raised.error) == ("error: kaput", True)
+    started = time.perf_counter()
     timed_out = run(call_tool(as_tool(slow), {"seconds": 5}, timeout_s=0.05))
-    assert (timed_out.text, timed_out.error) == ("error: timeout after 0.05s", True) and timed_out.latency_s < 1
+    assert (timed_out.text, timed_out.error) == ("error: timeout after 0.05s", True)
+    assert time.perf_counter() - started < 1
     own_limit = run(call_tool(as_tool(slow, timeout_s=0.02), {"seconds": 5}, timeout_s=10))
     assert own_limit.text == "error: timeout after 0.02s"
     assert run(call_tool(as_tool(search), {"query": "x" * 100}, max_chars=10)).text == "x" * 10

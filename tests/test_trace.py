@@ -15,7 +15,7 @@ from nanoverl_async.agents import multiply_task
 from nanoverl_async.buffer.service import BufferService
 from nanoverl_async.config import AgentConfig, BufferConfig, GeneratorConfig
 from nanoverl_async.agents.agent_loop import run_episode
-from nanoverl_async.observe.trace import (Lanes, PipelineTrace, Span, SpanLog, TracedRole, TraceFile, estimate_offset,
+from nanoverl_async.observe.trace import (Lanes, PipelineTrace, Span, SpanLog, TracedRole, estimate_offset,
                                   sequential)
 from nanoverl_async.wire.trajectory import decode, encode
 from test_agent_loop import ScriptedEngine
@@ -137,10 +137,8 @@ def test_events_land_on_the_controller_clock_and_the_file_parses_whole_or_cut_sh
 
 
 def test_a_resumed_run_keeps_the_earlier_trace(tmp_path):
-    for resume_step in (0, 4, 4):
-        file = TraceFile(tmp_path / "trace.json")
-        file.write([{"name": f"run from {resume_step}", "ph": "i", "pid": 1, "ts": 0}])
-        file.close()
+    PipelineTrace(tmp_path, []).close()  # the first run's trace
+    for resume_step in (0, 4, 4):  # each resumed run moves the one before aside
         PipelineTrace(tmp_path, [], resume_step=resume_step).close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trace-until-step-0.json", "trace-until-step-4-2.json",
                                                           "trace-until-step-4.json", "trace.json"]

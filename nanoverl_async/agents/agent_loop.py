@@ -78,10 +78,6 @@ class _Tokens:
             self.cache[key] += getattr(completion, key)
 
 
-def _ids(rendered: Any) -> list[int]:
-    return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
-
-
 def render_delta(tokenizer, history: list[dict], new: list[dict], tools: Optional[list], stop_text: str
                  ) -> tuple[list[int], bool]:
     """Ids that `new` adds after `history` (whose last turn ended with `stop_text`) -> (ids, fallback)."""
@@ -128,7 +124,7 @@ class Episode:
         """Render the prompt (mask 0)."""
         self.messages = [dict(m) for m in messages]
         rendered = self.tokenizer.apply_chat_template(self.messages, tools=self.schemas, add_generation_prompt=True)
-        self.record.add_forced(_ids(rendered))
+        self.record.add_forced(list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered))
         if len(self.record.ids) >= self.agent.max_total_tokens:
             raise ValueError(f"the prompt has {len(self.record.ids)} tokens, no room under "
                              f"agent.max_total_tokens={self.agent.max_total_tokens}")
@@ -208,7 +204,6 @@ class Episode:
 
 async def drive(episode: Episode, env: Any, sample: dict) -> tuple[float, dict]:
     """The reset/step loop of module docstring steps 2-4 -> (reward, reward info)."""
-    hook, step_fn = user_hook(env, "step")
     while True:
         message = await episode.generate()
         if message is None:
@@ -222,20 +217,26 @@ async def drive(episode: Episode, env: Any, sample: dict) -> tuple[float, dict]:
             if not episode.observe(await episode.run_tools(calls)):
                 return 0.0, {}
             continue
-        step = await call_user(hook, step_fn, sample, message)
-        if not isinstance(step, Step) or not is_reward(step.reward):  # Step checks it, unless set afterwards
-            raise UserCodeError(f"{hook}{defined_at(step_fn)} returned {type(step).__name__} {step!r:.60}; "
-                                f"return a nanoverl_async.agents.env.Step with a finite reward (e.g. Step(reward=1.0))")
+        step = await call_hook(env, "step", sample, message,  # Step checks its reward, unless set afterwards
+                               valid=lambda value: isinstance(value, Step) and is_reward(value.reward),
+                               expected="return a nanoverl_async.agents.env.Step with a finite reward (e.g. "
+                                        "Step(reward=1.0))")
         if step.done or not step.messages or not episode.observe(list(step.messages)):
             return float(step.reward), dict(step.info)
 
 
-def user_hook(env: Any, method: str) -> tuple[str, Callable]:
-    """An environment's method as errors name it -> ('agent.env Calc.step()', the method); a FunctionEnv's
-    rollout is the user's function it wraps."""
+async def call_hook(env: Any, method: str, *args, valid: Callable[[Any], bool] = lambda _: True,
+                    expected: str = "") -> Any:
+    """`env.method(*args)` -> what it returned; a UserCodeError naming the hook as 'agent.env Calc.step()' (a
+    FunctionEnv's rollout: the user's function it wraps) if it raised, or returned what `valid` refuses."""
     if isinstance(env, FunctionEnv):
-        return f"agent.env {getattr(env.function, '__name__', 'rollout')}()", env.function
-    return f"agent.env {type(env).__name__}.{method}()", getattr(env, method)
+        hook, function = f"agent.env {getattr(env.function, '__name__', 'rollout')}()", env.function
+    else:
+        hook, function = f"agent.env {type(env).__name__}.{method}()", getattr(env, method)
+    value = await call_user(hook, function, *args)
+    if not valid(value):
+        raise UserCodeError(f"{hook}{defined_at(function)} returned {type(value).__name__} {value!r:.60}; {expected}")
+    return value
 
 
 async def run_episode(engine: Engine, tokenizer, sample: dict, env: Any, agent: AgentConfig, temperature: float,
@@ -251,14 +252,10 @@ async def run_episode(engine: Engine, tokenizer, sample: dict, env: Any, agent: 
     trajectory_id = trajectory_id or f"{generator_id}-{group_id}-{sample_index}"
     episode = Episode(engine, tokenizer, agent, temperature, env, episode_id=trajectory_id)
     if hasattr(env, "rollout"):
-        hook, rollout = user_hook(env, "rollout")
-        reward, info = await call_user(hook, rollout, episode, sample), {}
-        if not is_reward(reward):
-            raise UserCodeError(f"{hook}{defined_at(rollout)} returned {type(reward).__name__} {reward!r:.40}; "
-                                f"return the episode's reward as a finite number")
-        reward = float(reward)
+        reward, info = float(await call_hook(env, "rollout", episode, sample, valid=is_reward,
+                                             expected="return the episode's reward as a finite number")), {}
     else:
-        episode.start(await call_user(*user_hook(env, "reset"), sample))
+        episode.start(await call_hook(env, "reset", sample))
         reward, info = await drive(episode, env, sample)
     record, ended, origin = episode.record, time.perf_counter(), episode.wall_origin
     return Trajectory(

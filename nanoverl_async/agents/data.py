@@ -94,26 +94,19 @@ def load_samples(files: list[str]) -> list[dict]:
 class DatasetPrompts:
     """prompt_fn(index) over verl-format files, shuffled per epoch (see the module invariants)."""
 
-    def __init__(self, files: list[str], seed: int, shuffle: bool = True):
-        self.files, self.seed, self.shuffle = [str(Path(f).resolve()) for f in files], seed, shuffle
+    def __init__(self, files: list[str], seed: int):
+        self.files, self.seed = [str(Path(f).resolve()) for f in files], seed
         self._samples: Optional[list[dict]] = None
         self._orders: dict[int, list[int]] = {}
 
-    def __len__(self) -> int:
-        return len(self._load())
-
-    def _load(self) -> list[dict]:
+    def __call__(self, index: int) -> dict:
         if self._samples is None:
             self._samples = load_samples(self.files)
-        return self._samples
-
-    def __call__(self, index: int) -> dict:
-        samples = self._load()
+        samples = self._samples
         epoch, position = divmod(index, len(samples))
         if epoch not in self._orders:
             order = list(range(len(samples)))
-            if self.shuffle:
-                random.Random(f"nanoverl_async.data:{self.seed}:{epoch}").shuffle(order)
+            random.Random(f"nanoverl_async.data:{self.seed}:{epoch}").shuffle(order)
             # The frontier moves forward; re-issued prompts may still come from the previous epoch.
             self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
             self._orders[epoch] = order

@@ -95,7 +95,7 @@ class FunctionEnv(Environment):
     `rollout_tools` declared on it."""
 
     def __init__(self, rollout: Callable):
-        self.function = rollout  # the user's, named in errors (agent_loop.user_hook)
+        self.function = rollout  # the user's, named in errors (agent_loop.call_hook)
         self.tools, self.tool_format = getattr(rollout, "tools", ()), getattr(rollout, "tool_format", "hermes")
 
     async def rollout(self, episode, sample: dict) -> float:
@@ -103,7 +103,8 @@ class FunctionEnv(Environment):
 
 
 def env_factory(spec: str, reward_fn: Optional[Callable] = None) -> Callable[[], Any]:
-    """`agent.env` -> a no-argument callable making one environment per episode.
+    """`agent.env` -> a no-argument callable making one environment per episode; its `tools` are the
+    declared tools, built.
 
     A class is instantiated with no arguments; a function becomes a FunctionEnv. `reward_fn` (from
     `reward.path`) is set on every instance that has no reward function of its own."""
@@ -115,14 +116,14 @@ def env_factory(spec: str, reward_fn: Optional[Callable] = None) -> Callable[[],
             return FunctionEnv(target)
     else:
         raise ValueError(f"agent.env '{spec}' is neither a class nor an async rollout function")
-    tools = getattr(target, "tools", ())  # the class's (or @rollout_tools's) list; one set in __init__ is built later
-    for tool in tools if isinstance(tools, (list, tuple)) else ():
-        as_tool(tool)  # a ValueError naming an undocumented or untyped tool, now rather than in every episode
-
     def new_env():
         env = make()
         if reward_fn is not None and getattr(env, "reward_fn", None) is None:
             env.reward_fn = reward_fn
         return env
 
+    # The class's (or @rollout_tools's) tools, built now: a ValueError names an undocumented or untyped tool
+    # before any role starts, not in every episode (preflight.py reads them; tools set in __init__ come later).
+    tools = getattr(target, "tools", ())
+    new_env.tools = [as_tool(tool) for tool in tools] if isinstance(tools, (list, tuple)) else []
     return new_env

@@ -24,6 +24,7 @@ Run alone:  python -m nanoverl_async.agents.multiply_task   (prints a few prompt
 
 from __future__ import annotations
 
+import operator
 import random
 import re
 
@@ -32,6 +33,7 @@ from nanoverl_async.agents.env import Environment, Step
 MAX_OPERAND = 100  # operands are drawn from [0, MAX_OPERAND)
 _MAX_DIGITS = 12  # the tool refuses longer operands: keeps a bad call from building a huge number
 _EXPRESSION = re.compile(r"^\s*(\d+)\s*([+\-*])\s*(\d+)\s*$")
+OPERATIONS = {"*": operator.mul, "+": operator.add, "-": operator.sub}
 
 
 def make_prompt(seed: int, index: int) -> dict:
@@ -61,12 +63,7 @@ def calculator(expression: str) -> str:
     left, op, right = match.groups()
     if len(left) > _MAX_DIGITS or len(right) > _MAX_DIGITS:
         raise ValueError(f"operands longer than {_MAX_DIGITS} digits: {expression!r}")
-    a, b = int(left), int(right)
-    if op == "*":
-        return str(a * b)
-    if op == "+":
-        return str(a + b)
-    return str(a - b)
+    return str(OPERATIONS[op](int(left), int(right)))
 
 
 def score(sample: dict, final_answer: str) -> float:

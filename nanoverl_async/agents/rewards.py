@@ -7,7 +7,7 @@ A reward function returns a float, or a dict with a "score" entry (its other num
 trajectory.info["reward_info"]); it may be sync or async. Samples carry verl's fields: `data_source`,
 `reward_model.ground_truth`, `extra_info` (nanoverl_async/agents/data.py). The default, `math_compute_score`,
 checks the last \\boxed{...} (or the whole answer) against the ground truth with the `math-verify`
-package; where math-verify is not installed it falls back to an exact match of the normalised strings.
+package (a dependency), then by an exact match of the normalised strings.
 
 Invariants: the reward is a finite float (a function returning NaN, inf or a wrong type raises
 ValueError naming the function, and one that raises a UserCodeError naming it and its file:line, so a
@@ -33,9 +33,7 @@ MISSING_GROUND_TRUTH = "ground_truth_missing"  # reward info of an episode whose
 
 def load_reward(path: str, name: str = "compute_score") -> Optional[Callable]:
     """The reward function at `path` (a .py file or a module) named `name`; None when path is ""."""
-    if not path:
-        return None
-    return load_object(f"{path}:{name}")
+    return load_object(f"{path}:{name}") if path else None
 
 
 def last_boxed(text: str) -> Optional[str]:
@@ -59,10 +57,7 @@ def math_compute_score(data_source: str, solution_str: str, ground_truth: Any, e
     """1.0 if the answer (last \\boxed{...}, else the whole text) equals the ground truth mathematically."""
     answer = last_boxed(solution_str)
     answer = solution_str if answer is None else answer
-    try:
-        from math_verify import parse, verify
-    except ImportError:  # documented fallback: exact match after whitespace normalisation
-        return float(_normalise(answer) == _normalise(str(ground_truth)))
+    from math_verify import parse, verify  # here, not at the top: it imports sympy, which only scoring needs
     # math-verify's timeouts use signal.alarm, which works only in the main thread (it raises elsewhere);
     # a generator's event loop runs in a Ray actor's thread, so there they are off (an answer is one turn).
     timeout = 5 if threading.current_thread() is threading.main_thread() else None

@@ -91,6 +91,10 @@ class SandboxLimits:
     max_output_chars: int = 4000  # stdout+stderr beyond this is cut
     isolation: str = "bwrap"  # bwrap | unsafe_no_isolation (no isolation: only rlimits and the wall clock)
 
+    def __post_init__(self):
+        if self.isolation not in ISOLATIONS:
+            raise ValueError(f"sandbox isolation must be one of {ISOLATIONS}, got {self.isolation!r}")
+
 
 @dataclass
 class SandboxResult:
@@ -109,9 +113,7 @@ TOOL_LIMITS = SandboxLimits()  # what the `python` tool runs under
 def set_isolation(isolation: str) -> None:
     """The `python` tool's isolation in this process (the run's `agent.sandbox`)."""
     global TOOL_LIMITS
-    if isolation not in ISOLATIONS:
-        raise ValueError(f"sandbox isolation must be one of {ISOLATIONS}, got {isolation!r}")
-    TOOL_LIMITS = dataclasses.replace(TOOL_LIMITS, isolation=isolation)
+    TOOL_LIMITS = dataclasses.replace(TOOL_LIMITS, isolation=isolation)  # SandboxLimits checks it
 
 
 def refusal(why: str) -> str:
@@ -225,8 +227,6 @@ async def run_python(code: str, limits: Optional[SandboxLimits] = None) -> Sandb
     """Run `code` isolated under `limits` (default: the tool's) -> SandboxResult (never raises for the code;
     raises SandboxUnavailable when isolation is asked for and missing)."""
     limits = limits or TOOL_LIMITS
-    if limits.isolation not in ISOLATIONS:
-        raise ValueError(f"sandbox isolation must be one of {ISOLATIONS}, got {limits.isolation!r}")
     interpreter = [sys.executable, "-I", "-c", RUNNER, *_rlimits(limits)]
     workdir, fds = None, ()
     if limits.isolation == "bwrap":
@@ -240,11 +240,10 @@ async def run_python(code: str, limits: Optional[SandboxLimits] = None) -> Sandb
         process = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             start_new_session=True, pass_fds=fds, cwd=workdir or "/", env=ENVIRONMENT)
-        result = await _communicate(process, code, limits)
+        return await _communicate(process, code, limits)
     finally:
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-    return dataclasses.replace(result, isolation=limits.isolation)
 
 
 async def _communicate(process, source: str, limits: SandboxLimits) -> SandboxResult:
@@ -275,7 +274,7 @@ async def _communicate(process, source: str, limits: SandboxLimits) -> SandboxRe
     code = process.returncode
     if error is None and code != 0:
         error = _exit_reason(code, bwrap=limits.isolation == "bwrap")
-    return SandboxResult(output, code, error)
+    return SandboxResult(output, code, error, limits.isolation)
 
 
 def _exit_reason(code: int, bwrap: bool) -> str:

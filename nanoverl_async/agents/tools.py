@@ -8,7 +8,7 @@
         '''
 
     tool = as_tool(calculator)          # Tool(name="calculator", schema={...}, ...)
-    result = await call_tool(tool, {"expression": "12*34"})   # ToolResult("408", error=False, latency_s)
+    result = await call_tool(tool, {"expression": "12*34"})   # ToolResult("408", error=False)
 
 The schema is OpenAI/Hermes function format, `{"type": "function", "function": {"name", "description",
 "parameters": JSON schema}}`, built from the type hints (str, int, float, bool, list[...], dict, Literal,
@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import re
-import time
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -57,7 +56,6 @@ class Tool:
 class ToolResult:
     text: str  # the observation shown to the model
     error: bool  # True for every failure (counted in tool_errors)
-    latency_s: float = 0.0
 
 
 def as_tool(fn: Callable | Tool, name: Optional[str] = None, timeout_s: Optional[float] = None) -> Tool:
@@ -164,11 +162,10 @@ def check_arguments(tool: Tool, arguments: Any) -> Optional[str]:
 
 async def call_tool(tool: Tool, arguments: Any, timeout_s: float = 5.0, max_chars: int = 2000) -> ToolResult:
     """Check the arguments, run the tool with a timeout -> ToolResult. Never raises (but cancellation)."""
-    started = time.perf_counter()
     timeout_s = tool.timeout_s or timeout_s
 
     def result(text: str, error: bool) -> ToolResult:
-        return ToolResult(text[:max_chars], error, time.perf_counter() - started)
+        return ToolResult(text[:max_chars], error)
 
     problem = check_arguments(tool, arguments)
     if problem is not None:

@@ -82,7 +82,8 @@ async def call_user(hook: str, function: Callable, *args) -> Any:
     """`function(*args)`, awaited if it returns an awaitable; what it raises comes back as a UserCodeError
     naming `hook`, the exception and the user's frames."""
     try:
-        return await maybe_await(function(*args))
+        value = function(*args)
+        return await value if inspect.isawaitable(value) else value  # hooks may be sync or async
     except UserCodeError:  # already names its hook (a rollout's own episode.run_tools misuse): not twice
         raise
     except Exception as error:  # noqa: BLE001 - every user error is reported the same way
@@ -112,8 +113,3 @@ def defined_at(function: Callable) -> str:
         return f" (defined at {Path(inspect.getsourcefile(function)).name}:{inspect.getsourcelines(function)[1]})"
     except (TypeError, OSError):  # a builtin, or code without a file
         return ""
-
-
-async def maybe_await(value: Any) -> Any:
-    """Lets user hooks be sync or async."""
-    return await value if inspect.isawaitable(value) else value

@@ -11,31 +11,19 @@ tests/test_losses.py do, token by token).
   losses.py       POLICY_LOSSES: ppo (clip-higher, dual clip), gspo, cispo; AGGREGATIONS; value loss; `policy_loss`
   kl.py           KL_ESTIMATORS: k1/k2/k3 as metric, loss term or reward penalty; entropy bonus
   logprobs.py     token logprobs and entropies from logits
-  registry.py     `register`, which fills those name -> function tables
 
 To add an estimator, a correction or a loss, write a function beside these with the same shapes and
-calling convention, decorate it with `@register(TABLE, "name")`, and test it against a naive loop: the
-config accepts the name and the learner dispatches to it from then on.
+calling convention, add it to its module's table (a dict literal: name -> function), and test it against a
+naive loop: the config accepts the name and the learner dispatches to it from then on.
 Run alone: `python -m pytest tests/test_algorithms.py tests/test_losses.py -q`.
 """
 
 from nanoverl_async.algorithms.advantages import (ADVANTAGES, drgrpo_advantages, gae_advantages, grpo_advantages,
-                                                  masked_whiten, outcome_token_rewards, overlong_penalty,
-                                                  reinforce_pp_advantages, rloo_advantages)
-from nanoverl_async.algorithms.corrections import (CORRECTIONS, IS_LEVELS, Correction, decoupled_correction,
-                                                   is_log_weights, mis_correction, no_correction, tis_correction)
+                                                  outcome_token_rewards, overlong_penalty, reinforce_pp_advantages,
+                                                  rloo_advantages)
+from nanoverl_async.algorithms.corrections import CORRECTIONS, IS_LEVELS
 from nanoverl_async.algorithms.kl import KL_ESTIMATORS, entropy_bonus, kl_estimates, kl_per_token, kl_reward_penalty
 from nanoverl_async.algorithms.logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
 from nanoverl_async.algorithms.losses import (AGGREGATIONS, POLICY_LOSSES, LossInputs, aggregate, cispo_loss,
                                               gspo_loss, loss_normaliser, merge_metrics, policy_loss, ppo_clip_loss,
                                               reduce_token_metrics, value_loss)
-
-__all__ = [
-    "ADVANTAGES", "AGGREGATIONS", "CORRECTIONS", "IS_LEVELS", "KL_ESTIMATORS", "POLICY_LOSSES", "Correction",
-    "LossInputs", "aggregate", "cispo_loss", "decoupled_correction", "drgrpo_advantages", "entropy_bonus",
-    "gae_advantages", "grpo_advantages", "is_log_weights", "kl_estimates", "kl_per_token", "kl_reward_penalty",
-    "loss_normaliser", "masked_whiten", "merge_metrics", "mis_correction", "no_correction", "outcome_token_rewards",
-    "overlong_penalty", "policy_loss", "ppo_clip_loss", "reduce_token_metrics", "reinforce_pp_advantages",
-    "rloo_advantages", "tis_correction", "token_entropy", "token_logprobs", "token_logprobs_and_entropy",
-    "value_loss",
-]

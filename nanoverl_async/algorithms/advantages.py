@@ -16,14 +16,8 @@ buffer/replay.py, where groups complete.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import Tensor
-
-from nanoverl_async.algorithms.registry import register
-
-ADVANTAGES: dict[str, Callable] = {}  # name -> estimator
 
 
 def _groups(rewards: Tensor, group_size: int) -> Tensor:
@@ -32,7 +26,6 @@ def _groups(rewards: Tensor, group_size: int) -> Tensor:
     return rewards.float().view(-1, group_size)
 
 
-@register(ADVANTAGES, "grpo")
 def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, **_) -> Tensor:
     """GRPO outcome advantages (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, sec. 4.1.2):
 
@@ -48,7 +41,6 @@ def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, **_) ->
     return ((groups - mean) / (std + eps)).view(-1)
 
 
-@register(ADVANTAGES, "drgrpo")
 def drgrpo_advantages(rewards: Tensor, group_size: int, **_) -> Tensor:
     """Dr. GRPO advantages (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783):
 
@@ -61,7 +53,6 @@ def drgrpo_advantages(rewards: Tensor, group_size: int, **_) -> Tensor:
     return (groups - groups.mean(dim=1, keepdim=True)).view(-1)
 
 
-@register(ADVANTAGES, "rloo")
 def rloo_advantages(rewards: Tensor, group_size: int, **_) -> Tensor:
     """RLOO advantages (Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free!"; Ahmadian et
     al. 2024, arXiv:2402.14740): the baseline of sample i is the mean of the OTHER samples of its group,
@@ -104,7 +95,6 @@ def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     return torch.where(mask, (values - mean) * torch.rsqrt(var + eps), 0.0)
 
 
-@register(ADVANTAGES, "reinforce++")
 def reinforce_pp_advantages(rewards: Tensor, loss_mask: Tensor, gamma: float = 1.0,
                             kl_penalty: Tensor | None = None, eps: float = 1e-8, **_) -> Tensor:
     """REINFORCE++ advantages (Hu 2025, "REINFORCE++", arXiv:2501.03262): discounted per-token returns of
@@ -114,19 +104,14 @@ def reinforce_pp_advantages(rewards: Tensor, loss_mask: Tensor, gamma: float = 1
         A_{i,t} = (G_{i,t} - mean(G)) / sqrt(var(G) + eps)      (mean/var over all sampled tokens)
 
     The discount steps over sampled tokens only (tool/prompt tokens skipped). rewards [N], loss_mask [N, T],
-    kl_penalty [N, T] or None -> [N, T], 0 off the mask.
+    kl_penalty [N, T] or None -> [N, T], 0 off the mask. G is GAE's advantage with V = 0 and lambda = 1:
+    delta_t = R_t, A_t = R_t + gamma * A_{t'}, the same recursion.
     """
-    mask = loss_mask.bool()
-    token_rewards = outcome_token_rewards(rewards, loss_mask, kl_penalty)
-    returns = torch.zeros_like(token_rewards)
-    running = token_rewards.new_zeros(token_rewards.shape[0])
-    for t in reversed(range(token_rewards.shape[1])):
-        running = torch.where(mask[:, t], token_rewards[:, t] + gamma * running, running)
-        returns[:, t] = torch.where(mask[:, t], running, 0.0)
-    return masked_whiten(returns, mask, eps)
+    values = torch.zeros(loss_mask.shape, dtype=torch.float32, device=loss_mask.device)
+    returns, _ = gae_advantages(rewards, loss_mask, values, gamma, 1.0, kl_penalty, whiten=False)
+    return masked_whiten(returns, loss_mask.bool(), eps)
 
 
-@register(ADVANTAGES, "gae")
 def gae_advantages(rewards: Tensor, loss_mask: Tensor, values: Tensor, gamma: float, lam: float,
                    kl_penalty: Tensor | None = None, whiten: bool = True, **_) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016, arXiv:1506.02438) over sampled tokens, on
@@ -155,6 +140,10 @@ def gae_advantages(rewards: Tensor, loss_mask: Tensor, values: Tensor, gamma: fl
         next_advantage = torch.where(on, advantage, next_advantage)
     returns = torch.where(mask, advantages + values, 0.0)
     return (masked_whiten(advantages, mask) if whiten else advantages), returns
+
+
+ADVANTAGES = {"grpo": grpo_advantages, "drgrpo": drgrpo_advantages, "rloo": rloo_advantages,  # algorithm.advantage
+              "reinforce++": reinforce_pp_advantages, "gae": gae_advantages}
 
 
 def overlong_penalty(lengths: Tensor, max_length: int, buffer_length: int, penalty: float = 1.0) -> Tensor:

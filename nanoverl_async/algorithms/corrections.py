@@ -21,15 +21,13 @@ mask) and picks from the keyword arguments cap (algorithm.is_cap), low (is_low) 
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from nanoverl_async.algorithms.kl import LOG_RATIO_CLAMP, kl_per_token
-from nanoverl_async.algorithms.registry import register
 
-CORRECTIONS: dict[str, Callable] = {}  # name -> correction (algorithm.correction)
 IS_LEVELS = ("token", "sequence")
 
 
@@ -61,21 +59,15 @@ def _data_metrics(proximal: Tensor, behaviour: Tensor, mask: Tensor, log_weight:
             "is_weight_max": torch.exp(log_weight.clamp(max=LOG_RATIO_CLAMP))}
 
 
-@register(CORRECTIONS, "none")
 def no_correction(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cap: float = math.inf,
                   **_) -> Correction:
     """`none`, the naive off-policy baseline for ablations: r = exp(p - mu), w = 1, every sampled token kept.
     Its metrics still report what `decoupled` with this `cap` would apply (is_weight_mean of
     min(exp(p_old - mu), cap), is_truncated_fraction), to show how off-policy the data is."""
-    mask = mask.bool()
-    log_w = is_log_weights(proximal_logprobs, behaviour_logprobs, mask, "token")
-    metrics = _data_metrics(proximal_logprobs, behaviour_logprobs, mask, log_w)
-    metrics.update(is_weight_mean=torch.exp(log_w.clamp(max=math.log(cap))),
-                   is_truncated_fraction=(log_w > math.log(cap)).float())
-    return Correction(behaviour_logprobs.detach(), torch.ones_like(log_w), mask, metrics)
+    decoupled = tis_correction(proximal_logprobs, behaviour_logprobs, mask, cap, "token")
+    return Correction(behaviour_logprobs.detach(), torch.ones_like(decoupled.weight), decoupled.keep, decoupled.metrics)
 
 
-@register(CORRECTIONS, "tis")
 def tis_correction(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cap: float,
                    level: str = "token", **_) -> Correction:
     """`tis`, truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings
@@ -94,7 +86,6 @@ def tis_correction(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: 
     return Correction(proximal_logprobs.detach(), weight, mask, metrics)
 
 
-@register(CORRECTIONS, "decoupled")
 def decoupled_correction(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cap: float,
                          **_) -> Correction:
     """`decoupled` PPO (Fu et al. 2025, "AReaL", arXiv:2505.24298; Hilton et al. 2021, "Batch size-invariance
@@ -108,7 +99,6 @@ def decoupled_correction(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, 
     return tis_correction(proximal_logprobs, behaviour_logprobs, mask, cap, "token")
 
 
-@register(CORRECTIONS, "mis")
 def mis_correction(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cap: float, low: float,
                    level: str = "token", **_) -> Correction:
     """`mis`, masked importance sampling (verl's rollout IS "mask" mode; IcePop, Ling team 2025): drop the
@@ -128,3 +118,6 @@ def mis_correction(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: 
     metrics.update(is_weight_mean=weight, is_masked_fraction=(mask & ~keep).float())
     return Correction(proximal_logprobs.detach(), weight, keep, metrics)
 
+
+CORRECTIONS = {"none": no_correction, "tis": tis_correction, "decoupled": decoupled_correction,  # algorithm.correction
+               "mis": mis_correction}

@@ -18,20 +18,16 @@ clip_ratio_c (`**_` takes the rest). `policy_loss` alone reads config sections (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from nanoverl_async.algorithms.corrections import CORRECTIONS
 from nanoverl_async.algorithms.kl import LOG_RATIO_CLAMP, entropy_bonus, kl_per_token
-from nanoverl_async.algorithms.registry import register
 
 # AlgorithmConfig and KLConfig below are config.py's, named in (postponed) annotations only, never imported:
 # config.py reaches these tables through validation.py, so importing it here would close a cycle.
-
-POLICY_LOSSES: dict[str, Callable] = {}  # name -> fn(...) -> (token_loss [N, T], per-token metrics)
-AGGREGATIONS: dict[str, Callable] = {}  # name -> fn(masked loss, mask, max_tokens) -> (local sum, normaliser share)
 
 
 def _per_token(advantages: Tensor) -> Tensor:
@@ -43,7 +39,6 @@ def _log_ratio(logprobs: Tensor, base_logprobs: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, (logprobs - base_logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
 
 
-@register(POLICY_LOSSES, "ppo")
 def ppo_clip_loss(logprobs: Tensor, base_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
                   clip_high: float, clip_ratio_c: float = 0.0, **_) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clip (Schulman et al. 2017, arXiv:1707.06347) with clip-higher (Yu et al. 2025, "DAPO") and dual
@@ -67,7 +62,6 @@ def ppo_clip_loss(logprobs: Tensor, base_logprobs: Tensor, advantages: Tensor, m
     return torch.where(mask, loss, 0.0), metrics
 
 
-@register(POLICY_LOSSES, "gspo")
 def gspo_loss(logprobs: Tensor, base_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
               clip_high: float, **_) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071): a sequence-level
@@ -92,7 +86,6 @@ def gspo_loss(logprobs: Tensor, base_logprobs: Tensor, advantages: Tensor, mask:
     return torch.where(mask, loss, 0.0), {"clip_fraction": (clipped < unclipped).float()}
 
 
-@register(POLICY_LOSSES, "cispo")
 def cispo_loss(logprobs: Tensor, base_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
                clip_high: float, **_) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax 2025, "MiniMax-M1", arXiv:2506.13585, eq. 4): REINFORCE with a clipped, stop-gradient
@@ -111,6 +104,10 @@ def cispo_loss(logprobs: Tensor, base_logprobs: Tensor, advantages: Tensor, mask
     token_logprobs = torch.where(mask, logprobs, 0.0)
     loss = -weight * adv * torch.exp(token_logprobs - token_logprobs.detach())
     return torch.where(mask, loss, 0.0), {"clip_fraction": (weight != ratio).float()}
+
+
+# algorithm.loss: name -> fn(...) -> (token_loss [N, T], per-token metrics)
+POLICY_LOSSES = {"ppo": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
@@ -134,22 +131,24 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     return torch.where(mask, loss, 0.0), {"vf_clip_fraction": clip_active.float()}
 
 
-@register(AGGREGATIONS, "token-mean")
 def token_mean(loss: Tensor, mask: Tensor, max_tokens: int) -> tuple[Tensor, Tensor]:
     """DAPO: sum_{i,t} m l / (sampled tokens); every token weighs the same, so long answers weigh more."""
     return loss.sum(), mask.sum()
 
 
-@register(AGGREGATIONS, "seq-mean-token-mean")
 def seq_mean_token_mean(loss: Tensor, mask: Tensor, max_tokens: int) -> tuple[Tensor, Tensor]:
     """GRPO paper, GSPO: sum_i (sum_t m l / sum_t m) / (sequences with a sampled token)."""
     return (loss.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum(), mask.any(dim=1).sum()
 
 
-@register(AGGREGATIONS, "seq-mean-token-sum-norm")
 def seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, max_tokens: int) -> tuple[Tensor, Tensor]:
     """Dr. GRPO: sum_{i,t} m l / (sequences * max_tokens), a constant per sequence (e.g. the generation budget)."""
     return loss.sum(), mask.any(dim=1).sum() * max_tokens
+
+
+# algorithm.loss_agg: name -> fn(masked loss, mask, max_tokens) -> (local sum, normaliser share)
+AGGREGATIONS = {"token-mean": token_mean, "seq-mean-token-mean": seq_mean_token_mean,
+                "seq-mean-token-sum-norm": seq_mean_token_sum_norm}
 
 
 def loss_normaliser(loss_mask: Tensor, mode: str, max_tokens: int = 0) -> Tensor:
@@ -223,8 +222,7 @@ def policy_loss(x: LossInputs, algo: AlgorithmConfig, kl: KLConfig, tokens: floa
                                                 clip_ratio_c=algo.clip.ratio_c)
     pg = torch.where(c.keep, c.weight.to(pg.dtype) * pg, 0.0)
     total = pg
-    metrics = dict(c.metrics)
-    metrics.update({key: torch.where(c.keep, value, 0.0) for key, value in loss_metrics.items()})
+    metrics = {**c.metrics, **{key: torch.where(c.keep, value, 0.0) for key, value in loss_metrics.items()}}
     if x.ref_logprobs is not None and kl.loss_coef > 0:
         kl_term = kl_per_token(x.logprobs, x.ref_logprobs.detach(), x.loss_mask, kl.estimator)
         total = total + kl.loss_coef * kl_term

@@ -66,11 +66,7 @@ class AdmissionGate:
         """Groups holding a slot: in flight + complete (buffered) + consumed."""
         return self.counters["leased"] - self.counters["released"] - self.counters["expired"]
 
-    @property
-    def in_flight(self) -> int:
-        return self.in_flight_of()
-
-    def in_flight_of(self, generator_id: int | None = None) -> int:
+    def in_flight(self, generator_id: int | None = None) -> int:
         """Leased groups not yet complete: all of them, or those of one generator."""
         return sum(1 for lease in self.live.values()
                    if not lease.complete and generator_id in (None, lease.generator_id))

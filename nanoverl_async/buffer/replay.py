@@ -71,7 +71,8 @@ class ReplayBuffer:
         self.open_groups: dict[int, Group] = {}  # group_id -> group still waiting for trajectories
         self.ready: dict[int, Group] = {}  # group_id -> complete group, not yet handed out
         self._arrivals = 0
-        self.counters = {"stragglers": 0, "duplicates": 0, "mismatched": 0, "dropped_stale": 0, "filtered": 0}
+        self.counters = {"dropped_stragglers": 0, "dropped_duplicates": 0, "dropped_mismatched": 0, "dropped_stale": 0,
+                         "dropped_filtered": 0}
 
     def open(self, group_id: int, prompt_index: int, lease_version: int) -> None:
         assert group_id not in self.open_groups and group_id not in self.ready, f"group {group_id} reopened"
@@ -87,20 +88,20 @@ class ReplayBuffer:
         dropped by the group filter) or the reason the trajectory was dropped."""
         group = self.open_groups.get(trajectory.group_id) or self.ready.get(trajectory.group_id)
         if group is None:
-            self.counters["stragglers"] += 1
+            self.counters["dropped_stragglers"] += 1
             return STRAGGLER
         if not 0 <= trajectory.sample_index < self.group_size or trajectory.prompt_index != group.prompt_index:
-            self.counters["mismatched"] += 1
+            self.counters["dropped_mismatched"] += 1
             return MISMATCH
         if trajectory.sample_index in group.samples or any(t.id == trajectory.id for t in group.samples.values()):
-            self.counters["duplicates"] += 1
+            self.counters["dropped_duplicates"] += 1
             return DUPLICATE
         group.samples[trajectory.sample_index] = trajectory
         if len(group.samples) < self.group_size:
             return ADDED
         del self.open_groups[group.group_id]
         if self.group_filter and len({t.reward for t in group.samples.values()}) == 1:
-            self.counters["filtered"] += 1
+            self.counters["dropped_filtered"] += 1
             return FILTERED
         group.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         self.ready[group.group_id] = group
@@ -143,7 +144,3 @@ class ReplayBuffer:
             self.ready[group_id] = group
         assert set(self.ready) == kept, f"complete leases without a ready group: {sorted(kept - set(self.ready))}"
         self._arrivals, self.counters = state["arrivals"], dict(state["counters"])
-
-    @property
-    def num_ready(self) -> int:
-        return len(self.ready)

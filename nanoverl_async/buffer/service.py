@@ -83,15 +83,12 @@ def parse_request(payload: bytes) -> dict:
     op = request.get("op")
     if op not in keys:
         raise ValueError(f"field 'op': {op!r} is not one of {', '.join(keys)}")
-    for name in keys[op]:
-        if name not in request:
-            raise ValueError(f"missing field '{name}'")
-        value = request[name]
-        if name != "op" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise ValueError(f"field '{name}': expected a non-negative int, got {value!r}")
-    unknown = sorted(set(request) - set(keys[op]), key=str)
-    if unknown:
-        raise ValueError(f"unknown field '{unknown[0]}'")
+    for problem, names in (("missing", set(keys[op]) - set(request)), ("unknown", set(request) - set(keys[op]))):
+        if names:
+            raise ValueError(f"{problem} field '{sorted(names, key=str)[0]}'")
+    for name in keys[op][1:]:
+        if not isinstance(request[name], int) or isinstance(request[name], bool) or request[name] < 0:
+            raise ValueError(f"field '{name}': expected a non-negative int, got {request[name]!r}")
     return request
 
 
@@ -156,10 +153,9 @@ class BufferService:
         self.prompts_per_step, self.group_size, self.staleness = prompts_per_step, group_size, staleness
         self.generators, self.vocab_size, self.max_tokens = generators, vocab_size, max_tokens
         self._published = 0  # the newest weights version published (or about to be): no token is newer
-        self.gate = AdmissionGate(prompts_per_step, staleness, config.lease_timeout_s,
-                                  prompt_fn)
+        self.gate = AdmissionGate(prompts_per_step, staleness, config.lease_timeout_s, prompt_fn)
         self.replay = ReplayBuffer(group_size, group_filter)  # group_filter: DAPO dynamic sampling
-        self._cond = threading.Condition()  # guards gate, replay and the counters below
+        self._cond = threading.Condition()  # guards gate, replay and the counters below (re-entrant: an RLock)
         self._counters = Counter(malformed=0, malformed_requests=0, too_long=0, oversized_leases=0)
         self._generator_versions: dict[int, int] = {}
         self._generator_tokens: Counter = Counter()
@@ -173,10 +169,8 @@ class BufferService:
         self._router = self._context.socket(zmq.ROUTER)
         serve(self._pull, curve)
         serve(self._router, curve)
-        self.endpoints = {
-            "trajectories": f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{host}')}",
-            "leases": f"tcp://{host}:{self._router.bind_to_random_port(f'tcp://{host}')}",
-        }
+        self.endpoints = {name: f"tcp://{host}:{socket.bind_to_random_port(f'tcp://{host}')}"
+                          for name, socket in (("trajectories", self._pull), ("leases", self._router))}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="buffer-service", daemon=True)
         self._thread.start()
@@ -200,7 +194,12 @@ class BufferService:
                     log.info("step %d: dropped %d stale groups (versions %s, eta %d)", step, len(dropped),
                              sorted(g.version for g in dropped), self.staleness)
                 if groups:
-                    return self._hand_out(step, groups, time.monotonic() - start)
+                    for group in groups:
+                        self.gate.consume(group.group_id)
+                    stats = {**batch_stats(step, groups), **self.stats(), "wait_s": time.monotonic() - start,
+                             "generators_gated_frac": self._gated.fraction(time.monotonic(), self.generators.replicas)}
+                    self._tokens_since_batch = 0
+                    return Batch(step, [t for g in groups for t in g.trajectories], stats)
                 if self._stop.is_set():
                     raise RuntimeError(f"buffer service closed while step {step} waited for a batch")
                 remaining = deadline - time.monotonic()
@@ -208,42 +207,24 @@ class BufferService:
                     raise TimeoutError(
                         f"buffer: step {step} waited {timeout_s:.1f}s for {self.prompts_per_step} complete "
                         f"groups of {self.group_size} with version >= {step - self.staleness}; "
-                        f"{self.replay.num_ready} ready, {self.gate.in_flight} in flight, "
+                        f"{len(self.replay.ready)} ready, {self.gate.in_flight()} in flight, "
                         f"{self.replay.counters['dropped_stale']} dropped as stale so far, "
                         f"generator versions {self._generator_versions or 'none reported'}")
                 self._cond.wait(remaining)
 
-    def _hand_out(self, step: int, groups: list[Group], waited_s: float) -> Batch:
-        for group in groups:
-            self.gate.consume(group.group_id)
-        stats = {**batch_stats(step, groups), **self._stats_locked(), "wait_s": waited_s,
-                 "generators_gated_frac": self._gated.fraction(time.monotonic(), self.generators.replicas)}
-        self._tokens_since_batch = 0
-        return Batch(step, [t for g in groups for t in g.trajectories], stats)
-
     def stats(self) -> dict:
         with self._cond:
-            return self._stats_locked()
-
-    def _stats_locked(self) -> dict:
-        return {
-            **self.gate.counters,
-            "dropped_stale": self.replay.counters["dropped_stale"],
-            "dropped_filtered": self.replay.counters["filtered"],
-            "dropped_stragglers": self.replay.counters["stragglers"],
-            "dropped_duplicates": self.replay.counters["duplicates"],
-            "dropped_mismatched": self.replay.counters["mismatched"],
-            "malformed": self._counters["malformed"],
-            "malformed_requests": self._counters["malformed_requests"],
-            "too_long": self._counters["too_long"],  # among malformed
-            "oversized_leases": self._counters["oversized_leases"],  # among malformed_requests
-            "groups_in_flight": self.gate.in_flight,
-            "groups_ready": self.replay.num_ready,
-            "groups_started": self.gate.groups_started,
-            "generator_versions": dict(self._generator_versions),
-            "generator_tokens": dict(self._generator_tokens),
-            "tokens_generated": self._tokens_since_batch,
-        }
+            return {
+                **self.gate.counters,
+                **self.replay.counters,  # dropped_stale, _filtered, _stragglers, _duplicates, _mismatched
+                **self._counters,  # malformed (too_long among them), malformed_requests (oversized_leases among them)
+                "groups_in_flight": self.gate.in_flight(),
+                "groups_ready": len(self.replay.ready),
+                "groups_started": self.gate.groups_started,
+                "generator_versions": dict(self._generator_versions),
+                "generator_tokens": dict(self._generator_tokens),
+                "tokens_generated": self._tokens_since_batch,
+            }
 
     def publishing(self, version: int) -> None:
         """The controller is about to publish weights `version`: from now on tokens and requests may carry it."""
@@ -345,7 +326,7 @@ class BufferService:
                 return msgpack.packb({"ok": True}, use_bin_type=True)
             now = time.monotonic()
             generator_id = request["generator_id"]
-            room = self.generators.max_groups_in_flight - self.gate.in_flight_of(generator_id)
+            room = self.generators.max_groups_in_flight - self.gate.in_flight(generator_id)
             leases = self.gate.lease(request["version"], max(0, min(request["max_groups"], room)), now, generator_id)
             refused = not leases and request["max_groups"] > 0
             self._gated.observe(generator_id, refused=refused, now=now)

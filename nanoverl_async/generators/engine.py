@@ -63,6 +63,3 @@ class Engine(Protocol):
 
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load `state_dict` as weights `version` at the next safe point (between decode steps)."""
-
-    def in_flight(self) -> int:
-        """Requests accepted and not yet completed (queued or decoding)."""

@@ -1,82 +1,76 @@
-"""A continuous-batching sampling engine: our own forward over a transformers model's weights.
+"""A continuous-batching sampling engine: our own forward over a transformers checkpoint's weights.
 
     engine = TransformersEngine(model_dir, device="cpu", dtype="float32", seed=0)
     completion = await engine.generate(prompt_ids, SamplingParams(16, 1.0, (eos_id,)))
 
-Why continuous batching: an episode's next turn (after a tool call) must not queue behind the slowest
-row of a running batch. One runner task loops over steps: one forward computes the last sampled token of
-every running row and the tokens of the requests that arrived meanwhile (a prompt, or a later turn's new
-tokens), laid end to end (llama_forward.py), and a token is sampled for each. A row that samples a stop
-token or reaches max_new_tokens is resolved at once and leaves.
-Between iterations the loop yields (`await asyncio.sleep(0)`) so ZeroMQ I/O and the episodes keep flowing.
+Why continuous batching: an episode's next turn (after a tool call) must not queue behind the slowest row of a
+running batch. One runner task loops over steps: one forward computes the last sampled token of every running row
+and the tokens of the requests that arrived meanwhile (a prompt, or a later turn's new tokens), laid end to end
+(llama_forward.py), and a token is sampled for each. A row that samples a stop token or reaches max_new_tokens is
+resolved at once and leaves. Between iterations the loop yields (`await asyncio.sleep(0)`) so ZeroMQ I/O and the
+episodes keep flowing.
 
-The forward is our own (llama_forward.py: the Llama family on the HF model's own tensors, so
-`load_state_dict` into `engine.model` swaps them). One host sync per forward: the `.tolist()` of the
-sampled tokens and logprobs. On CUDA each decode step replays a CUDA graph (decode_graphs.py;
-`cuda_graphs=False` runs it eagerly).
+The forward is our own (llama_forward.py: the Llama family on the checkpoint's tensors under their transformers
+names, `engine.model`, read without transformers' model classes; `load_state_dict` into it swaps them). One host
+sync per forward: the `.tolist()` of the sampled tokens and logprobs. On CUDA each decode step replays a CUDA graph
+(decode_graphs.py; `cuda_graphs=False` runs it eagerly).
 
 Paged KV cache (kv_blocks.py; the design of vLLM and nano-vllm). One pool of `block_size`-position blocks,
-allocated once, its size from `kv_cache_memory` (generator.kv_cache_memory: a fraction <= 1 of the device
-memory free after the model loads, or GiB; 0 = 0.5 on CUDA, 2 GiB on the CPU, whose pages are taken only
-as blocks are first used). Running rows are 0..R-1 of a block table: row r's position p lies in block
-table[r, p // block_size]. A request is admitted, in arrival order, while a row and blocks for its context
-are free and the step computes at most `prefill_tokens` for the requests it admits; each step, a row whose
-next token starts a block gets one, and while the pool is short the most recently admitted rows are
-preempted: their blocks released, they go back to the front of the queue with
-their tokens so far and are computed again (prompt and sampled tokens, under the current weights) when
-admitted; the tokens they sampled keep their versions and logprobs. A request the whole pool cannot hold
-(prompt + max_new_tokens - 1 positions: the last sampled token is never cached) is refused at once. Lengths
+allocated once, its size from `kv_cache_memory` (generator.kv_cache_memory: a fraction <= 1 of the device memory
+free after the model loads, or GiB; 0 = 0.5 on CUDA, 2 GiB on the CPU, whose pages are taken only as blocks are
+first used). Running rows are 0..R-1 of a block table: row r's position p lies in block table[r, p // block_size].
+A request is admitted, in arrival order, while a row and blocks for its context are free and the step computes at
+most `prefill_tokens` for the requests it admits; each step, a row whose next token starts a block gets one, and
+while the pool is short the most recently admitted rows are preempted: their blocks released, they go back to the
+front of the queue with their tokens so far and are computed again (prompt and sampled tokens, under the current
+weights) when admitted; the tokens they sampled keep their versions and logprobs. A request the whole pool cannot
+hold (prompt + max_new_tokens - 1 positions: the last sampled token is never cached) is refused at once. Lengths
 are not capped otherwise (as with HF, positions may pass max_position_embeddings).
 
-Shared prefixes. Each full block is registered under the hash of its prefix (kv_blocks.prefix_hashes,
-chained from the weights version): a request's context reuses the blocks of its longest registered prefix
-(its last token is always computed, for its logits) and computes the rest. That serves an episode's later
-turn (its earlier turns' blocks, released to an LRU queue, stay until evicted), another group with the same
-system prompt, and rows recomputed after a preemption. Requests admitted together with the same context (the
-G samples of a group) compute it once: the copies hold the same blocks (refcounts) and sample from the same
-logits; a row about to write into a block other rows hold copies it first (copy on write). Counters:
-`reused_tokens` (prefill tokens served from cache), `computed_tokens`, `preemptions`, `cow_copies`,
-`cache.pool.peak`; `stats()` gives them to the worker.
+Shared prefixes. Each full block is registered under the hash of its prefix (kv_blocks.prefix_hashes, chained from
+the weights version): a request's context reuses the blocks of its longest registered prefix (its last token is
+always computed, for its logits) and computes the rest. That serves an episode's later turn (its earlier turns'
+blocks, released to an LRU queue, stay until evicted), another group with the same system prompt, and rows
+recomputed after a preemption. Requests admitted together with the same context (the G samples of a group) compute
+it once: the copies hold the same blocks (refcounts) and sample from the same logits; a row about to write into a
+block other rows hold copies it first (copy on write). Counters: `reused_tokens` (prefill tokens served from
+cache), `computed_tokens`, `preemptions`, `cow_copies`, `cache.pool.peak`; `stats()` gives them to the worker.
 
-Sampling (the behaviour policy mu of the loss): p = softmax(logits / temperature), one draw from p with
-a `torch.Generator` seeded from the config seed; logprob = log p[token], in float32.
+Sampling (the behaviour policy mu of the loss): p = softmax(logits / temperature), one draw from p with a
+`torch.Generator` seeded from the config seed; logprob = log p[token], in float32.
 
-Lockstep (run.deterministic; docs/design.md "Reproducible runs"): a row's logits depend in their last bits
-on which rows share its batch, so continuous batching makes runs differ wherever tool latencies do. With
-`lockstep` set (a callable: the episodes that will still call `generate`), the engine waits until every
-such episode waits, admits them as one wave sorted by episode id, reseeds its generator from the wave's
-make-up, and admits nothing more until the wave has finished: the same seed gives the same tokens.
+Lockstep (run.deterministic; docs/design.md "Reproducible runs"): a row's logits depend in their last bits on which
+rows share its batch, so continuous batching makes runs differ wherever tool latencies do. With `lockstep` set (a
+callable: the episodes that will still call `generate`), the engine waits until every such episode waits, admits
+them as one wave sorted by episode id, reseeds its generator from the wave's make-up, and admits nothing more until
+the wave has finished: the same seed gives the same tokens.
 
 Weights (docs/design.md "Weights back to generators", mode interrupt): `stage_weights` must be called on the
-event-loop thread. The decode loop only yields between steps, so the new weights land between two
-steps: every token sampled afterwards carries the new version, earlier tokens keep theirs. By default
-the running rows are then computed again under the new weights (in the next step: they are put back at the
-front of the queue, and no block of the old weights can match), so every logprob is exactly that of the
-version it is tagged with given the whole context. With `recompute_cache_on_swap=False` the cache of
-earlier tokens stays, and prefixes match across versions, as PipelineRL does: cheaper, but the tokens after
-a swap come from a mixture (old keys/values, new weights) that no learner reproduces; the decoupled loss
-still uses their recorded logprobs.
+event-loop thread. The decode loop only yields between steps, so the new weights land between two steps: every
+token sampled afterwards carries the new version, earlier tokens keep theirs. By default the running rows are then
+computed again under the new weights (in the next step: they are put back at the front of the queue, and no block
+of the old weights can match), so every logprob is exactly that of the version it is tagged with given the whole
+context. With `recompute_cache_on_swap=False` the cache of earlier tokens stays, and prefixes match across
+versions, as PipelineRL does: cheaper, but the tokens after a swap come from a mixture (old keys/values, new
+weights) that no learner reproduces; the decoupled loss still uses their recorded logprobs.
 
-Run alone: python -m nanoverl_async.generators.hf_engine MODEL_DIR   (samples a few tokens)
-"""
+Run alone: nothing to run; tests/test_engine.py and tests/test_kv_blocks.py drive it on tiny models."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import psutil
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AutoModelForCausalLM
 
 from nanoverl_async.generators.decode_graphs import DecodeGraphs
 from nanoverl_async.generators.engine import Completion, SamplingParams
 from nanoverl_async.generators.kv_blocks import PagedCache, pool_blocks, version_seed
-from nanoverl_async.generators.llama_forward import LlamaForward, Tokens
+from nanoverl_async.generators.llama_forward import LlamaForward, LlamaWeights, Tokens
 from nanoverl_async.models.load import DTYPES, on_device
 
 LOCKSTEP_POLL_S = 0.001  # how often a lockstep engine checks whether every episode is waiting
@@ -142,15 +136,11 @@ class TransformersEngine:
         `prefill_tokens` bounds the tokens a step computes for the requests it admits (a longer context is
         admitted alone): the activations of 256 8k-token prompts in one forward would not fit a GPU."""
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).to(self.device).eval()
-        self.forward = LlamaForward(self.model, model_path)
-        self.version = version
-        self.max_batch_size = max_batch_size
+        self.model = LlamaWeights(model_path, self.device, DTYPES[dtype])
+        self.forward = LlamaForward(self.model)
+        self.version, self.max_batch_size, self.prefill_tokens = version, max_batch_size, prefill_tokens
         self.recompute_cache_on_swap = recompute_cache_on_swap
-        self.prefill_tokens = prefill_tokens
-        self._generator = torch.Generator(device=self.device)
-        self._generator.manual_seed(seed)
-        self.seed = seed
+        self._generator, self.seed = torch.Generator(device=self.device).manual_seed(seed), seed
         self.lockstep: Optional[Callable[[], int]] = None  # run.deterministic: see "Lockstep" above
         self._pending: list[_Request] = []
         self._rows: list[_Request] = []  # the running rows; row i is row i of the block table
@@ -170,15 +160,14 @@ class TransformersEngine:
         self.computed_tokens = 0  # prefill tokens computed (prompts, later turns' new tokens, recomputed rows)
         self.preemptions = 0  # rows put back in the queue because the pool was short
         self.cow_copies = 0  # shared blocks copied before a row wrote into them
-        self.tokens_generated = 0
-        self.weight_swaps = 0
+        self.tokens_generated = self.weight_swaps = 0
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *,
                        episode_id: Optional[str] = None) -> Completion:
         """See engine.Engine.generate (`episode_id` orders a lockstep wave; prefixes are found by hash)."""
         if len(input_ids) == 0:
             raise ValueError("generate needs at least one input token")
-        vocabulary = self.model.get_input_embeddings().num_embeddings
+        vocabulary = self.forward.embed.shape[0]
         if not 0 <= min(input_ids) <= max(input_ids) < vocabulary:  # one bad id would fail the whole step
             raise ValueError(f"token ids {min(input_ids)}..{max(input_ids)} are not all in the model's "
                              f"vocabulary [0, {vocabulary})")
@@ -220,10 +209,10 @@ class TransformersEngine:
             self.cache.pool.forget()  # their hashes name the old version: none could match again
 
     def _check_fits(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        params = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
+        params = dict(self.model.named_parameters(remove_duplicate=False))
         given = {params[k].data_ptr() for k in state_dict if k in params}
         # A tied parameter (lm_head = embed_tokens) may appear once in a state dict.
-        missing = [k for k, v in self.model.state_dict().items() if k not in state_dict and v.data_ptr() not in given]
+        missing = [k for k, v in params.items() if k not in state_dict and v.data_ptr() not in given]
         unexpected = [k for k in state_dict if k not in params]
         shapes = [k for k in state_dict if k in params and tuple(state_dict[k].shape) != tuple(params[k].shape)]
         if missing or unexpected or shapes:
@@ -409,14 +398,3 @@ class TransformersEngine:
                 self._rows[hole] = self._rows[mover]
         del self._rows[keep:]
 
-
-async def _demo(model_path: str) -> None:
-    engine = TransformersEngine(model_path)
-    prompts = [[1, 2, 3], [4, 5], [6]]
-    completions = await asyncio.gather(*(engine.generate(p, SamplingParams(8, 1.0)) for p in prompts))
-    for prompt, completion in zip(prompts, completions):
-        print(prompt, "->", completion)
-
-
-if __name__ == "__main__":
-    asyncio.run(_demo(sys.argv[1]))

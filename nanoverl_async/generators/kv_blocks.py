@@ -131,9 +131,6 @@ class BlockPool:
             blocks.append(block)
         return self.take(blocks)
 
-    def shared(self, block: int) -> bool:
-        return self.refs[block] > 1
-
     def release(self, blocks: Sequence[int]) -> None:
         """One holder fewer for each of `blocks` (a row's, first to last); a block no row holds is queued for
         reuse: last if it holds a full prefix (the tail of a context first), else first."""
@@ -172,7 +169,7 @@ class PagedCache:
     def need(self, rows: Sequence) -> int:
         """The most blocks `grow(rows)` takes."""
         size = self.pool.block_size
-        return sum((row.length() - 1) % size == 0 or self.pool.shared(row.blocks[-1]) for row in rows)
+        return sum((row.length() - 1) % size == 0 or self.pool.refs[row.blocks[-1]] > 1 for row in rows)
 
     def grow(self, rows: Sequence, seed: bytes) -> int:
         """Running rows 0.. write their last sampled token in this step: each gets a new block where that token

@@ -1,7 +1,8 @@
 """The forward of `hf_engine.TransformersEngine`: the Llama family (llama, mistral, qwen2, qwen3) on a
-transformers model's own parameter tensors, over flat tokens, with a paged KV cache.
+checkpoint's own tensors, read without transformers' model classes, over flat tokens, with a paged KV cache.
 
-    forward = LlamaForward(model, model_dir)           # refuses other model types in one line
+    weights = LlamaWeights(model_dir, device, torch.float32)   # refuses other model types in one line
+    forward = LlamaForward(weights)
     kv = forward.cache(blocks, block_size)              # [layers, k|v, kv_heads, blocks, block_size, head_dim]
     table = ...                                         # [rows, columns]: row r's position p is in block
                                                         #   table[r, p // block_size] (kv_blocks.py hands them out)
@@ -17,8 +18,11 @@ compute only real tokens, and rows that join the batch cost no forward of their 
 [kv_heads, rows, positions, head_dim] so that a decode step's grouped-query attention is two batched
 matmuls with no further copy; its queries padded to its longest row. Each op follows HF's (RMSNorm in
 float32, rotary embeddings with HF's frequencies, grouped-query attention); tests compare the logits with
-HF's forward per model type. Loading a state dict into the HF
-model swaps the tensors this reads.
+HF's forward per model type.
+
+Why `LlamaWeights` and not transformers' model class: importing the model classes costs a generator ~2 s of
+CPU at start-up (a thousand modules), and the engine runs only this forward. The tensors keep transformers'
+names, so a learner's state dict loads into them in place (`load_state_dict`), and this forward reads them.
 
 Run alone: nothing to run; tests/test_engine.py checks it against HF and a full forward.
 """
@@ -26,20 +30,38 @@ Run alone: nothing to run; tests/test_engine.py checks it against HF and a full 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub import snapshot_download
+from safetensors.torch import load_file
+from transformers import AutoConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from nanoverl_async.models.load import on_device
 
+FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # fixed frequencies (no per-length update)
+# the tensors this forward reads, by their transformers names; a checkpoint's others (none in these families) stay out
+TENSOR_NAMES = re.compile(r"lm_head\.weight|model\.(embed_tokens|norm)\.weight|model\.layers\.\d+\.(input_layernorm|"
+                          r"post_attention_layernorm|self_attn\.[qk]_norm|(self_attn\.[qkvo]|mlp\.(gate|up|down))_proj)\.(weight|bias)")
 
-def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm, op for op: normalize in float32, cast back, then scale."""
     x32 = x.float()
-    return norm.weight * (x32 * x32.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon).rsqrt_()).to(x.dtype)
+    return weight * (x32 * x32.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).to(x.dtype)
+
+
+def _linear(x: torch.Tensor, projection: torch.nn.Module) -> torch.Tensor:
+    return F.linear(x, projection.weight, getattr(projection, "bias", None))
 
 
 def _one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
@@ -155,44 +177,101 @@ class Tokens:
                 torch.cat([decoding, last]))
 
 
+class LlamaWeights(torch.nn.Module):
+    """A checkpoint's tensors under their transformers names (model.layers.0.self_attn.q_proj.weight, ...), read
+    from its safetensors in `dtype` on `device`; a tied LM head is the embedding's own tensor, as in transformers.
+    `config` is the checkpoint's. Called on input_ids [B, T] it returns `.logits` [B, T, V] of one full forward, as
+    a transformers model would (tests compare the engine's logprobs with it)."""
+
+    def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        directory = Path(model_path).expanduser()
+        if not directory.is_dir():  # a Hugging Face Hub id (model.path)
+            directory = Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"]))
+        self.config = config = AutoConfig.from_pretrained(directory)
+        _check_supported(config, model_path)
+        index = directory / "model.safetensors.index.json"  # a sharded checkpoint's file per tensor
+        files = set(json.loads(index.read_text())["weight_map"].values()) if index.exists() else {"model.safetensors"}
+        params = {name: torch.nn.Parameter(tensor.to(device, dtype), requires_grad=False) for file in sorted(files)
+                  for name, tensor in load_file(directory / file).items() if TENSOR_NAMES.fullmatch(name)}
+        if config.tie_word_embeddings:  # the head is the embedding, whatever the file holds
+            params["lm_head.weight"] = params.get("model.embed_tokens.weight")
+        layer = ("input_layernorm", "post_attention_layernorm", *(f"self_attn.{p}_proj" for p in "qkvo"),
+                 *(f"mlp.{p}_proj" for p in ("gate", "up", "down")), *(("self_attn.q_norm", "self_attn.k_norm")
+                                                                       if config.model_type == "qwen3" else ()))
+        missing = [name for name in ("model.embed_tokens", "model.norm", "lm_head", *(
+            f"model.layers.{i}.{part}" for i in range(config.num_hidden_layers) for part in layer))
+                   if params.get(f"{name}.weight") is None]
+        if missing:
+            raise ValueError(f"model.path={model_path!r}: the checkpoint in {directory} has no {missing[:3]}")
+        for name, parameter in params.items():  # each under its dotted name: model.layers.0.mlp.up_proj.weight
+            *path, leaf = name.split(".")
+            module = self
+            for part in path:
+                module = module._modules.setdefault(part, torch.nn.Module())
+            module.register_parameter(leaf, parameter)
+
+    def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
+        rows, length = input_ids.shape
+        forward, tokens = LlamaForward(self), Tokens()
+        tokens.add(0, [0] * rows, input_ids.tolist())
+        table = torch.arange(rows, device=input_ids.device)[:, None]  # a block of `length` positions per row
+        ids, positions, at, spans, _ = tokens.tensors(input_ids.device)
+        return SimpleNamespace(logits=forward(forward.cache(rows, length), table, ids, positions, at, spans)
+                               .view(rows, length, -1))
+
+
+def _check_supported(config, model_path: str) -> None:
+    """One line for a model this forward cannot run, before any tensor is read."""
+    if config.model_type not in FAMILY:
+        raise ValueError(f"model.path={model_path!r}: model_type {config.model_type!r} is not supported by the "
+                         f"transformers engine (it runs {', '.join(FAMILY)}); try generator.engine=sglang")
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if rope.get("rope_type") not in ROPE_TYPES:
+        raise ValueError(f"model.path={model_path!r}: config.rope_parameters={rope} is not supported by the "
+                         f"transformers engine (rope_type must be one of {', '.join(ROPE_TYPES)})")
+    layer_types = set(getattr(config, "layer_types", None) or []) - {"full_attention", "sliding_attention"}
+    if config.hidden_act != "silu" or layer_types:
+        raise ValueError(f"model.path={model_path!r}: hidden_act={config.hidden_act!r} or layer_types {layer_types} "
+                         f"are not supported by the transformers engine (silu; full or sliding attention)")
+
+
+def rope_frequencies(config) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim / 2] float32, the cos/sin scale) of config.rope_parameters, as transformers'
+    rotary embedding computes them (RoFormer, Su et al. 2021: inv_freq_i = theta^(-2i / head_dim))."""
+    rope = config.rope_parameters
+    if rope["rope_type"] != "default":  # linear, llama3, yarn: transformers' own functions
+        return ROPE_INIT_FUNCTIONS[rope["rope_type"]](config)
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+
 class LlamaForward:
-    """The forward of the Llama family on the HF model's parameters, flat tokens and a paged KV cache."""
+    """The forward of the Llama family on a checkpoint's tensors (`LlamaWeights`), flat tokens and a paged KV cache."""
 
-    FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-    ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # fixed frequencies (no per-length update)
-
-    def __init__(self, model, model_path: str):
-        config = model.config
-        if config.model_type not in self.FAMILY:
-            raise ValueError(f"model.path={model_path!r}: model_type {config.model_type!r} is not supported by the "
-                             f"transformers engine (it runs {', '.join(self.FAMILY)}); try generator.engine=sglang")
-        rope = dict(getattr(config, "rope_parameters", None) or {})
-        if rope.get("rope_type") not in self.ROPE_TYPES:
-            raise ValueError(f"model.path={model_path!r}: config.rope_parameters={rope} is not supported by the "
-                             f"transformers engine (rope_type must be one of {', '.join(self.ROPE_TYPES)})")
-        self.model, self.layers = model, model.model.layers
+    def __init__(self, weights: LlamaWeights):
+        config = self.config = weights.config
+        self.weights, self.eps = weights, config.rms_norm_eps
+        self.layers = [getattr(weights.model.layers, str(i)) for i in range(config.num_hidden_layers)]
+        self.embed = weights.model.embed_tokens.weight  # [V, hidden]: its dtype and device are the model's
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        rotary = model.model.rotary_emb  # HF derived these from config.rope_parameters
-        self.inv_freq, self.rope_scale = rotary.inv_freq.float(), rotary.attention_scaling
+        inv_freq, self.rope_scale = rope_frequencies(config)
+        self.inv_freq = inv_freq.float().to(self.embed.device)
         sliding = getattr(config, "sliding_window", None)
         types = getattr(config, "layer_types", None) or ["sliding_attention" if sliding else "full_attention"] * len(
             self.layers)
-        if set(types) - {"full_attention", "sliding_attention"}:
-            raise ValueError(f"model.path={model_path!r}: config.layer_types={types} is not supported")
         self.windows = [sliding if kind == "sliding_attention" else None for kind in types]
 
     def block_bytes(self, block_size: int) -> int:
         """The memory of one KV block: keys and values of `block_size` positions in every layer."""
-        element = self.model.get_input_embeddings().weight.element_size()
-        return len(self.layers) * 2 * self.kv_heads * block_size * self.head_dim * element
+        return len(self.layers) * 2 * self.kv_heads * block_size * self.head_dim * self.embed.element_size()
 
     def cache(self, blocks: int, block_size: int) -> torch.Tensor:
         """The pool, uninitialised: the engine zeroes each block before its first use (on the CPU a page of
         memory is taken only when written, so an unused budget costs nothing)."""
-        weight = self.model.get_input_embeddings().weight
         return torch.empty((len(self.layers), 2, self.kv_heads, blocks, block_size, self.head_dim),
-                           dtype=weight.dtype, device=weight.device)
+                           dtype=self.embed.dtype, device=self.embed.device)
 
     def __call__(self, kv: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
                  rows: torch.Tensor, spans: Sequence[Span], last: Optional[torch.Tensor] = None,
@@ -236,7 +315,7 @@ class LlamaForward:
                 out.append(o[span.unpadded] if span.unpadded is not None else o)
             return torch.cat(out) if len(out) > 1 else out[0]
 
-        hidden = self._layers(F.embedding(ids, self.model.get_input_embeddings().weight), cos, sin, attend)
+        hidden = self._layers(F.embedding(ids, self.embed), cos, sin, attend)
         if last is not None:
             hidden = hidden[last]
         return self.logits(hidden) if head else hidden
@@ -245,7 +324,7 @@ class LlamaForward:
         """positions [T] -> cos, sin [T, 1, head_dim] in the model dtype (HF's formula)."""
         freqs = positions[:, None].float() * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]
-        dtype = self.model.dtype
+        dtype = self.embed.dtype
         return (angles.cos() * self.rope_scale).to(dtype), (angles.sin() * self.rope_scale).to(dtype)
 
     def _layers(self, x: torch.Tensor, cos, sin, attend: Callable) -> torch.Tensor:
@@ -253,22 +332,18 @@ class LlamaForward:
         [T, kv_heads, d] and returns the attention [T, heads, d]."""
         for index, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            h = _rms_norm(x, layer.input_layernorm)
-            q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(-1, self.heads, self.head_dim)
-            k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(-1, self.kv_heads, self.head_dim)
-            v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(-1, self.kv_heads, self.head_dim)
-            if hasattr(attn, "q_norm"):  # qwen3
-                q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
+            h = _rms_norm(x, layer.input_layernorm.weight, self.eps)
+            q = _linear(h, attn.q_proj).view(-1, self.heads, self.head_dim)
+            k = _linear(h, attn.k_proj).view(-1, self.kv_heads, self.head_dim)
+            v = _linear(h, attn.v_proj).view(-1, self.kv_heads, self.head_dim)
+            if "q_norm" in attn._modules:  # qwen3
+                q, k = _rms_norm(q, attn.q_norm.weight, self.eps), _rms_norm(k, attn.k_norm.weight, self.eps)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            out = attend(index, q, k, v)
-            x = x + F.linear(out.flatten(1), attn.o_proj.weight, attn.o_proj.bias)
-            h = _rms_norm(x, layer.post_attention_layernorm)
-            gate = mlp.act_fn(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias))
-            x = x + F.linear(gate * F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias), mlp.down_proj.weight,
-                             mlp.down_proj.bias)
+            x = x + _linear(attend(index, q, k, v).flatten(1), attn.o_proj)
+            h = _rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
+            x = x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)  # hidden_act silu
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [n, hidden] -> float32 logits [n, V] (final norm, then the LM head)."""
-        head = self.model.get_output_embeddings()  # tied or not: the HF model's own tensor
-        return F.linear(_rms_norm(hidden, self.model.model.norm), head.weight, head.bias).float()
+        return F.linear(_rms_norm(hidden, self.weights.model.norm.weight, self.eps), self.weights.lm_head.weight).float()

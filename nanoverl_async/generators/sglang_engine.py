@@ -17,9 +17,8 @@ Invariants:
     is resumed: its partial tokens are appended to `input_ids`, `max_new_tokens` drops by their count,
     their logprobs and versions are kept, and the rest is requested again from the same server (the new
     request blocks server-side until `/continue_generation`);
-  - routing: an `episode_id` seen before, or a prompt that extends an earlier request's prompt + completion
-    (the next turn of an episode), goes to the same server (its prefix cache holds the history);
-    otherwise the server with the fewest outstanding requests;
+  - routing: an `episode_id` seen before goes to the same server (its prefix cache holds the episode's
+    history); otherwise the server with the fewest outstanding requests;
   - a server whose process died is restarted once per failure (newest weights, current version) and its
     in-flight requests are re-issued from their partial tokens; an external or living server that drops
     a connection, or any call past its timeout, raises `SGLangError` (fail loudly);
@@ -85,7 +84,7 @@ class SGLangEngine:
         self.servers = servers
         self.outstanding = [0] * len(servers)
         self.latest_path = model_path  # the weights a restarted server loads
-        self.counts = {"requests": 0, "resumed": 0, "restarts": 0, "tokens": 0, "weight_updates": 0}
+        self.counts = {"resumed": 0, "restarts": 0, "weight_updates": 0}
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._clients: dict[int, httpx.AsyncClient] = {}  # one per event loop
         self._restart_locks: dict[int, asyncio.Lock] = {}
@@ -103,9 +102,6 @@ class SGLangEngine:
         for server in self.servers:
             server.close()
 
-    def in_flight(self) -> int:
-        return sum(self.outstanding)
-
     def endpoints(self, node_ip: str = "") -> list[dict]:
         """Where the servers listen and which protocol they speak, for learner rank 0's weight-update
         group (sglang_nccl.server_handles). A server bound to every interface is reached at `node_ip`."""
@@ -114,45 +110,28 @@ class SGLangEngine:
                  "legacy_protocol": s.legacy_protocol, "node_ip": node_ip} for s in self.servers]
 
     # --- generation --------------------------------------------------------------------------------
-    def route(self, episode_id: Optional[str], input_ids: list[int] = ()) -> int:
-        """The episode's server if it has one, else the least busy (ties: the lowest index). Without an
-        `episode_id`, a request that extends an earlier request's prompt + completion (the next turn of an
-        episode) goes where that one went: its sequence hash was remembered when it completed."""
-        if len(self.servers) == 1:
-            return 0
-        key = episode_id
-        if key is None:
-            hashes = prefix_hashes(input_ids)
-            key = next((k for k in ((n + 1, hashes[n]) for n in reversed(range(len(hashes)))) if k in self._sticky),
-                       None)
-        if key is not None and key in self._sticky:
-            self._sticky.move_to_end(key)
-            return self._sticky[key]
+    def route(self, episode_id: Optional[str]) -> int:
+        """The episode's server if it has one, else the least busy (ties: the lowest index)."""
+        if episode_id in self._sticky:
+            self._sticky.move_to_end(episode_id)
+            return self._sticky[episode_id]
         index = min(range(len(self.servers)), key=lambda i: self.outstanding[i])
         if episode_id is not None:
-            self.remember(episode_id, index)
+            self._sticky[episode_id] = index
+            if len(self._sticky) > STICKY_EPISODES:
+                self._sticky.popitem(last=False)
         return index
-
-    def remember(self, key, index: int) -> None:
-        self._sticky[key] = index
-        if len(self._sticky) > STICKY_EPISODES:
-            self._sticky.popitem(last=False)
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *,
                        episode_id: Optional[str] = None) -> Completion:
         if len(input_ids) == 0:
             raise ValueError("generate needs at least one input token")
-        index = self.route(episode_id, input_ids)
+        index = self.route(episode_id)
         self.outstanding[index] += 1
-        self.counts["requests"] += 1
         try:
-            completion = await self._generate_on(index, list(input_ids), params, episode_id or "req")
+            return await self._generate_on(index, list(input_ids), params, episode_id or "req")
         finally:
             self.outstanding[index] -= 1
-        if episode_id is None and len(self.servers) > 1:  # the next turn will extend this sequence
-            full = list(input_ids) + completion.token_ids
-            self.remember((len(full), prefix_hashes(full)[-1]), index)
-        return completion
 
     async def _generate_on(self, index: int, input_ids: list[int], params: SamplingParams, key: str) -> Completion:
         completion, rid, segment, empty = Completion(), f"{key}-{uuid.uuid4().hex[:12]}", 0, 0
@@ -174,7 +153,6 @@ class SGLangEngine:
             completion.token_ids += tokens
             completion.logprobs += logprobs
             completion.versions += versions
-            self.counts["tokens"] += len(tokens)
             if finish != "abort":
                 completion.finish_reason = finish
                 return completion
@@ -262,15 +240,6 @@ class SGLangEngine:
         self.counts["weight_updates"] += 1
         if old != self.base_model_path and Path(old).parent == self.weights_dir:
             shutil.rmtree(old, ignore_errors=True)  # keep only the newest written version
-
-
-def prefix_hashes(ids) -> list[int]:
-    """hashes[n] identifies ids[:n + 1] (a 64-bit polynomial rolling hash; keys also carry the length)."""
-    out, h = [], 0
-    for token in ids:
-        h = (h * 1_000_003 + int(token) + 1) & 0xFFFFFFFFFFFFFFFF
-        out.append(h)
-    return out
 
 
 def parse_reply(reply: dict, fallback_version: int) -> tuple[list[int], list[float], list[int], str]:

@@ -15,9 +15,9 @@ Invariants:
     group, SIGKILL it after `timeout_s`, and SIGKILL whatever of it outlived the server, so nothing it
     spawned keeps the GPU or the port;
   - the server never outlives the process that launched it, however that process dies (`ray.kill`,
-    SIGKILL, OOM): a watchdog (generators/watchdog.py) SIGTERMs the group, then SIGKILLs it
-    after a grace period, when the launcher is gone; which thread launched the server does not matter.
-    Linux/POSIX only (fork, setsid, killpg).
+    SIGKILL, OOM): a watcher (runtime/reaper.py, started right after the server) SIGTERMs the group, then
+    SIGKILLs it after a grace period, when the launcher is gone; which thread launched the server does not
+    matter. Linux/POSIX only (setsid, killpg).
 
 `command` is the launcher prefix (default `python -m sglang.launch_server`); the contract tests point it at
 tests/fake_sglang_server.py, which takes the same flags. Run alone: tests/test_sglang_contract.py.
@@ -25,10 +25,7 @@ tests/fake_sglang_server.py, which takes the same flags. Run alone: tests/test_s
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -38,7 +35,7 @@ from typing import Optional
 import httpx
 
 from nanoverl_async.config import SGLangConfig
-from nanoverl_async.generators.watchdog import signal_group, spawn_watched
+from nanoverl_async.runtime.reaper import Reaper, signal_group
 from nanoverl_async.generators.sglang_client import SGLangClient, SGLangError
 
 log = logging.getLogger(__name__)
@@ -59,17 +56,15 @@ class SGLangServer(SGLangClient):
     """A client (nanoverl_async/generators/sglang_client.py) of a server this process launches, watches and restarts."""
 
     def __init__(self, model_path: str, port: int, cfg: SGLangConfig, *, initial_version: int = 0,
-                 command: Optional[list[str]] = None, url: str = "", legacy_protocol: Optional[bool] = None,
-                 seed: int = 0, dtype: str = "auto"):
-        super().__init__(url or f"http://{cfg.host}:{port}", cfg.control_timeout_s, tp_size=cfg.tp_size,
-                         legacy_protocol=legacy_protocol)
+                 command: Optional[list[str]] = None, url: str = "", seed: int = 0, dtype: str = "auto"):
+        super().__init__(url or f"http://{cfg.host}:{port}", cfg.control_timeout_s, tp_size=cfg.tp_size)
         self.model_path, self.port, self.cfg = model_path, port, cfg
         self.version = initial_version  # the weights version this server holds
         default = [] if url else [sys.executable, "-m", "sglang.launch_server"]  # a given url: not ours to launch
         self.command = command if command is not None else default
         self.seed, self.dtype = seed, dtype
         self.process: Optional[subprocess.Popen] = None
-        self._lifeline: Optional[int] = None  # the write end of the watchdog's pipe; held while we live
+        self._watcher: Optional[Reaper] = None  # ends the server's group if this process dies
         self.restarts = 0
 
     # --- process ---------------------------------------------------------------------------------
@@ -87,23 +82,16 @@ class SGLangServer(SGLangClient):
         self.wait_ready()
 
     def launch(self) -> None:
-        """Start the server process (if ours to start) under a watchdog (generators/watchdog.py)."""
+        """Start the server process (if ours to start), watched (runtime/reaper.py)."""
         if self.process is None and self.command:
             args = self.launch_args()
-            if shutil.which(args[0]) is None:  # the trampoline would only report it as exit code 127
-                raise FileNotFoundError(errno.ENOENT, "SGLang server command not found", args[0])
             log.info("starting SGLang server: %s", " ".join(args))
-            self.process, self._lifeline = spawn_watched(args)
+            self.process = subprocess.Popen(args, start_new_session=True)  # leads its own group
+            self._watcher = Reaper(group=self.process.pid)
 
     def wait_ready(self) -> None:
         """Wait for GET /health == 200, then read the server's version to pick the protocol variant."""
-        self.wait_healthy(self.cfg.launch_timeout_s)
-        self.detect_protocol()
-
-    def alive(self) -> bool:
-        return self.process is None or self.process.poll() is None
-
-    def wait_healthy(self, timeout_s: float) -> None:
+        timeout_s = self.cfg.launch_timeout_s
         deadline = time.monotonic() + timeout_s
         while True:
             if not self.alive():
@@ -111,12 +99,16 @@ class SGLangServer(SGLangClient):
                                   "while starting (see its log above)")
             try:
                 if self._http.get(self.url + "/health", timeout=min(30.0, timeout_s)).status_code == 200:
-                    return
+                    break
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
                 raise SGLangError(f"SGLang server {self.url} not healthy within {timeout_s:.0f} s")
             time.sleep(HEALTH_POLL_S)
+        self.detect_protocol()
+
+    def alive(self) -> bool:
+        return self.process is None or self.process.poll() is None
 
     def restart(self, model_path: str) -> None:
         """Kill (if needed) and relaunch with `model_path` (the newest weights) at version `self.version`."""
@@ -129,7 +121,7 @@ class SGLangServer(SGLangClient):
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the server's process group, SIGKILL it after `timeout_s`, then SIGKILL what is left of
-        it (children that outlived the server); closing the lifeline then lets the watchdog exit."""
+        it (children that outlived the server); then its watcher leaves."""
         process = self.process
         if process is not None:
             if process.poll() is None:
@@ -141,9 +133,9 @@ class SGLangServer(SGLangClient):
                     process.wait(timeout_s)
             signal_group(process.pid, signal.SIGKILL)
             self.process = None
-        if self._lifeline is not None:
-            os.close(self._lifeline)
-            self._lifeline = None
+        if self._watcher is not None:
+            self._watcher.release()
+            self._watcher = None
 
     def close(self) -> None:
         self.stop()

@@ -72,21 +72,17 @@ class GeneratorWorker:
         self.make_env = env or env_factory(cfg.agent.env, load_reward(cfg.reward.path, cfg.reward.name))
         sandbox.set_isolation(cfg.agent.sandbox)  # the `python` tool runs in this process
         self.tokenizer = tokenizer or load_tokenizer(model_path)
-        if engine is None:  # generator.engine picks it: transformers or sglang (make_engine below)
-            engine = make_engine(cfg.generator, model_path, generator_id=generator_id, seed=cfg.run.seed,
-                                 dtype=cfg.model.dtype)
-        self.engine = engine
+        self.engine = engine or make_engine(cfg.generator, model_path, generator_id=generator_id, seed=cfg.run.seed,
+                                            dtype=cfg.model.dtype)  # generator.engine: transformers or sglang
         # Episodes that will still call the engine, plus a lease request in flight (it may bring more):
         # with run.deterministic the engine waits for all of them before each wave (hf_engine "Lockstep"),
         # and leases and evaluations each wait until none is left, so they never share a wave.
         self._live = 0
         self.lockstep = cfg.run.deterministic
         if self.lockstep:
-            engine.lockstep = lambda: self._live
+            self.engine.lockstep = lambda: self._live
         self.request_timeout_s, self.group_timeout_s = request_timeout_s, group_timeout_s
         self.lease_retry_s = lease_retry_s
-        self.counts = {"groups_leased": 0, "empty_leases": 0, "episodes": 0, "tokens": 0, "weight_applies": 0}
-        self.weight_apply_s = 0.0  # seconds spent loading weights (and draining, in drain mode)
         self._stop_requested = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._error: Optional[BaseException] = None
@@ -100,10 +96,6 @@ class GeneratorWorker:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._wake.set)
 
-    def stats(self) -> dict:
-        return {**self.counts, "version": self.engine.version, "groups_in_flight": len(self._groups),
-                "engine_in_flight": self.engine.in_flight(), "weight_apply_s": self.weight_apply_s}
-
     async def run(self, buffer_endpoints: dict, weights_endpoint: str, curve: Optional[CurveKeys] = None) -> None:
         """Lease, generate and apply weights until `stop()`: the buffer's sockets (BufferService.endpoints)
         and the learner's weights publisher, with the run's keys (wire/auth.py)."""
@@ -113,7 +105,11 @@ class GeneratorWorker:
         self._lock = asyncio.Lock()  # one request on the DEALER at a time: replies come back in order
         context = zmq.asyncio.Context()
         subscriber, tasks = None, []
-        # the subscriber's socket lives on this one thread, from its first poll to its close (never shared)
+        # subscriber.poll_newest runs on a thread of its own, where its socket lives from its first poll to its
+        # close (never shared): checking a version takes seconds for a large model, and the engine decodes on
+        # this event loop (a 360M-parameter bfloat16 version stalled it 1.8 s here; 7 ms from this thread, with its
+        # tensors viewing the received bytes; 2-core CPU). A version in the learner's shared memory, or on this
+        # GPU by CUDA IPC, is copied and checked there too (weights.py).
         self._weights_thread = ThreadPoolExecutor(1, thread_name_prefix=f"generator-{self.generator_id}-weights")
         try:
             self._dealer = context.socket(zmq.DEALER)
@@ -193,12 +189,10 @@ class GeneratorWorker:
             for lease in reply["leases"]:
                 task = self._spawn(self._run_group(lease), f"group-{lease['group_id']}")
                 self._groups.add(task)
-            self.counts["groups_leased"] += len(reply["leases"])
             if reply["leases"]:
                 gated_version = None
                 continue
             # The gate is closed for this version: retry soon, at once if new weights arrive.
-            self.counts["empty_leases"] += 1
             if gated_version != version:
                 gated_since, gated_version = time.monotonic(), version
             elif time.monotonic() - gated_since > self.weight_sync.timeout_s:
@@ -235,8 +229,6 @@ class GeneratorWorker:
                                        generator_id=self.generator_id, keep_messages=self.keep_messages,
                                        trace=self.trace.enabled)
         await asyncio.wait_for(self._push.send(encode(trajectory)), self.request_timeout_s)
-        self.counts["episodes"] += 1
-        self.counts["tokens"] += trajectory.num_generated
 
     def _track(self, episode) -> asyncio.Future:
         """Run an episode counted in `_live` (counted by whoever scheduled it) until it ends, however it ends."""
@@ -264,27 +256,20 @@ class GeneratorWorker:
     async def _weight_loop(self, subscriber: WeightSubscriber) -> None:
         while True:
             received = time.time()  # a version's receipt (checksum, deserialisation) is part of its load
-            newest = await self._poll_weights(subscriber, self.engine.version)
+            newest = await self._loop.run_in_executor(self._weights_thread, subscriber.poll_newest, self.engine.version)
             if newest is not None:
                 await self._apply(subscriber, *newest, received)
             await asyncio.sleep(self.lease_retry_s)
 
-    async def _poll_weights(self, subscriber: WeightSubscriber, current_version: int) -> Optional[tuple[int, dict]]:
-        """subscriber.poll_newest on the subscriber's own thread: checking a version takes seconds for a large
-        model, and the engine decodes on this event loop (a 360M-parameter bfloat16 version stalled it 1.8 s
-        here; 7 ms from this thread, with its tensors viewing the received bytes; 2-core CPU). A version in the
-        learner's shared memory, or on this GPU by CUDA IPC, is copied and checked here too (weights.py)."""
-        return await self._loop.run_in_executor(self._weights_thread, subscriber.poll_newest, current_version)
-
     async def _apply(self, subscriber: WeightSubscriber, version: int, state_dict: dict, received: float) -> None:
-        started = time.perf_counter()
         if self.weight_sync.mode == "drain":
             self._draining = True  # the lease loop starts no new group meanwhile
             # `_live` also counts a lease request in flight: the groups its reply brings start under the
             # old weights, so they must finish before the swap too.
             await self._wait_until(lambda: not self._groups and not self._live, self.weight_sync.timeout_s,
                                    f"in-flight groups to finish before applying weights version {version}")
-            newer = await self._poll_weights(subscriber, version)  # a newer version may have arrived while draining
+            # a newer version may have arrived while draining
+            newer = await self._loop.run_in_executor(self._weights_thread, subscriber.poll_newest, version)
             if newer is not None:
                 version, state_dict = newer
         self.engine.stage_weights(state_dict, version)
@@ -292,8 +277,6 @@ class GeneratorWorker:
                        mode=self.weight_sync.mode)
         self._draining = False
         self._new_weights.set()
-        self.counts["weight_applies"] += 1
-        self.weight_apply_s += time.perf_counter() - started
         log.info("generator %d: applied weights version %d (%s)", self.generator_id, version, self.weight_sync.mode)
         await self._request({"op": "report", "generator_id": self.generator_id, "version": version})
 

@@ -17,6 +17,7 @@ Run alone: `python -m pytest tests/test_algorithms.py tests/test_fsdp_schedule.p
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -53,12 +54,7 @@ class TrainBatch:
 
 def group_size_of(trajectories: Sequence[Trajectory]) -> int:
     """The common group size of group-contiguous trajectories (asserts contiguity and equal sizes)."""
-    runs: list[list] = []
-    for t in trajectories:
-        if runs and runs[-1][0] == t.group_id:
-            runs[-1][1] += 1
-        else:
-            runs.append([t.group_id, 1])
+    runs = [(group_id, len(list(run))) for group_id, run in itertools.groupby(t.group_id for t in trajectories)]
     ids = [group_id for group_id, _ in runs]
     assert len(set(ids)) == len(ids), f"trajectories are not group-contiguous (group ids in order: {ids})"
     sizes = {size for _, size in runs}
@@ -121,16 +117,15 @@ def explained_variance(batch: TrainBatch) -> float:
     return float(1 - (returns - values).var() / returns.var())
 
 
-def slice_rows(batch: TrainBatch, start: int, stop: int) -> TrainBatch:
-    """Rows [start, stop) of every tensor (views, no copy)."""
-    return TrainBatch(**{f.name: None if getattr(batch, f.name) is None else getattr(batch, f.name)[start:stop]
+def _each(batch: TrainBatch, fn) -> TrainBatch:
+    """fn(tensor) for every tensor of the batch (None stays None)."""
+    return TrainBatch(**{f.name: None if getattr(batch, f.name) is None else fn(getattr(batch, f.name))
                          for f in dataclasses.fields(TrainBatch)})
 
 
-def take_rows(batch: TrainBatch, rows: Tensor) -> TrainBatch:
-    """The rows `rows` (an index tensor) of every tensor, in that order (copies)."""
-    return TrainBatch(**{f.name: None if getattr(batch, f.name) is None else getattr(batch, f.name)[rows]
-                         for f in dataclasses.fields(TrainBatch)})
+def take_rows(batch: TrainBatch, rows: Tensor | slice) -> TrainBatch:
+    """The rows `rows` (an index tensor: copies, in that order; a slice: views) of every tensor."""
+    return _each(batch, lambda tensor: tensor[rows])
 
 
 def epoch_order(size: int, seed: int, version: int, epoch: int) -> Tensor:
@@ -147,7 +142,7 @@ def shard(batch: TrainBatch, rank: int, world_size: int) -> TrainBatch:
     assert 0 <= rank < world_size and batch.size % world_size == 0, \
         f"{batch.size} sequences do not split evenly over {world_size} ranks (rank {rank})"
     per_rank = batch.size // world_size
-    return slice_rows(batch, rank * per_rank, (rank + 1) * per_rank)
+    return take_rows(batch, slice(rank * per_rank, (rank + 1) * per_rank))
 
 
 def token_budget_bounds(lengths: Sequence[int], budget: int) -> list[tuple[int, int]]:
@@ -182,17 +177,13 @@ def split_to(bounds: list[tuple[int, int]], count: int) -> list[tuple[int, int]]
 def trimmed(batch: TrainBatch, start: int, stop: int) -> TrainBatch:
     """Rows [start, stop), with the columns after their longest row cut off (right padding only:
     the logits of the remaining tokens do not change)."""
-    rows = slice_rows(batch, start, stop)
+    rows = take_rows(batch, slice(start, stop))
     length = max(1, int(rows.attention_mask.sum(dim=1).max())) if rows.size else 1
-    return TrainBatch(**{f.name: _cut(getattr(rows, f.name), length) for f in dataclasses.fields(TrainBatch)})
-
-
-def _cut(tensor: Optional[Tensor], length: int) -> Optional[Tensor]:
-    return tensor[:, :length] if tensor is not None and tensor.dim() == 2 else tensor
+    return _each(rows, lambda tensor: tensor[:, :length] if tensor.dim() == 2 else tensor)
 
 
 def to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    return TrainBatch(**{f.name: on_device(getattr(batch, f.name), device) for f in dataclasses.fields(TrainBatch)})
+    return _each(batch, lambda tensor: on_device(tensor, device))
 
 
 def sequence_logprobs(logits: Tensor, input_ids: Tensor, temperature: float) -> Tensor:

@@ -131,19 +131,6 @@ class LearnerRank:
             fully_shard(module, mesh=self.mesh, mp_policy=mp_policy, reshard_after_forward=self.world_size > 1)
         return model
 
-    def _accumulating(self, model: torch.nn.Module, micro_batch: int, count: int) -> None:
-        """Before micro-batch `micro_batch` of `count`: one rank accumulates gradients unsharded (in fp32) and
-        keeps the compute copy of the weights until the last, instead of a reduce (a copy) and a cast per
-        micro-batch and layer. Several ranks reduce-scatter each micro-batch: no rank holds all gradients."""
-        if isinstance(model, FSDPModule) and self.world_size == 1:
-            last = micro_batch == count - 1
-            model.set_requires_gradient_sync(last)
-            model.set_reshard_after_backward(last)
-
-    @property
-    def steps_per_batch(self) -> int:
-        return self.cfg.ppo_epochs * self.cfg.minibatches
-
     def _micro_bounds(self, local: TrainBatch) -> list[tuple[int, int]]:
         """Row ranges of this rank's rows within learner.micro_batch_tokens padded tokens each, split
         to the largest count of any rank (collective: ranks must run the same number of passes)."""
@@ -201,7 +188,7 @@ class LearnerRank:
         reduced over ranks, then averaged over optimizer steps (`*_max` keys: max); `memory/*`: the largest
         peak of any rank since the previous update returned (docs/metrics.md)."""
         assert batch.advantages is not None, "the batch has no advantages (batch.with_advantages)"
-        assert batch.proximal_logprobs is not None or self.steps_per_batch == 1, \
+        assert batch.proximal_logprobs is not None or self.cfg.ppo_epochs * self.cfg.minibatches == 1, \
             "several optimizer steps per batch need the proximal logprobs (LearnerPool.prepare)"
         history = []
         for epoch in range(self.cfg.ppo_epochs):
@@ -226,44 +213,49 @@ class LearnerRank:
         aggregation = loss_normaliser(local.loss_mask, self.algo.loss_agg, self.setup.max_total_tokens)
         counts = torch.stack([sampled.sum().double(), same_version.sum().double(), aggregation]).to(self.device)
         dist.all_reduce(counts)
-        tokens, same_version_tokens, aggregation = counts.clamp(min=1.0).tolist()
-        return {"tokens": tokens, "same_version_tokens": same_version_tokens, "aggregation": aggregation}
+        return dict(zip(("tokens", "same_version_tokens", "aggregation"), counts.clamp(min=1.0).tolist()))
 
     def _optimizer_step(self, local: TrainBatch) -> dict[str, float]:
-        """Accumulate gradients over this rank's micro-batches (each loss already divided by the global
-        normalisers), clip, step."""
+        """One optimizer step of the policy on this rank's rows and, with gae, one of the critic on the same
+        micro-batches."""
         normalisers, bounds = self._normalisers(local), self._micro_bounds(local)
-        self.optimizer.zero_grad(set_to_none=True)
-        parts = []  # each micro-batch's metrics
-        for index, (start, stop) in enumerate(bounds):
-            self._accumulating(self.model, index, len(bounds))
-            loss, metrics = self._loss(*self._micro_batch(local, start, stop), normalisers)
-            (loss * self.world_size).backward()  # FSDP2 averages gradients over ranks: undo the 1/world_size
-            parts.append(metrics)
-        grad_norm = _clip_grad_norm(self.model, self.cfg.grad_clip)
-        self.optimizer.step()
-        out = _reduce(parts)
+        out, grad_norm = self._train(self.model, self.optimizer, self.cfg.grad_clip, local, bounds, normalisers,
+                                     self._loss)
         out.update(grad_norm=grad_norm, tokens=int(normalisers["tokens"]))
         if self.critic is not None:
-            out.update(self._critic_step(local, bounds, normalisers["tokens"]))
+            critic, critic_norm = self._train(self.critic, self.critic_optimizer, self.setup.critic.grad_clip, local,
+                                              bounds, normalisers, self._value_loss)
+            out.update(critic, value_grad_norm=critic_norm)
         return out
 
-    def _critic_step(self, local: TrainBatch, bounds: list[tuple[int, int]], tokens: float) -> dict[str, float]:
-        """One critic optimizer step on the same micro-batches: the clipped value loss (algorithms.value_loss)
-        against the GAE returns, token-mean over the global sampled-token count."""
-        self.critic_optimizer.zero_grad(set_to_none=True)
-        parts = []
+    def _train(self, model: torch.nn.Module, optimizer, grad_clip: float, local: TrainBatch,
+               bounds: list[tuple[int, int]], normalisers: dict[str, float], loss_of) -> tuple[dict[str, float], float]:
+        """Accumulate the gradients of loss_of(micro-batch, packing, normalisers) -> (loss, metrics), each loss
+        already divided by the global normalisers, over this rank's micro-batches; clip, step: (the metrics
+        reduced, the gradient norm). One rank accumulates gradients unsharded (in fp32) and keeps the compute
+        copy of the weights until the last micro-batch, instead of a reduce (a copy) and a cast per micro-batch
+        and layer; several ranks reduce-scatter each micro-batch, so that no rank holds all gradients."""
+        optimizer.zero_grad(set_to_none=True)
+        parts = []  # each micro-batch's metrics
         for index, (start, stop) in enumerate(bounds):
-            self._accumulating(self.critic, index, len(bounds))
-            mb, packing = self._micro_batch(local, start, stop)
-            token_loss, metrics = value_loss(self._values(packing), mb.values, mb.returns, mb.loss_mask,
-                                             self.setup.critic.value_clip)
-            loss = aggregate(token_loss, mb.loss_mask, "token-mean", tokens)
-            (loss * self.world_size).backward()
-            parts.append({"value_loss": loss.detach(), **reduce_token_metrics(metrics, mb.loss_mask, tokens)})
-        grad_norm = _clip_grad_norm(self.critic, self.setup.critic.grad_clip)
-        self.critic_optimizer.step()
-        return {**_reduce(parts), "value_grad_norm": grad_norm}
+            if isinstance(model, FSDPModule) and self.world_size == 1:
+                model.set_requires_gradient_sync(index == len(bounds) - 1)
+                model.set_reshard_after_backward(index == len(bounds) - 1)
+            loss, metrics = loss_of(*self._micro_batch(local, start, stop), normalisers)
+            (loss * self.world_size).backward()  # FSDP2 averages gradients over ranks: undo the 1/world_size
+            parts.append(metrics)
+        grad_norm = _clip_grad_norm(model, grad_clip)
+        optimizer.step()
+        return _reduce(parts), grad_norm
+
+    def _value_loss(self, mb: TrainBatch, packing: Packing, normalisers: dict[str, float]) -> tuple[torch.Tensor, dict]:
+        """The critic's loss of one micro-batch: the clipped value loss (algorithms.value_loss) against the GAE
+        returns, token-mean over the global sampled-token count."""
+        tokens = normalisers["tokens"]
+        token_loss, metrics = value_loss(self._values(packing), mb.values, mb.returns, mb.loss_mask,
+                                         self.setup.critic.value_clip)
+        loss = aggregate(token_loss, mb.loss_mask, "token-mean", tokens)
+        return loss, {"value_loss": loss.detach(), **reduce_token_metrics(metrics, mb.loss_mask, tokens)}
 
     def _loss(self, mb: TrainBatch, packing: Packing, normalisers: dict[str, float]) -> tuple[torch.Tensor, dict]:
         """The loss of one micro-batch (algorithms.policy_loss: correction, policy loss, KL, entropy) and
@@ -303,10 +295,14 @@ class LearnerRank:
     @torch.no_grad()
     def publish_weights(self, version: int) -> None:
         """Collective: gather the full state dict to rank 0 in the run's dtype (what the generators compute
-        in; a no-op for float32). ZeroMQ transport: into a payload in rank 0's host memory, published without
-        blocking. NCCL transport: on rank 0's device (no CPU round trip), loaded into every server before this
-        returns (they are paused only meanwhile), then a version notice tells the generators which version
-        their servers hold."""
+        in; a no-op for float32), one tensor at a time, each cast before it crosses (from a GPU half the bytes,
+        for bfloat16). NCCL transport: on rank 0's device (no CPU round trip), loaded into every server before
+        this returns (they are paused only meanwhile), then a version notice tells the generators which version
+        their servers hold. ZeroMQ transport: rank 0 copies each tensor straight into its slot of a payload,
+        published without blocking while the optimizer steps: one the publisher sent before and no longer needs
+        (`take_spare`; every version has the same layout), else a new one (weights.empty_payload): in shared
+        memory on CPU, on the GPU itself when every generator shares it (CUDA IPC), else pinned. From a GPU the
+        copies do not block, and the host waits once for all of them (into pageable memory each would wait)."""
         state = self.model.state_dict()
         if self.nccl_transport:
             gathered = dict(self._full_tensors(state))
@@ -315,7 +311,15 @@ class LearnerRank:
                 del gathered
                 self.publisher.publish(version, serialise({}))
             return
-        payload = self._host_payload(state)
+        cuda, payload, slots = self.device.type == "cuda", None, {}
+        if self.rank == 0:
+            layout = {name: (self.dtype if tensor.is_floating_point() else tensor.dtype, tuple(tensor.shape))
+                      for name, tensor in state.items()}
+            payload, slots = self.publisher.writable_payload(layout, self.device)  # a spare, else a new one
+        for name, full in self._full_tensors(state):
+            slots[name].copy_(full, non_blocking=cuda)
+        if cuda:
+            torch.cuda.current_stream(self.device).synchronize()
         if self.publisher is not None:
             self.publisher.publish(version, payload)
 
@@ -326,25 +330,6 @@ class LearnerRank:
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if self.rank == 0:
                 yield name, full.to(self.dtype) if full.is_floating_point() else full
-
-    def _host_payload(self, state: dict) -> Optional[np.ndarray]:
-        """Collective: rank 0 copies each full tensor straight into its slot of a wire payload (None on the
-        other ranks), which the publisher sends while the optimizer steps: one it sent before and no longer
-        needs (`take_spare`; every version has the same layout), else a new one (weights.empty_payload): in
-        shared memory on CPU, on the GPU itself when every generator shares it (CUDA IPC), else pinned. Each
-        tensor is cast before it crosses (from a GPU half the bytes, for bfloat16). From a GPU the copies do
-        not block, and the host waits once for all of them (into pageable memory each copy would wait in turn)."""
-        cuda = self.device.type == "cuda"
-        payload, slots = None, {}
-        if self.rank == 0:
-            layout = {name: (self.dtype if tensor.is_floating_point() else tensor.dtype, tuple(tensor.shape))
-                      for name, tensor in state.items()}
-            payload, slots = self.publisher.writable_payload(layout, self.device)  # a spare, else a new one
-        for name, full in self._full_tensors(state):
-            slots[name].copy_(full, non_blocking=cuda)
-        if cuda:
-            torch.cuda.current_stream(self.device).synchronize()
-        return payload
 
     def weights_endpoint(self) -> str:
         return self.publisher.endpoint if self.publisher is not None else ""

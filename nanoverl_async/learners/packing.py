@@ -102,19 +102,15 @@ class Packing:
     def logprobs(self, model: torch.nn.Module, temperature: float, chunk_tokens: int = 0) -> Tensor:
         """Token-indexed logprobs [n, l] (as `sequence_logprobs`) from one forward of the causal LM `model`, the
         head over at most `chunk_tokens` tokens at a time (0: all at once; `chunked_head`)."""
-        def reduce(logits: Tensor, targets: Tensor, rows: Optional[Tensor] = None) -> tuple[Tensor, ...]:
-            return (token_logprobs(logits, targets, temperature, rows),)
-
-        return self._read(model, reduce, chunk_tokens)[0]
+        return self._read(model, lambda logits, targets, rows=None: (
+            token_logprobs(logits, targets, temperature, rows),), chunk_tokens)[0]
 
     def logprobs_and_entropy(self, model: torch.nn.Module, temperature: float, entropy_grad: bool,
                              chunk_tokens: int = 0) -> tuple[Tensor, Tensor]:
         """`logprobs` and, token-indexed the same way, the entropy of the distribution that sampled each token,
         from one pass over each logit (algorithms.token_logprobs_and_entropy)."""
-        def reduce(logits: Tensor, targets: Tensor, rows: Optional[Tensor] = None) -> tuple[Tensor, ...]:
-            return token_logprobs_and_entropy(logits, targets, temperature, entropy_grad, rows)
-
-        return self._read(model, reduce, chunk_tokens)
+        return self._read(model, lambda logits, targets, rows=None: token_logprobs_and_entropy(
+            logits, targets, temperature, entropy_grad, rows), chunk_tokens)
 
     def _read(self, model: torch.nn.Module, reduce, chunk_tokens: int) -> tuple[Tensor, ...]:
         """reduce(logits, targets[, rows]) -> per-token values, token-indexed [n, l] each: from the logits at the
@@ -153,7 +149,8 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
     sequences whose first prompts[i] tokens are the same share them, as many in a row as fit.
     several_per_row=False keeps one sequence per row (the padded layout itself, for a model whose attention
     mixes packed sequences). `wanted` ([n, l], nonzero where read, e.g. the loss mask): the tokens whose
-    outputs are read, every token j >= 1 if None; the others come back 0."""
+    outputs are read, every token j >= 1 if None; the others come back 0. Host tensors in, a Packing on the
+    host out (`Packing.to` copies it to a device without blocking)."""
     lengths = attention_mask.sum(dim=1).tolist()
     longest = max(1, max(lengths, default=1))
     groups = _prompt_groups(input_ids, lengths, prompts if several_per_row else None)
@@ -193,10 +190,8 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
                             or none)[read]
     several = len(rows) < len(lengths)  # else each row is one sequence from position 0: no ids needed
     mask = _shared_prompt_mask(blocks, branches) if any(shared for shared, _ in units) else None
-    device = input_ids.device
-    return Packing(packed_ids.to(device), positions.to(device) if several else None,
-                   None if mask is None else mask.to(device), outputs.to(device), predictor.to(device),
-                   target.to(device), destination.to(device), tuple(attention_mask.shape))
+    return Packing(packed_ids, positions if several else None, mask, outputs, predictor, target, destination,
+                   tuple(attention_mask.shape))
 
 
 def chunked_head(hidden: Tensor, head: torch.nn.Module, targets: Tensor, reduce, chunk_tokens: int) -> Tensor:

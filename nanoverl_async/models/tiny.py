@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config
 
@@ -228,15 +229,10 @@ def demo_batch(tokenizer, pieces: list[dict], recipe: TinyRecipe, rng: random.Ra
 
 
 def _pad(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
-    width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (ids, lab) in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        labels[i, : len(ids)] = torch.tensor(lab)
-        attention_mask[i, : len(ids)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    ids = [torch.tensor(row) for row, _ in rows]
+    return {"input_ids": pad_sequence(ids, batch_first=True, padding_value=pad_id),
+            "attention_mask": pad_sequence([torch.ones_like(row) for row in ids], batch_first=True),
+            "labels": pad_sequence([torch.tensor(labels) for _, labels in rows], batch_first=True, padding_value=-100)}
 
 
 def sft_step(model, sub_batches: list[dict]) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Per-step metrics: `<output_dir>/metrics.jsonl`, a live console line, optionally wandb, and
-(run.log_samples) some episodes per step in `<output_dir>/samples.jsonl`.
+(run.log_samples) some episodes per step in `<output_dir>/samples.jsonl`; at the end a summary of the run
+from metrics.jsonl's rows (`run_summary`).
 
 One JSON object per training step (one batch), flat keys `group/name` (e.g. `reward/mean`, `staleness/max`).
 `step_metrics` turns what one step produced (the batch's stats, the learner's metrics, timings) into
@@ -131,6 +132,26 @@ def tied_groups_fraction(trajectories: list) -> float:
     return sum(len(values) == 1 for values in rewards.values()) / max(1, len(rewards))
 
 
+SUMMARY_WINDOW = 5  # steps averaged at each end for the summary's reward first -> last (fewer in a short run)
+
+
+def run_summary(rows: list[dict], output_dir: Path, final: Path, log_samples: int) -> str:
+    """The lines a run ends with, from its metrics.jsonl rows (every step once, a resumed run's earlier ones
+    included): steps, reward/mean averaged over the first and the last few steps, samples trained per second
+    of step time (time/step_s: waiting for the batch, training, publishing), where the model, samples and
+    plot are."""
+    window = max(1, min(SUMMARY_WINDOW, len(rows) // 3))
+    first, last = (float(np.mean([r["reward/mean"] for r in part])) for part in (rows[:window], rows[-window:]))
+    seconds = sum(r["time/step_s"] for r in rows)
+    samples = (f"{output_dir / 'samples.jsonl'} ({log_samples} episodes a step)" if log_samples
+               else "not kept (run.log_samples=N keeps N episodes a step)")
+    return "\n".join([
+        f"done: {len(rows)} steps in {seconds:.0f} s, {rows[-1]['samples/trained'] / max(seconds, 1e-9):.1f} "
+        f"samples/s; reward {first:.3f} -> {last:.3f} (mean of the first and the last {window} step(s))",
+        f"  final model: {final}", f"  samples:     {samples}",
+        f"  metrics:     {output_dir / 'metrics.jsonl'}; plot them: nanoverl-async plot {output_dir}"])
+
+
 TIED_STEPS_WARNING = 3  # consecutive steps where every group ties before the logger warns (once)
 
 
@@ -221,6 +242,11 @@ class MetricsLogger:
         else:
             elapsed = time.monotonic() - self.started
             print(f"step {m['step'] + 1:>4}/{self.total_steps}  {info}  {elapsed:.0f}s", flush=True)
+
+    def summary(self, final: Path) -> str:
+        """`run_summary` of the rows logged so far, with `final` the final model's folder."""
+        rows = [json.loads(line) for line in self.path.read_text().splitlines()]
+        return run_summary(rows, self.path.parent.resolve(), final.resolve(), self.log_samples)
 
     def close(self) -> None:
         if self.bar is not None:

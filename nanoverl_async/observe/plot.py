@@ -7,6 +7,7 @@ Reads each run directory's metrics.jsonl (one row per step, metrics.py) and conf
 
     reward vs step            | reward vs wall clock      every run overlaid, one colour per run
     generators gated          | generated tokens/s
+    tool use                  | tool errors               (the episodes/tool_* keys of docs/metrics.md)
     staleness: <run 1>        | step time: <run 1>        one row per run: the share of the batch at each
     ...                                                   lag, as a heatmap; wait / train / publish, stacked
                                                           (a sweep of more than MAX_RUN_ROWS runs: none)
@@ -41,11 +42,14 @@ MAX_RUN_ROWS = 4  # runs drawn with their own heatmap and time split; a larger s
 MAX_LABEL_KEYS = 4  # further differing keys are summarised as "+N more", so a legend stays readable
 TIME_SPLIT = {"time/wait_batch_s": "wait for batch", "time/train_s": "train", "time/publish_s": "publish"}
 TIME_COLOURS = ("#b0b0b0", "#4c72b0", "#dd8452")
-# the overlaid panels: (title, x field, y field, x label, y label) over Series fields
-OVERLAYS = (("reward vs step", "step", "reward", "step", "reward/mean"),
-            ("reward vs wall clock", "wall_s", "reward", "training wall clock (s)", "reward/mean"),
-            ("generators gated", "step", "gated_frac", "step", "generators/gated_frac"),
-            ("generated tokens/s", "step", "tokens_per_s", "step", "tokens/generated_per_s"))
+TITLE_CHARS = 60  # a run row's title wraps here: two titles side by side fit the figure's width
+# the overlaid panels: (title, x: "step" or "wall_s", the metrics key drawn (also the y label), x label)
+OVERLAYS = (("reward vs step", "step", "reward/mean", "step"),
+            ("reward vs wall clock", "wall_s", "reward/mean", "training wall clock (s)"),
+            ("generators gated", "step", "generators/gated_frac", "step"),
+            ("generated tokens/s", "step", "tokens/generated_per_s", "step"),
+            ("tool use: share of episodes with a tool call", "step", "episodes/tool_use_frac", "step"),
+            ("tool errors: failed calls / calls", "step", "episodes/tool_error_rate", "step"))
 
 
 @dataclass
@@ -62,10 +66,8 @@ class Series:
     """What the panels draw for one run, one entry per logged step; NaN where a row lacks the key."""
 
     step: np.ndarray
-    reward: np.ndarray
     wall_s: np.ndarray  # training wall clock at the end of each step: the running sum of time/step_s
-    gated_frac: np.ndarray
-    tokens_per_s: np.ndarray
+    curves: dict[str, np.ndarray]  # each OVERLAYS metrics key -> its values
     time_split: dict[str, np.ndarray]  # TIME_SPLIT key -> seconds; the three add up to time/step_s
     staleness: np.ndarray  # (lag, step): share of the step's trajectories that were `lag` versions old
     staleness_limit: int
@@ -135,8 +137,8 @@ def series(rows: list[dict]) -> Series:
     def column(key: str) -> np.ndarray:
         return np.array([float(row.get(key, np.nan)) for row in rows])
 
-    return Series(step=column("step"), reward=column("reward/mean"), wall_s=np.cumsum(column("time/step_s")),
-                  gated_frac=column("generators/gated_frac"), tokens_per_s=column("tokens/generated_per_s"),
+    return Series(step=column("step"), wall_s=np.cumsum(column("time/step_s")),
+                  curves={key: column(key) for _, _, key, _ in OVERLAYS},
                   time_split={key: column(key) for key in TIME_SPLIT}, staleness=staleness_shares(rows),
                   staleness_limit=max(int(row.get("staleness/limit", 0)) for row in rows))
 
@@ -157,54 +159,56 @@ def staleness_shares(rows: list[dict]) -> np.ndarray:
 
 
 def draw(runs: list[Run]) -> Figure:
-    """The figure: four overlaid panels on top, then one row per run (staleness heatmap, time split),
+    """The figure: six overlaid panels on top, then one row per run (staleness heatmap, time split),
     unless there are more than MAX_RUN_ROWS runs (a sweep): then the overlays alone."""
     labels = run_labels([run.config for run in runs], [run.path.resolve().name for run in runs])
     data = [series(run.rows) for run in runs]
     rows = len(runs) if len(runs) <= MAX_RUN_ROWS else 0
-    figure = Figure(figsize=(13, 3.4 * (2 + rows)), layout="constrained")
+    top = len(OVERLAYS) // 2
+    figure = Figure(figsize=(13, 3.4 * (top + rows)), layout="constrained")
     FigureCanvasAgg(figure)  # the non-interactive Agg canvas: renders to PNG with no display
-    axes = figure.subplots(2 + rows, 2, squeeze=False)
-    for ax in axes[3:, 1]:
-        ax.sharey(axes[2, 1])  # one seconds scale for every run's step time, so they compare by eye
-    for ax, panel in zip(axes[:2].flat, OVERLAYS):
+    axes = figure.subplots(top + rows, 2, squeeze=False)
+    for ax in axes[top + 1:, 1]:
+        ax.sharey(axes[top, 1])  # one seconds scale for every run's step time, so they compare by eye
+    for ax, panel in zip(axes[:top].flat, OVERLAYS):
         draw_overlay(ax, panel, data, labels)
-    axes[0, 0].legend(fontsize="small")  # one colour per run throughout: one legend is enough
+    # one colour per run throughout: one legend, above the panels, as wide as the labels need
+    figure.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside upper center", fontsize="small")
     for index, (s, label) in enumerate(zip(data[:rows], labels)):
-        draw_staleness(figure, axes[2 + index, 0], s, label, f"C{index}")
-        draw_time_split(axes[2 + index, 1], s, label, f"C{index}")
+        draw_staleness(figure, axes[top + index, 0], s, textwrap.fill(f"staleness: {label}", TITLE_CHARS), f"C{index}")
+        draw_time_split(axes[top + index, 1], s, textwrap.fill(f"step time: {label}", TITLE_CHARS), f"C{index}")
     if rows:
-        axes[2, 1].legend(fontsize="small", loc="upper right")  # the same three colours in every run's row
+        axes[top, 1].legend(fontsize="small", loc="upper right")  # the same three colours in every run's row
     return figure
 
 
 def draw_overlay(ax, panel: tuple, data: list[Series], labels: list[str]) -> None:
-    title, x, y, x_label, y_label = panel
+    title, x, key, x_label = panel
     for index, (s, label) in enumerate(zip(data, labels)):
         marker = "o" if len(s.step) <= 30 else None  # a short run's steps stay visible as points
-        ax.plot(getattr(s, x), getattr(s, y), color=f"C{index}", marker=marker, markersize=3, label=label)
-    ax.set(title=title, xlabel=x_label, ylabel=y_label)
+        ax.plot(getattr(s, x), s.curves[key], color=f"C{index}", marker=marker, markersize=3, label=label)
+    ax.set(title=title, xlabel=x_label, ylabel=key)
     ax.grid(alpha=0.3)
 
 
-def draw_staleness(figure: Figure, ax, s: Series, label: str, colour: str) -> None:
+def draw_staleness(figure: Figure, ax, s: Series, title: str, colour: str) -> None:
     first, last = s.step[0], s.step[-1]
     image = ax.imshow(s.staleness, origin="lower", aspect="auto", interpolation="nearest", cmap="viridis",
                       vmin=0, vmax=1, extent=(first - 0.5, last + 0.5, -0.5, s.staleness.shape[0] - 0.5))
     figure.colorbar(image, ax=ax, label="share of the batch")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
-    ax.set_title(f"staleness: {textwrap.fill(label, 70)}", color=colour)
+    ax.set_title(title, color=colour)
     ax.set(xlabel="step", ylabel=f"lag in versions (limit {s.staleness_limit})")
 
 
-def draw_time_split(ax, s: Series, label: str, colour: str) -> None:
+def draw_time_split(ax, s: Series, title: str, colour: str) -> None:
     bottom = np.zeros(len(s.step))
     for (key, name), bar_colour in zip(TIME_SPLIT.items(), TIME_COLOURS):
         seconds = np.nan_to_num(s.time_split[key])  # a run logged before the split existed: empty bars
         ax.bar(s.step, seconds, bottom=bottom, width=1.0, linewidth=0, color=bar_colour, label=name)
         bottom += seconds
     ax.set_xlim(s.step[0] - 0.5, s.step[-1] + 0.5)  # the same steps as the heatmap beside it
-    ax.set_title(f"step time: {textwrap.fill(label, 70)}", color=colour)
+    ax.set_title(title, color=colour)
     ax.set(xlabel="step", ylabel="seconds")
     ax.margins(y=0.2)  # headroom for the legend
 

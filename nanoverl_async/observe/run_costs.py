@@ -17,7 +17,7 @@ how much slower a process of each kind ran beside the other than core sharing ex
 from two measurements: a generator's seconds per token of its one-call episodes with the learner computing
 vs idle, among calls at or above its median concurrency (a half-empty batch is faster anyway) made after
 the engine's first, warm-up calls (`generation_slowdown`); the learner's seconds per batch token with a
-generator computing vs none, a least-squares fit over the steps (`learner_slowdown`). One not measured (too
+generator computing vs none, a least-squares fit over the steps (`learner_steps`). One not measured (too
 few of either kind) takes the other's value; neither, 1. A span's work is its duration at speed 1: the
 integral of the source's own speed over it.
 
@@ -28,6 +28,7 @@ Run alone: `python -m pytest tests/test_simulate.py -q`.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -45,6 +46,11 @@ STEP_COSTS = ("handover", *COMPUTE, "between")  # per step: seconds, work (COMPU
 MIN_CALLS = 20  # one-call episodes needed in each class (busy / idle learner) to measure the slowdown
 MIN_STEPS = 5  # steps (after the first) needed to fit the learner's slowdown
 IDLE, BUSY = 0.2, 0.8  # a call is "idle" when the learner computed <= 20% of it, "busy" when >= 80%
+TRACE = "trace.json"
+# what `compact` keeps: the metrics keys this module and bench/simulator_check.py read, the trace args read_events reads
+READ_KEYS = {"step", "time/step_s", "staleness/histogram", "generators/gated_frac", "episodes/length_mean",
+             "reward/mean"}
+TRACE_ARGS = {"name", "step", "group_id", "generator_id", "version", "outcome", "generated_tokens", "trained_step"}
 
 
 @dataclass
@@ -66,22 +72,46 @@ class Source:
     starts: np.ndarray  # per generator that leased: seconds from the learner's first wait to its first lease
     slowdowns: tuple  # (generator, learner): speed beside the other kind / alone, as measured; None: not
     interference: tuple  # (generator, learner): the `speeds` factors fitted to them
+    noise: float | None  # the learner's step-to-step noise (`learner_steps`): another job on the machine
     cores: float
     measured: dict  # the run's own samples_per_s, lags (Counter), gated_frac
 
 
+def trace_path(run_dir: Path) -> Path:
+    """RUN_DIR's trace: trace.json as the run wrote it, else trace.json.gz as `compact` keeps it."""
+    whole = run_dir / TRACE
+    return whole if whole.is_file() or not (run_dir / f"{TRACE}.gz").is_file() else run_dir / f"{TRACE}.gz"
+
+
 def load_trace(path: Path) -> list[dict]:
-    """trace.json's events; a crashed run's file lacks the closing `]`, which is added."""
+    """trace.json's events (gzipped when its name ends in .gz); a crashed run's file lacks the closing `]`,
+    which is added."""
     if not path.is_file():
         raise ConfigError(f"{path}: no such file (launch the run with run.trace=true)")
-    text = path.read_text().rstrip().rstrip(",")
+    text = (gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()).rstrip()
     try:
-        events = json.loads(text if text.endswith("]") else text + "]")
+        events = json.loads(text if text.endswith("]") else text.rstrip(",") + "]")
     except json.JSONDecodeError as error:
         raise ConfigError(f"{path}: not a Chrome trace (a JSON array of events): {error}") from None
     if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
         raise ConfigError(f"{path}: not a Chrome trace (a JSON array of events)")
     return events
+
+
+def compact(run_dir: str, into: str) -> Path:
+    """Copy of RUN_DIR that `read_source` reads as it reads RUN_DIR, a tenth of its size or less: config.yaml,
+    metrics.jsonl's READ_KEYS, and trace.json.gz holding only the events and args `read_events` reads."""
+    source, target = Path(run_dir), Path(into)
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.yaml").write_text((source / "config.yaml").read_text())
+    rows = [{k: v for k, v in row.items() if k in READ_KEYS} for row in read_rows(source / "metrics.jsonl")]
+    (target / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if trace_path(source).is_file():
+        kept = [{**e, "args": {k: v for k, v in e.get("args", {}).items() if k in TRACE_ARGS}}
+                for e in load_trace(trace_path(source)) if e.get("name") == "process_name"
+                or e.get("ph") == "X" and e["name"] != "tool"]
+        (target / f"{TRACE}.gz").write_bytes(gzip.compress(json.dumps(kept, separators=(",", ":")).encode(), mtime=0))
+    return target
 
 
 def in_progress(intervals: list[tuple[float, float]]):
@@ -154,10 +184,14 @@ def generation_slowdown(spans: dict, learner: Integral) -> float | None:
     return float((seconds[idle].sum() / tokens[idle].sum()) / (seconds[computing].sum() / tokens[computing].sum()))
 
 
-def learner_slowdown(spans: dict, rows: list[dict], generating: Integral, samples_per_step: int) -> float | None:
-    """The learner's seconds per batch token with no generator computing / with one: least squares over the
-    steps after the first (a warm-up) of seconds = tokens x (alone x (1 - h) + beside x h), h the share of the
-    step's compute with a generator computing. None unless both kinds hold >= 10% of the tokens."""
+def learner_steps(spans: dict, rows: list[dict], generating: Integral, samples_per_step: int) -> tuple:
+    """(the learner's slowdown beside generation, its step-to-step noise), from the steps after the first (a
+    warm-up). A least-squares fit of seconds = tokens x (alone x (1 - h) + beside x h), h the share of the step's
+    compute with a generator computing, tokens the batch's; the slowdown alone / beside is None unless both
+    kinds hold >= 10% of the tokens (then seconds = tokens x their median ratio). The noise: the interquartile
+    range of log(seconds / fitted seconds) / 1.349 (a normal's standard deviation, blind to a lone slow step):
+    the same work taking different times, which on a machine of its own it does not (simulate.py `NOISY`).
+    Each None under MIN_STEPS steps."""
     length = {row.get("step"): row.get("episodes/length_mean") for row in rows}
     samples = []
     for step, phases in spans["steps"][1:]:
@@ -166,13 +200,15 @@ def learner_slowdown(spans: dict, rows: list[dict], generating: Integral, sample
             shared = sum(generating.over(*phases[p]) for p in COMPUTE) / seconds
             samples.append((seconds, length[step] * samples_per_step, shared))
     if len(samples) < MIN_STEPS:
-        return None
+        return None, None
     seconds, tokens, shared = np.array(samples).T
-    if min((tokens * shared).sum(), (tokens * (1 - shared)).sum()) < 0.1 * tokens.sum():
-        return None
-    shares = np.stack([tokens * (1 - shared), tokens * shared], 1)
-    (alone, beside), *_ = np.linalg.lstsq(shares, seconds, rcond=None)
-    return float(alone / beside) if alone > 0 and beside > 0 else None
+    fitted, slowdown = tokens * np.median(seconds / tokens), None
+    if min((tokens * shared).sum(), (tokens * (1 - shared)).sum()) >= 0.1 * tokens.sum():
+        shares = np.stack([tokens * (1 - shared), tokens * shared], 1)
+        (alone, beside), *_ = np.linalg.lstsq(shares, seconds, rcond=None)
+        if alone > 0 and beside > 0:
+            fitted, slowdown = shares @ [alone, beside], float(alone / beside)
+    return slowdown, float(np.subtract(*np.percentile(np.log(seconds / fitted), [75, 25])) / 1.349)
 
 
 def speeds(generators, learner, cores: float, interference: tuple):
@@ -270,7 +306,7 @@ def read_source(run_dir: str, cores: float | None = None) -> Source:
     this one's CPUs); ConfigError naming what is wrong."""
     path = Path(run_dir)
     cfg = load_config(str(path / "config.yaml"))
-    rows, trace = read_rows(path / "metrics.jsonl"), path / "trace.json"
+    rows, trace = read_rows(path / "metrics.jsonl"), trace_path(path)
     drain, cores = cfg.weight_sync.mode == "drain", float(cores or os.cpu_count() or 1)
     samples_per_step = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
     try:
@@ -281,8 +317,8 @@ def read_source(run_dir: str, cores: float | None = None) -> Source:
             raise ConfigError(f"{trace}: no lease completed its group")
         points, learner, generators = computing(spans)
         generating = Integral(points, (generators > 0).astype(float))
-        slowdowns = (generation_slowdown(spans, Integral(points, learner)),
-                     learner_slowdown(spans, rows, generating, samples_per_step))
+        learner_slowdown, noise = learner_steps(spans, rows, generating, samples_per_step)
+        slowdowns = generation_slowdown(spans, Integral(points, learner)), learner_slowdown
         interference = fit_interference(slowdowns, cfg.generator.replicas, cores)
         generator_speed, learner_speed = speeds(generators, learner, cores, interference)
         costs, delays = step_costs(spans, Integral(points, learner_speed), drain)
@@ -295,4 +331,5 @@ def read_source(run_dir: str, cores: float | None = None) -> Source:
                   cfg.generator.max_groups_in_flight, drain, len(costs), np.array(versions),
                   np.array([generator_work.over(a, b) for a, b in zip(starts, ends)]),
                   outcomes.count("filtered") / len(outcomes), costs, delays, request_lags(spans),
-                  generator_starts(spans), slowdowns, interference, cores, sampled)
+                  generator_starts(spans), slowdowns, interference, noise, cores, sampled)
+

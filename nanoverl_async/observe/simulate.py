@@ -43,7 +43,7 @@ import heapq
 import math
 import textwrap
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -55,17 +55,28 @@ from nanoverl_async.observe.run_costs import COMPUTE, STEP_COSTS, Source, read_s
 from nanoverl_async.wire.trajectory import Trajectory
 
 STEP_POOL = 5  # a simulated step after the first draws its costs among the run's this many nearest steps
-REPEATS, POOLED_STEPS = 3, 120  # per setting, at least this many simulated runs and steps in all, pooled
-WITHIN = 0.05  # the recommendation: the smallest staleness within 5% of the best predicted samples/s
+REPEATS = 40  # simulated runs per setting, each of the run's length on its own bootstrap replicate of its costs
+INTERVAL = (10, 90)  # an interval spans these percentiles of the simulated runs: 80% of them
+WITHIN = 0.05  # a larger staleness "buys nothing" unless its samples/s may be >= 5% above the chosen one's
+NOISY = 0.15  # the learner's step-to-step noise (run_costs.py `learner_steps`) above which another job shared
+#               the machine (alone, the same work takes the same time within a few %): then it cannot tell
+CROWDED = 0.7  # interference (run_costs.py `fit_interference`) under which another job took cores: alone on a
+#               machine, roles that fit its cores barely slow each other (each runs learner/generator.torch_threads)
+WIDE = 0.15  # an interval wider than +-15% of its median, or a miss of the run's own samples/s by more: cannot tell
 GENERATING, LEARNING = 0, 1  # the two virtual clocks: generators' groups, the learner's compute
-HEADER = f"{'setting':<26}{'samples/s':>10}{'mean':>6}{'max':>5}{'gated':>7}  staleness: lag:% of samples"
+HEADER = (f"{'setting':<26}{'samples/s':>10}{'80% of runs':>13}{'mean':>6}{'max':>5}{'gated':>7}"
+          "  staleness: lag:% of samples")
 
 
 @dataclass
 class Prediction:
-    samples_per_s: float
-    lags: Counter  # lag -> trajectories trained at that lag
+    samples_per_s: np.ndarray  # one per simulated run
+    lags: Counter  # lag -> trajectories trained at that lag, over the runs
     gated_frac: float
+
+    def spread(self) -> tuple[float, float, float]:
+        """(median, low, high) of samples/s over the simulated runs: low and high the INTERVAL percentiles."""
+        return tuple(float(v) for v in np.percentile(self.samples_per_s, [50, *INTERVAL]))
 
 
 def nearest(keys: np.ndarray, center: int, minimum: int) -> np.ndarray:
@@ -114,8 +125,8 @@ class Simulation:
             self.at(self.timers, start, self.request, g)
         while self.step < steps:
             self.advance()
-        return Prediction(self.source.batch * self.source.group * steps / sum(self.step_seconds), self.lags,
-                          float(np.mean(self.gated_fracs)))
+        return Prediction(np.array([self.source.batch * self.source.group * steps / sum(self.step_seconds)]),
+                          self.lags, float(np.mean(self.gated_fracs)))
 
     def advance(self) -> None:
         """Move the clocks to the next event and handle it."""
@@ -226,12 +237,24 @@ class Simulation:
             self.take()
 
 
-def predict(source: Source, staleness: int, generators: int, seed: int = 0) -> Prediction:
-    """Simulated runs of the run's length at one setting, pooled; the same seed, the same numbers."""
-    repeats = max(REPEATS, math.ceil(POOLED_STEPS / source.steps))
-    runs = [Simulation(source, staleness, generators, np.random.default_rng([seed, staleness, generators, r]))
-            .run(source.steps) for r in range(repeats)]
-    return Prediction(float(np.mean([r.samples_per_s for r in runs])), sum((r.lags for r in runs), Counter()),
+def resample(source: Source, rng: np.random.Generator) -> Source:
+    """A bootstrap replicate of the run (Efron 1979): its completed leases drawn with replacement, each with
+    its version and work, and each step after the first (a warm-up, kept) replaced by one of its STEP_POOL
+    nearest (costs trend as episodes lengthen), with its costs and weight delays."""
+    leases = rng.integers(len(source.lease_work), size=len(source.lease_work))
+    later = np.arange(1, source.steps)
+    steps = [0, *(int(rng.choice(nearest(later, step, STEP_POOL) + 1)) for step in later)]
+    return replace(source, lease_versions=source.lease_versions[leases], lease_work=source.lease_work[leases],
+                   step_costs=source.step_costs[steps], weight_delays=[source.weight_delays[i] for i in steps])
+
+
+def predict(source: Source, staleness: int, generators: int, seed: int = 0, repeats: int = REPEATS) -> Prediction:
+    """`repeats` simulated runs of the run's length at one setting, run r on bootstrap replicate r (the same for
+    every setting, so settings compare run by run); the same seed, the same numbers."""
+    runs = [Simulation(resample(source, np.random.default_rng([seed, r])), staleness, generators,
+                       np.random.default_rng([seed, r, staleness, generators])).run(source.steps)
+            for r in range(repeats)]
+    return Prediction(np.concatenate([r.samples_per_s for r in runs]), sum((r.lags for r in runs), Counter()),
                       float(np.mean([r.gated_frac for r in runs])))
 
 
@@ -246,50 +269,94 @@ def parse_list(text: str, flag: str, least: int) -> list[int]:
     return sorted(set(values))
 
 
-def recommend(predictions: dict) -> tuple[int, int]:
-    """(staleness, generators): the smallest staleness whose best samples/s is within WITHIN of the best of
-    all (less staleness is safer for learning), then the fewest generators within WITHIN of that."""
-    best = max(p.samples_per_s for p in predictions.values())
-    eta = min(s for (s, _), p in predictions.items() if p.samples_per_s >= (1 - WITHIN) * best)
-    top = max(p.samples_per_s for (s, _), p in predictions.items() if s == eta)
-    return eta, min(g for (s, g), p in predictions.items() if s == eta and p.samples_per_s >= (1 - WITHIN) * top)
+def ratio(a: Prediction, b: Prediction) -> tuple[float, float, float]:
+    """(median, low, high) of a's samples/s over b's, simulated run by simulated run (the same replicate)."""
+    return Prediction(a.samples_per_s / b.samples_per_s, Counter(), 0.0).spread()
 
 
-def row(label: str, samples_per_s: float, lags: Counter, gated_frac: float) -> str:
-    """One line of the table under HEADER: samples/s, staleness mean and max, gated_frac, the lags' shares."""
+def cannot_tell(source: Source, predictions: dict) -> str | None:
+    """Why the predictions cannot choose, or None. Another job shared the machine: the learner's same work took
+    different times (NOISY), or the roles slowed each other more than the cores they fit on explain (CROWDED);
+    neither role was seen computing alone (so its speed alone is unknown); an interval is too wide (then the
+    steps a run would need, an interval narrowing with the square root of the steps); or the simulation misses
+    the run's own samples/s."""
+    width = max((high - low) / 2 / median for median, low, high in (p.spread() for p in predictions.values()))
+    own, measured = predictions[(source.staleness, source.generators)].spread()[0], source.measured["samples_per_s"]
+    needed, slowest = math.ceil(source.steps * (width / WIDE) ** 2), min(source.interference)
+    reasons = (
+        (source.noise or 0) > NOISY, f"the learner's same work took +-{source.noise or 0:.0%} different times from "
+        f"step to step (alone on a machine: under {NOISY:.0%}): another job shared the machine",
+        source.slowdowns == (None, None), "the run never had generation or the learner computing alone: their "
+        "speed alone is unknown",
+        slowest < CROWDED, f"the roles slowed each other to {slowest:.2f}x (under {CROWDED}x) beyond what sharing "
+        f"{source.cores:g} cores explains: another job took cores",
+        width > WIDE, f"{source.steps} steps leave an 80% interval of +-{width:.0%} (over {WIDE:.0%}); trace a run "
+        f"of >= {needed} steps (run.total_steps={needed})",
+        abs(own / measured - 1) > WIDE, f"the simulation misses this run's own samples/s by {own / measured - 1:+.0%}"
+        f" ({own:.1f} vs {measured:.1f}, over {WIDE:.0%})")
+    return next((f"cannot tell: {why}" for bad, why in zip(reasons[::2], reasons[1::2]) if bad), None)
+
+
+def decide(source: Source, predictions: dict) -> str:
+    """The one-line answer: the smallest staleness, then the fewest generators, whose samples/s may be within
+    WITHIN of the best's (the upper end of its ratio to the best >= 1 - WITHIN; less staleness is safer for
+    learning), against the smallest staleness at its generator count and what the next larger one buys."""
+    reason = cannot_tell(source, predictions)
+    if reason:
+        return reason
+    best = max(predictions, key=lambda s: predictions[s].spread()[0])
+    chosen = min(s for s, p in predictions.items() if ratio(p, predictions[best])[2] >= 1 - WITHIN)
+    etas = sorted(eta for eta, g in predictions if g == chosen[1])
+    answer = f"staleness.max={chosen[0]} generator.replicas={chosen[1]}"
+    if etas[0] < chosen[0]:
+        median, low, high = ratio(predictions[chosen], predictions[(etas[0], chosen[1])])
+        answer += f": {median:.2f}x eta {etas[0]}'s samples/s (80% of runs {low:.2f}-{high:.2f}x)"
+    larger = [eta for eta in etas if eta > chosen[0]]
+    if larger:
+        median, low, high = ratio(predictions[(larger[0], chosen[1])], predictions[chosen])
+        answer += f"; eta {larger[0]} buys nothing ({median:.2f}x, {low:.2f}-{high:.2f}x)"
+    return answer
+
+
+def row(label: str, samples_per_s: float, lags: Counter, gated_frac: float, within: str = "") -> str:
+    """One line of the table under HEADER: samples/s, its interval, staleness mean and max, gated_frac, lags."""
     total = sum(lags.values()) or 1
     mean = sum(lag * n for lag, n in lags.items()) / total
     shares = " ".join(f"{lag}:{100 * n / total:.0f}" for lag, n in sorted(lags.items()))
-    return f"{label:<26}{samples_per_s:>10.1f}{mean:>6.2f}{max(lags, default=0):>5}{gated_frac:>7.2f}  {shares}"
+    return (f"{label:<26}{samples_per_s:>10.1f}{within:>13}{mean:>6.2f}{max(lags, default=0):>5}{gated_frac:>7.2f}"
+            f"  {shares}")
 
 
 def model_notes(source: Source) -> str:
     """What the predictions assume, in the words the table is printed with."""
-    (generator, learner), fitted = source.slowdowns, source.interference
+    def measured(value: float | None, fallback: str) -> str:
+        return fallback if value is None else f"{value:.2f}x"
+    (generator, learner), noise = source.slowdowns, source.noise
+    return (f"Model: generation beside the learner ran at {measured(generator, 'not measured: taken as the learner')}"
+            f" its speed alone, the learner beside generation at {measured(learner, 'not measured: taken as generation')}"
+            f" (simulated as {source.interference[0]:.2f}x, {source.interference[1]:.2f}x); the learner's step-to-step "
+            f"noise {'not measured' if noise is None else f'+-{noise:.0%}'} (alone on a machine: under {NOISY:.0%}). "
+            f"Each setting: {REPEATS} simulated runs of {source.steps} steps, each on a bootstrap replicate of this "
+            f"run's leases and steps; intervals hold {INTERVAL[1] - INTERVAL[0]}% of them. Every setting trains the "
+            f"same samples per step: the same reward at a step only if staleness does not slow learning (compare "
+            f"reward/mean vs step: `nanoverl-async plot`). Other generator counts share {source.cores:g} cores "
+            f"(--cores) equally, each generator batching up to {source.max_groups} groups as here.")
 
-    def slowed(measured: float | None, factor: float) -> str:
-        return f"{'not measured' if measured is None else f'{measured:.2f}x'} (interference {factor:.2f})"
-    return (f"Model: generation beside the learner ran at {slowed(generator, fitted[0])} its speed alone, the "
-            f"learner beside generation at {slowed(learner, fitted[1])}. "
-            f"Other generator counts assume {source.cores:g} cores (--cores) shared equally by the computing "
-            f"processes (each generator, the learner), each also slowed by its interference when not alone, and "
-            f"each generator batching up to {source.max_groups} groups (generator.max_groups_in_flight) as here.")
 
-
-def report(run_dir: str, staleness: str, generators: str, cores: float | None = None, seed: int = 0) -> str:
-    """The table and the recommendation `nanoverl-async simulate` prints."""
-    etas, counts = parse_list(staleness, "--staleness", 0), parse_list(generators, "--generators", 1)
+def report(run_dir: str, staleness: str, generators: str | None = None, cores: float | None = None,
+           seed: int = 0) -> str:
+    """The one-line answer, then its evidence: the table and the model's assumptions."""
+    etas = parse_list(staleness, "--staleness", 0)
+    counts = parse_list(generators, "--generators", 1) if generators is not None else []
     if cores is not None and not cores > 0:
         raise ConfigError(f"--cores {cores}: expected a number of cores > 0")
     source = read_source(run_dir, cores)
-    predictions = {(s, g): predict(source, s, g, seed) for s in etas for g in counts}
-    lines = [HEADER, row(f"measured eta={source.staleness} gen={source.generators}", **source.measured)]
-    lines += [row(f"predicted eta={s} gen={g}", p.samples_per_s, p.lags, p.gated_frac)
-              for (s, g), p in predictions.items()]
-    eta, count = recommend(predictions)
-    best = max(p.samples_per_s for p in predictions.values())
-    lines += [textwrap.fill(model_notes(source), 110),
-              textwrap.fill(f"recommend staleness.max={eta} generator.replicas={count}: the smallest staleness within "
-                            f"{WITHIN:.0%} of the best predicted samples/s ({best:.1f}), then the fewest generators "
-                            f"within {WITHIN:.0%} of that staleness's best.", 110, subsequent_indent="  ")]
-    return "\n".join(lines)
+    settings = sorted({(s, g) for s in etas for g in counts or [source.generators]}
+                      | {(source.staleness, source.generators)})  # the run's own: the model's self-check
+    predictions = {(s, g): predict(source, s, g, seed) for s, g in settings}
+    lines = [decide(source, predictions), HEADER,
+             row(f"measured eta={source.staleness} gen={source.generators}", **source.measured)]
+    for (s, g), p in predictions.items():
+        median, low, high = p.spread()
+        lines.append(row(f"predicted eta={s} gen={g}", median, p.lags, p.gated_frac, f"{low:.1f}-{high:.1f}"))
+    return "\n".join([*lines, textwrap.fill(model_notes(source), 110)])

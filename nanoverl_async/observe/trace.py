@@ -143,25 +143,6 @@ def episode_span(t: Trajectory, step: int) -> Span:
     return Span("episodes", "episode", start, end, args, [Span("episodes", kind, s, e) for kind, s, e in calls])
 
 
-class TraceFile:
-    """Chrome trace events appended to a JSON array ("JSON Array Format"): `[` at open, `]` at close."""
-
-    def __init__(self, path: Path):
-        self.file = path.open("w")
-        self.file.write("[")
-        self.count = 0
-
-    def write(self, events: Iterable[dict]) -> None:
-        for event in events:
-            self.file.write(("\n" if not self.count else ",\n") + json.dumps(event, separators=(",", ":")))
-            self.count += 1
-        self.file.flush()  # a crashed run leaves every step written so far
-
-    def close(self) -> None:
-        self.file.write("\n]\n")
-        self.file.close()
-
-
 def complete(name: str, pid: int, tid: int, start: float, end: float, args: dict) -> dict:
     """A complete ("X") event in whole microseconds. Start and end are rounded each (never the duration),
     so spans that nest or are disjoint in seconds still do."""
@@ -183,8 +164,13 @@ class PipelineTrace:
     def __init__(self, output_dir: str | Path, roles: list[TracedRole], resume_step: int = 0):
         path = Path(output_dir) / "trace.json"
         if path.exists():  # only a resumed run finds one (a fresh run's directory is empty): keep it
-            path.rename(_unused(path.with_name(f"trace-until-step-{resume_step}.json")))
-        self.file = TraceFile(path)
+            kept, n = path.with_name(f"trace-until-step-{resume_step}.json"), 2
+            while kept.exists():  # a step resumed at twice: -2, -3, ...
+                kept, n = path.with_name(f"trace-until-step-{resume_step}-{n}.json"), n + 1
+            path.rename(kept)
+        self.file = path.open("w")  # Chrome trace events, "JSON Array Format": `[` now, `]` at close
+        self.file.write("[")
+        self.events = 0  # written so far
         self.roles = roles
         self.offsets: dict[str, tuple[float, float]] = {}  # role -> (offset, uncertainty), from the first step
         self.pids: dict[str, int] = {}
@@ -202,7 +188,7 @@ class PipelineTrace:
             spans += self._start()
         for role in self.roles:
             spans += [(role.name, span) for span in role.fetch()[1]]
-        self.file.write([event for process, span in spans for event in self._events(process, span)])
+        self._write([event for process, span in spans for event in self._events(process, span)])
 
     def _start(self) -> list[tuple[str, Span]]:
         """Estimate every role's offset and name the processes (learners first) -> the spans the trips fetched."""
@@ -212,10 +198,17 @@ class PipelineTrace:
             self.offsets[role.name] = (offset, uncertainty)
             spans += [(role.name, span) for span in fetched]
         names = ["learners", *(role.name for role in self.roles)]
-        self.file.write([event for name in names for event in self._pid(name)[1]])
+        self._write([event for name in names for event in self._pid(name)[1]])
         return spans
 
+    def _write(self, events: Iterable[dict]) -> None:
+        for event in events:
+            self.file.write(("\n" if not self.events else ",\n") + json.dumps(event, separators=(",", ":")))
+            self.events += 1
+        self.file.flush()  # a crashed run leaves every step written so far
+
     def close(self) -> None:
+        self.file.write("\n]\n")
         self.file.close()
 
     def _events(self, process: str, span: Span) -> list[dict]:
@@ -242,11 +235,3 @@ class PipelineTrace:
         return pid, [{"name": "process_name", "ph": "M", "pid": pid,
                       "args": {"name": process, "clock_offset_s": offset, "clock_uncertainty_s": uncertainty}},
                      {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}}]
-
-
-def _unused(path: Path) -> Path:
-    """`path`, or the first of path-2, path-3, ... that does not exist (a step resumed at twice)."""
-    candidate, n = path, 2
-    while candidate.exists():
-        candidate, n = path.with_name(f"{path.stem}-{n}{path.suffix}"), n + 1
-    return candidate

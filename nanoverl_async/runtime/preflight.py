@@ -28,7 +28,7 @@ from nanoverl_async.config import Config, ConfigError
 from nanoverl_async.agents.data import load_samples, prompt_source
 from nanoverl_async.agents.env import env_factory
 from nanoverl_async.agents.rewards import load_reward
-from nanoverl_async.agents.user_code import absolute_spec, load_object
+from nanoverl_async.agents.user_code import absolute_spec
 from nanoverl_async.wire.auth import placed_host
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -57,14 +57,20 @@ def prepare(cfg: Config) -> Config:
         data=dataclasses.replace(cfg.data, task=absolute_spec(cfg.data.task),
                                  train_files=[str(Path(p).resolve()) for p in cfg.data.train_files],
                                  val_files=[str(Path(p).resolve()) for p in cfg.data.val_files]))
+    loaded = {}
     for key, load in (("reward.path", lambda: load_reward(cfg.reward.path, cfg.reward.name)),
                       ("agent.env", lambda: env_factory(cfg.agent.env)),
                       ("data.task", lambda: prompt_source(cfg.data, cfg.run.seed))):
         try:
-            load()
+            loaded[key] = load()
         except (ValueError, ImportError, SyntaxError) as error:
             raise ConfigError(f"config key '{key}': {error}") from None
-    check_sandbox(cfg)
+    # The `python` tool is refused now, not in every episode, where bubblewrap cannot isolate model-written
+    # code on this machine (unless agent.sandbox=unsafe_no_isolation).
+    uses_python = any(tool.fn is sandbox.python for tool in loaded["agent.env"].tools)
+    why = sandbox.unavailable() if cfg.agent.sandbox == "bwrap" and uses_python else None
+    if why:
+        raise ConfigError(f"config key 'agent.sandbox': {sandbox.refusal(why)}")
     checkpoint.find_checkpoint(cfg.run)  # a run.resume path that is not a checkpoint fails here
     if cfg.wire.host != "auto":  # one address for every role (auto: each binds on its own node, wire/auth.py)
         try:
@@ -76,17 +82,6 @@ def prepare(cfg: Config) -> Config:
     check_learner_fits(cfg)
     return dataclasses.replace(cfg, wire=dataclasses.replace(cfg.wire, host=placed_host(cfg.wire.host,
                                                                                       bool(cfg.ray.address))))
-
-
-def check_sandbox(cfg: Config) -> None:
-    """An environment with the `python` tool is refused now, not in every episode, where bubblewrap cannot
-    isolate model-written code on this machine (unless agent.sandbox=unsafe_no_isolation)."""
-    tools = getattr(load_object(cfg.agent.env, "agent.env"), "tools", ())
-    uses_python = any(getattr(tool, "fn", tool) is sandbox.python for tool in tools
-                      if isinstance(tools, (list, tuple)))
-    why = sandbox.unavailable() if cfg.agent.sandbox == "bwrap" and uses_python else None
-    if why:
-        raise ConfigError(f"config key 'agent.sandbox': {sandbox.refusal(why)}")
 
 
 def check_learner_fits(cfg: Config) -> None:
@@ -109,31 +104,26 @@ def check_learner_fits(cfg: Config) -> None:
 def learner_parameters(cfg: Config) -> Optional[tuple[int, int]]:
     """(trained, frozen) parameter counts: the policy and, for gae, the critic trained; the KL reference
     frozen. None if a path is not a directory or Hub id, or its config cannot be read (launch says why)."""
-    if all(":" in path and not Path(path).expanduser().is_dir()
-           for path in (cfg.model.path, cfg.reference.path or cfg.model.path, cfg.critic.path or cfg.model.path)):
-        return None  # builtin:NAME or file.py:fn everywhere: nothing to count, and no torch to import for it
+    paths = [(cfg.model.path, False, True)]  # (path, is the critic, trained)
+    if cfg.kl.loss_coef > 0 or cfg.kl.reward_coef > 0:
+        paths.append((cfg.reference.path or cfg.model.path, False, False))
+    if cfg.algorithm.advantage == "gae":
+        paths.append((cfg.critic.path or cfg.model.path, True, True))
+    if any(":" in path and not Path(path).expanduser().is_dir() for path, _, _ in paths):
+        return None  # builtin:NAME or file.py:fn: nothing to count, and no torch to import for it
     import torch  # here, not at the top: the CLI checks a config before starting Ray, in a fraction of a second
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-    def count(path: str, model_class, **config) -> Optional[int]:
-        if ":" in path and not Path(path).expanduser().is_dir():
-            return None
+    counts = [0, 0]  # trained, frozen
+    for path, critic, trained in paths:
+        model_class = AutoModelForTokenClassification if critic else AutoModelForCausalLM
         try:
+            config = AutoConfig.from_pretrained(path, **({"num_labels": 1} if critic else {}))
             with torch.device("meta"):  # shapes only: no memory, no initialisation
-                return sum(p.numel() for p in model_class.from_config(AutoConfig.from_pretrained(path, **config))
-                           .parameters())
+                counts[not trained] += sum(p.numel() for p in model_class.from_config(config).parameters())
         except (OSError, ValueError):
             return None
-
-    paths = [(cfg.model.path, AutoModelForCausalLM, {}, True)]
-    if cfg.kl.loss_coef > 0 or cfg.kl.reward_coef > 0:
-        paths.append((cfg.reference.path or cfg.model.path, AutoModelForCausalLM, {}, False))
-    if cfg.algorithm.advantage == "gae":
-        paths.append((cfg.critic.path or cfg.model.path, AutoModelForTokenClassification, {"num_labels": 1}, True))
-    counts = [(count(path, model_class, **config), trained) for path, model_class, config, trained in paths]
-    if any(number is None for number, _ in counts):
-        return None
-    return sum(n for n, trained in counts if trained), sum(n for n, trained in counts if not trained)
+    return counts[0], counts[1]
 
 
 def learner_memory(cfg: Config) -> Optional[tuple[int, str]]:

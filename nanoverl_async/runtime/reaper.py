@@ -1,22 +1,34 @@
-"""Nothing of a run outlives its launcher: a watcher process that ends the launcher's process tree when the
-launcher dies, however it dies (SIGKILL included).
+"""Nothing of a run outlives its launcher: a watcher process that ends the launcher's process tree (or one
+process group) when the launcher dies, however it dies (SIGKILL included).
 
-    watcher = Reaper()    # the launcher, before Ray starts
+    watcher = Reaper()            # the launcher, before Ray starts
+    server = Reaper(group=pgid)   # a generator, right after launching an SGLang server that leads group pgid
     ...
-    watcher.release()     # a normal end: the watcher leaves without killing anything
+    watcher.release()             # a normal end: the watcher leaves without killing anything
 
 Why: Ray's head processes die with the driver that started them, but the agents its raylet starts
 (DashboardAgent, RuntimeEnvAgent) were still alive a minute after a SIGKILL of the launcher, and so would be
 any process a role forked. The watcher keeps a fresh list of the launcher's descendants (every POLL_S);
 when its pipe from the launcher closes without a word, the launcher is gone, and it kills every process on
 the list that is still the same process (pid and start time), orphans included.
+With `group`, it watches that process group instead: SIGTERM when the launcher is gone, SIGKILL GRACE_S
+later; it leaves by itself once the group is empty, so it never signals a group id reused later. Why a
+watcher process and not prctl(PR_SET_PDEATHSIG): the death signal fires when the *thread* that forked the
+child exits, and servers are (re)launched from pool threads (sglang_engine.py), so it would kill a healthy
+server when its pool thread retires; the pipe closes only when the launcher process is gone.
 
-Run alone: python -m nanoverl_async.runtime.reaper PID   (stdin: a pipe held by PID; "release" on it ends quietly)
+Run alone: python -m nanoverl_async.runtime.reaper PID [GROUP]   (stdin: a pipe held by PID; "release" on it
+ends quietly)
 """
 
 from __future__ import annotations
 
 import os
+
+if __name__ == "__main__" and os.fork():  # the watcher detaches at once: Ray kills a worker's own children with it
+    os._exit(0)  # (a generator's watcher among them); `Reaper` waits for this first process to leave
+
+import signal
 import subprocess
 import sys
 import threading
@@ -24,7 +36,8 @@ import time
 
 import psutil
 
-POLL_S = 0.5  # a process younger than this when the launcher dies may be missed
+POLL_S = 0.5  # a process younger than this when the launcher dies may be missed (not a group's member)
+GRACE_S = 10.0  # a group: SIGTERM, then SIGKILL this much later
 RELEASE = b"release\n"
 
 
@@ -32,9 +45,10 @@ class Reaper:
     """The launcher's side: starts the watcher in a session of its own (a Ctrl-C or a kill of the
     terminal's process group reaches the run, not the watcher)."""
 
-    def __init__(self):
-        self.process = subprocess.Popen([sys.executable, "-m", "nanoverl_async.runtime.reaper", str(os.getpid())],
-                                        stdin=subprocess.PIPE, start_new_session=True)
+    def __init__(self, group: int = 0):
+        self.process = subprocess.Popen([sys.executable, "-m", "nanoverl_async.runtime.reaper", str(os.getpid()),
+                                         str(group)], stdin=subprocess.PIPE, start_new_session=True)
+        self.process.wait()  # it has forked the watcher (detached) and left
 
     def release(self) -> None:
         try:
@@ -42,7 +56,6 @@ class Reaper:
             self.process.stdin.close()
         except OSError:  # the watcher is already gone
             pass
-        self.process.wait(timeout=10)
 
 
 def descendants(pid: int) -> dict[int, float]:
@@ -63,20 +76,48 @@ def kill_all(processes: dict[int, float]) -> None:
             pass
 
 
-def watch(pid: int) -> None:
-    """Poll `pid`'s descendants until stdin closes; kill them unless the launcher released the watcher."""
+def signal_group(group: int, sig: int) -> bool:
+    """Send `sig` to process group `group` -> whether it had a member (signal 0: whether it has one)."""
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists
+        pass
+    return True
+
+
+def end_group(group: int) -> None:
+    """SIGTERM the group, SIGKILL it GRACE_S later unless it has emptied by then."""
+    deadline = time.monotonic() + GRACE_S
+    if signal_group(group, signal.SIGTERM):
+        while time.monotonic() < deadline and signal_group(group, 0):
+            time.sleep(0.05)
+        signal_group(group, signal.SIGKILL)
+
+
+def watch(pid: int, group: int = 0) -> None:
+    """Poll `pid`'s descendants (or `group`) until stdin closes; then kill them unless the launcher released
+    the watcher."""
     seen: dict[int, float] = {}
     message = []
     reader = threading.Thread(target=lambda: message.append(sys.stdin.buffer.read()), daemon=True)
     reader.start()
     while reader.is_alive():
-        seen = {**{p: t for p, t in seen.items() if psutil.pid_exists(p)}, **descendants(pid)}
+        if group and not signal_group(group, 0):
+            return  # the group has ended on its own
+        if not group:
+            seen = {**{p: t for p, t in seen.items() if psutil.pid_exists(p)}, **descendants(pid)}
         reader.join(POLL_S)
-    if message != [RELEASE]:
+    if message == [RELEASE]:
+        return
+    if group:
+        end_group(group)
+    else:
         seen.update(descendants(pid))
         seen.pop(os.getpid(), None)  # the watcher is one of the launcher's children too
         kill_all(seen)
 
 
 if __name__ == "__main__":
-    watch(int(sys.argv[1]))
+    watch(*map(int, sys.argv[1:]))

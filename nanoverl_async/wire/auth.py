@@ -22,6 +22,7 @@ that build one component alone; every role of a run gets the keys.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Optional
 
 import zmq
@@ -60,16 +61,6 @@ def run_keys() -> CurveKeys:
     return CurveKeys(server_public, server_secret, client_public, client_secret)
 
 
-class _RunClients:
-    """The ZAP credentials check: the run's client key, and no other."""
-
-    def __init__(self, client_public: bytes):
-        self.allowed = client_public
-
-    def callback(self, domain: str, key: bytes) -> bool:  # pyzmq passes the client's key z85-encoded
-        return key == self.allowed
-
-
 def admit_run_clients(context: zmq.Context,
                       keys: Optional[CurveKeys]) -> Optional[zmq.auth.thread.ThreadAuthenticator]:
     """Start the ZAP handler of `context` (once per context that binds CURVE servers): it admits only
@@ -78,7 +69,9 @@ def admit_run_clients(context: zmq.Context,
         return None
     authenticator = zmq.auth.thread.ThreadAuthenticator(context)
     authenticator.start()
-    authenticator.configure_curve_callback(domain="*", credentials_provider=_RunClients(keys.client_public))
+    # the ZAP credentials check: the run's client key, and no other (pyzmq passes the client's key z85-encoded)
+    run_clients = SimpleNamespace(callback=lambda domain, key: key == keys.client_public)
+    authenticator.configure_curve_callback(domain="*", credentials_provider=run_clients)
     return authenticator
 
 

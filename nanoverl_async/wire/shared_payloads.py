@@ -53,10 +53,9 @@ def _forget(address: int, fd: int) -> None:
     os.close(fd)
 
 
-def path_of(payload) -> Optional[str]:
-    """The path another process maps `payload` by, if it is a whole `shared_bytes` segment; else None."""
-    if not isinstance(payload, np.ndarray):
-        return None
+def path_of(payload: np.ndarray) -> Optional[str]:
+    """The path another process maps `payload` (host memory) by, if it is a whole `shared_bytes` segment; else
+    None."""
     path, nbytes = _PATHS.get(payload.ctypes.data, (None, -1))
     return path if nbytes == payload.nbytes else None
 

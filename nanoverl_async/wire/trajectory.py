@@ -95,12 +95,8 @@ def _unpack_array(name: str, packed: Any, dtype: np.dtype) -> np.ndarray:
 
 
 def encode(trajectory: Trajectory) -> bytes:
-    record = {}
-    for f in fields(Trajectory):
-        value = getattr(trajectory, f.name)
-        if f.name in ARRAY_DTYPES:
-            value = _pack_array(value, ARRAY_DTYPES[f.name])
-        record[f.name] = value
+    record = {f.name: getattr(trajectory, f.name) for f in fields(Trajectory)}
+    record.update({name: _pack_array(record[name], dtype) for name, dtype in ARRAY_DTYPES.items()})
     return msgpack.packb(record, use_bin_type=True)
 
 
@@ -118,12 +114,9 @@ def decode(message: bytes) -> Trajectory:
     if not isinstance(record, dict):
         raise WireError(f"expected a map, got {type(record).__name__}")
     expected = {f.name for f in fields(Trajectory)}
-    unknown = set(record) - expected
-    if unknown:
-        raise WireError(f"unknown field '{sorted(unknown)[0]}'")
-    missing = expected - set(record)
-    if missing:
-        raise WireError(f"missing field '{sorted(missing)[0]}'")
+    for problem, names in (("unknown", set(record) - expected), ("missing", expected - set(record))):
+        if names:
+            raise WireError(f"{problem} field '{sorted(names)[0]}'")
     for name, kind in _SCALAR_TYPES.items():
         if not isinstance(record[name], kind) or isinstance(record[name], bool):
             raise WireError(f"field '{name}': expected {getattr(kind, '__name__', 'a number')}, "

@@ -15,15 +15,13 @@ How the payload travels (the publisher picks, per version):
 A subscriber copies a segment's payload into memory of its own (two buffers, alternating) and checks the
 copy, so a payload the learner rewrote meanwhile (it reuses one only after a newer version was sent) fails
 the check and is dropped, never applied: the newer one is on its way.
-checksum = xxh3_128 of the payload's bytes, or `shared_payloads.sum64` (computed on the GPU) for CUDA IPC.
-The checksum catches a payload damaged or mis-framed on its way (CURVE, when on, authenticates the sender):
-xxh3 hashes a 358M-parameter bfloat16 version in about 0.05 s on one core, where blake2b took 1.0-1.2 s at
-each end (bench/weights_latency.py times the paths).
+checksum = xxh3_128 of the payload's bytes (0.05 s for 358M bfloat16 parameters on one core;
+bench/weights_latency.py), or `shared_payloads.sum64` (on the GPU) for CUDA IPC: it catches a payload damaged
+or mis-framed on its way (CURVE, when on, authenticates the sender).
 Both ends are written here rather than with safetensors' own functions, which hold the GIL while they copy
-a whole model (about 1 s each way for 360M bfloat16 parameters on 2 cores), stalling the learner's
-training thread beside the publisher's and the generator's event loop. Here the learner copies each tensor
-straight into its slot of the payload (`empty_payload`; torch copies, GIL released, from a GPU into pinned
-memory), and the receiver's tensors view the received frame or its own copy of the segment.
+a whole model (about 1 s each way for 360M bfloat16 parameters on 2 cores): here the learner copies each
+tensor straight into its slot of the payload (`empty_payload`; torch copies, GIL released), and the
+receiver's tensors view the received frame or its own copy of the segment.
 
 Invariants:
   - `WeightPublisher.publish` never blocks the training loop: the checksum and sending happen on one
@@ -130,8 +128,6 @@ def deserialise(payload: memoryview | torch.Tensor) -> dict[str, torch.Tensor]:
     data = payload[8 + size:]
     tensors = {}
     for name, entry in header.items():
-        if name == "__metadata__":
-            continue
         dtype, shape, (start, stop) = SAFETENSORS_DTYPES.get(entry["dtype"]), entry["shape"], entry["data_offsets"]
         if dtype is None:
             raise ValueError(f"tensor {name!r}: dtype {entry['dtype']!r} is not one of {', '.join(SAFETENSORS_DTYPES)}")
@@ -147,14 +143,6 @@ def deserialise(payload: memoryview | torch.Tensor) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _on_loopback(host: str) -> bool:
-    """Bound there, only processes of this machine can subscribe."""
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name
-        return False
-
-
 class WeightPublisher:
     """Binds an XPUB socket on `host` (random port); `endpoint` is what generators connect to. On loopback
     (Linux) payloads in shared memory are sent by path (`shared_memory`; None: decide so); `device_handles`
@@ -162,7 +150,12 @@ class WeightPublisher:
 
     def __init__(self, host: str = "127.0.0.1", curve: Optional[CurveKeys] = None,
                  shared_memory: Optional[bool] = None):
-        self.shared_memory = _on_loopback(host) and shared_payloads.AVAILABLE if shared_memory is None else shared_memory
+        if shared_memory is None:  # bound on loopback, only processes of this machine can subscribe
+            try:
+                shared_memory = host == "localhost" or ipaddress.ip_address(host).is_loopback
+            except ValueError:  # a host name
+                shared_memory = False
+        self.shared_memory = shared_memory and shared_payloads.AVAILABLE
         self.device_handles = False
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -217,8 +210,7 @@ class WeightPublisher:
         return None
 
     def _retire(self, sends: list[zmq.MessageTracker], payload: np.ndarray) -> None:
-        """Under the lock: `payload` is no longer the newest version (`sends`: its sends, which ZeroMQ may still
-        be reading it for); keep a few for take_spare."""
+        """Under the lock: `payload` (`sends`: its sends) is no longer the newest version: keep a few spares."""
         self._retired = [*self._retired, (sends, payload)][-SPARE_PAYLOADS:]
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -260,12 +252,11 @@ class WeightPublisher:
                     new_subscriber |= socket.recv()[:1] == b"\x01"  # \x01 = subscribe, \x00 = unsubscribe
                 with self._lock:
                     pending, self._pending = self._pending, None
+                    if pending is not None and latest is not None:  # the version sent last becomes a spare
+                        self._retire(sends, latest[1])
                 if pending is not None:
                     version, payload = pending
                     del pending
-                    if latest is not None:
-                        with self._lock:
-                            self._retire(sends, latest[1])
                     latest = (self._frames(version, payload), payload)
                     sends = [socket.send_multipart(latest[0], copy=False, track=True)]
                     self.sent_version = version
@@ -375,33 +366,30 @@ class WeightSubscriber:
     def _check(self, frames: list) -> Optional[tuple[int, Optional[memoryview], dict]]:
         """(version, payload, notice) of a well-formed message, or None (dropped, counted, logged); the payload
         is None when the notice names a segment (checked once copied: `_copy_segment`)."""
-        problem = None
-        if len(frames) != 2:
-            problem = f"{len(frames)} frames, expected 2"
-        else:
+        try:
+            if len(frames) != 2:
+                raise ValueError(f"{len(frames)} frames, expected 2")
             try:
                 header = msgpack.unpackb(frames[0].bytes, raw=False)
             except Exception as error:
-                header, problem = None, f"header is not msgpack ({type(error).__name__})"
-            payload = frames[1].buffer
-            keys = {"version", "nbytes", "checksum"}
-            if problem is None and (not isinstance(header, dict) or not keys <= set(header) <= keys | {"segment"}
-                                    or not isinstance(header["version"], int)):
-                problem = f"bad header {header!r:.200}"
-            elif problem is None and "segment" in header:
-                segment = header["segment"]
+                raise ValueError(f"header is not msgpack ({type(error).__name__})") from None
+            payload, keys = frames[1].buffer, {"version", "nbytes", "checksum"}
+            if not isinstance(header, dict) or not keys <= set(header) <= keys | {"segment"} \
+                    or not isinstance(header["version"], int):
+                raise ValueError(f"bad header {header!r:.200}")
+            version, segment = header["version"], header.get("segment")
+            if "segment" in header:
                 if len(payload) or not isinstance(segment, dict) or not (
                         isinstance(segment.get("path"), str) or isinstance(segment.get("cuda"), dict)):
-                    problem = f"version {header['version']}: bad segment {segment!r:.200}"
-                else:
-                    return header["version"], None, header
-            elif problem is None and header["nbytes"] != len(payload):
-                problem = f"version {header['version']}: {len(payload)} bytes, header says {header['nbytes']}"
-            elif problem is None and header["checksum"] != checksum(payload):
-                problem = f"version {header['version']}: checksum mismatch"
-        if problem is not None:
-            return self._drop(problem)
-        return header["version"], payload, header
+                    raise ValueError(f"version {version}: bad segment {segment!r:.200}")
+                return version, None, header
+            if header["nbytes"] != len(payload):
+                raise ValueError(f"version {version}: {len(payload)} bytes, header says {header['nbytes']}")
+            if header["checksum"] != checksum(payload):
+                raise ValueError(f"version {version}: checksum mismatch")
+            return version, payload, header
+        except ValueError as problem:
+            return self._drop(str(problem))
 
     def close(self) -> None:
         self._socket.close(linger=0)
