@@ -6,7 +6,7 @@
 #   FSDP2) against references;
 # - attention: the engine's attention variants, eager and replayed from a CUDA graph (bench/attention_kernels.py);
 # - async: async vs sync on the default job with the 0.5B body on the tiny model's tokenizer (random weights:
-#   samples/s counts, rewards do not), generator and learner sharing the GPU, 15 steps, with ASYNC_OVERRIDES
+#   samples/s counts, rewards do not; ASYNC_MODEL=qwen_1_5b_body_with_tiny_tokenizer: the 1.5B body), generator and learner sharing the GPU, 15 steps, with ASYNC_OVERRIDES
 #   (default: two interleaved repeats, learner.ppo_epochs=4, four passes over each batch, so that training is
 #   some 40% of a synchronous step; with one pass the job waits on generation for 85% of a step); each run's
 #   metrics.jsonl, kept also when the step is cut by its limit (per-step times of the steps that ran);
@@ -49,7 +49,7 @@ fi
 if want async; then
 step async
 rm -rf outputs/bench/async_vs_sync  # a warm machine keeps an earlier call's runs: bring back only these
-timeout -k 5 $(limit 360) python3 bench/async_vs_sync.py model.path=bench/qwen_shape.py:qwen_body_with_tiny_tokenizer \
+timeout -k 5 $(limit 360) python3 bench/async_vs_sync.py model.path=bench/qwen_shape.py:${ASYNC_MODEL:-qwen_body_with_tiny_tokenizer} \
     model.dtype=bfloat16 learner.device=cuda generator.device=cuda learner.gpus_per_rank=0.5 \
     generator.gpus_per_replica=0.5 run.total_steps=15 agent.max_new_tokens=48 agent.max_total_tokens=192 \
     ${ASYNC_OVERRIDES:---repeats 2 learner.ppo_epochs=4} > "$out/async.log" 2>&1

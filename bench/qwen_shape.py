@@ -3,7 +3,7 @@ downloaded where the GPU is; throughput depends on the shape alone).
 
     qwen_shaped_model(directory)          # the exact architecture: 24 layers, hidden 896, 14/2 heads,
                                           # vocabulary 151,936, tied embeddings; saved in bfloat16
-    model.path=bench/qwen_shape.py:qwen_body_with_tiny_tokenizer
+    model.path=bench/qwen_shape.py:qwen_body_with_tiny_tokenizer   (or qwen_1_5b_body_with_tiny_tokenizer)
                                           # the same body on the built-in tiny model's byte tokenizer and
                                           # chat template, so the default job runs on it (a builder:
                                           # models.resolve_model_path); random weights, so its rewards
@@ -72,21 +72,33 @@ def wide_vocab_model(directory: str) -> str:
     return directory
 
 
-def qwen_body_with_tiny_tokenizer(cache_dir: str = "") -> str:
-    """The 0.5B body on the tiny model's tokenizer (~360M parameters), built once in the model cache."""
+def qwen_body_with_tiny_tokenizer(cache_dir: str = "", size: str = "0.5b") -> str:
+    """Qwen2.5-`size`'s body on the tiny model's tokenizer (0.5b: ~360M parameters; 1.5b: ~1.3B), random
+    weights in bfloat16, built once in the model cache (initialised on a GPU where there is one)."""
     from nanoverl_async.models.cache import build_once
     from nanoverl_async.models.tiny import build_tokenizer
+
+    hidden, intermediate, layers, heads, kv_heads, tied, _ = QWEN2_5[size]
 
     def write(directory: Path) -> str:
         tokenizer = build_tokenizer()
         config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=4_096, bos_token_id=None,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **QWEN_BODY)
-        torch.manual_seed(0)
-        Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                             hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=tied,
+                             rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+        random_model(config, str(directory), "cuda" if torch.cuda.is_available() else "cpu")
         tokenizer.save_pretrained(directory)
         return "random weights"
 
-    return build_once("qwen-body-tiny-tokenizer", "v1", write, cache_dir)
+    name = "qwen-body-tiny-tokenizer" if size == "0.5b" else f"qwen{size}-body-tiny-tokenizer"
+    return build_once(name, "v1", write, cache_dir)
+
+
+def qwen_1_5b_body_with_tiny_tokenizer(cache_dir: str = "") -> str:
+    """The 1.5B body on the tiny tokenizer: model.path=bench/qwen_shape.py:qwen_1_5b_body_with_tiny_tokenizer."""
+    return qwen_body_with_tiny_tokenizer(cache_dir, "1.5b")
+
 
 if __name__ == "__main__":
     print(qwen_shaped_model(sys.argv[1]) if len(sys.argv) > 1 else __doc__)

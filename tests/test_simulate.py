@@ -14,7 +14,8 @@ import pytest
 from nanoverl_async.cli import main
 from nanoverl_async.config import load_config, to_yaml
 from nanoverl_async.observe.plot import read_rows
-from nanoverl_async.observe.run_costs import compact, fit_interference, load_trace, measured, read_source, speeds
+from nanoverl_async.observe.run_costs import (MIN_CALLS, compact, fit_interference, load_trace, measured, read_source,
+                                              speeds, swap_cost)
 from nanoverl_async.observe.simulate import (CROWDED, NOISY, WIDE, WITHIN, Prediction, decide, parse_list, predict, report,
                                              resample)
 
@@ -222,6 +223,34 @@ def test_the_learner_noise_is_the_spread_of_its_seconds_per_token(tmp_path):
     compute = PREPARE_S + 0.5 + PUBLISH_S  # the 75th percentile is a longer step, the 25th a usual one
     assert jittered.noise == pytest.approx(np.log((compute + 0.25) / compute) / 1.349, rel=0.01)
     assert jittered.slowdowns[1] is None  # the generator never computed beside it: no slowdown to fit
+
+
+def calls_with_swaps(clean: int, hit: int, extra_s: float) -> tuple[np.ndarray, dict]:
+    """One-call episodes of one generator (pid 7), 10 tokens at 0.01 s each, in flight beside as many others; the
+    last `hit` of them each had one weight swap land inside, which cost it `extra_s` more."""
+    rows, swaps = [], []
+    for i in range(clean + hit):
+        seconds = 0.1 + (extra_s if i >= clean else 0.0)
+        rows.append((10.0 * i, 10.0 * i + seconds, 10, 4.0, 7))
+        if i >= clean:
+            swaps.append(10.0 * i + seconds / 2)
+    return np.array(rows), {7: np.array(swaps)}
+
+
+@pytest.mark.parametrize("hit", [MIN_CALLS - 1, MIN_CALLS])
+def test_a_swap_costs_what_the_calls_it_landed_in_took_beyond_their_tokens(hit):
+    calls, swaps = calls_with_swaps(clean=MIN_CALLS, hit=hit, extra_s=0.05)
+    assert swap_cost(calls, swaps) == (pytest.approx(0.05) if hit >= MIN_CALLS else 0.0)
+    assert swap_cost(*calls_with_swaps(clean=MIN_CALLS, hit=MIN_CALLS, extra_s=-0.01)) == 0.0  # none slower
+
+
+def test_a_swap_delays_the_groups_in_flight_so_async_loses_what_sync_does_not(tmp_path):
+    """At eta 0 weights land while no group is in flight: a swap's cost cannot matter; at eta 2, where generation
+    bounds the run and a group is always in flight, it does."""
+    run = source(tmp_path, lease_s=0.5, update_s=0.1)
+    costly = replace(run, swap_work=0.3)
+    assert predict(costly, 0, 1).samples_per_s == pytest.approx(predict(run, 0, 1).samples_per_s)
+    assert predict(costly, 2, 1).samples_per_s.mean() < 0.95 * predict(run, 2, 1).samples_per_s.mean()
 
 
 def test_a_compact_copy_reads_as_the_run(tmp_path):

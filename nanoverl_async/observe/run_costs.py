@@ -16,10 +16,11 @@ prepare/update/publish) at speed min(1, cores / k) x (its interference if k >= 2
 how much slower a process of each kind ran beside the other than core sharing explains (`fit_interference`),
 from two measurements: a generator's seconds per token of its one-call episodes with the learner computing
 vs idle, among calls at or above its median concurrency (a half-empty batch is faster anyway) made after
-the engine's first, warm-up calls (`generation_slowdown`); the learner's seconds per batch token with a
+the engine's first, warm-up calls, that no weight swap landed in (`generation_slowdown`); the learner's seconds per batch token with a
 generator computing vs none, a least-squares fit over the steps (`learner_steps`). One not measured (too
 few of either kind) takes the other's value; neither, 1. A span's work is its duration at speed 1: the
-integral of the source's own speed over it.
+integral of the source's own speed over it, less what the weight swaps that landed in it cost (`swap_cost`:
+the simulation charges them where they land).
 
 Invariants: every cost is >= 0 and finite; `Source.weight_delays` has one non-empty list per step.
 
@@ -73,6 +74,7 @@ class Source:
     slowdowns: tuple  # (generator, learner): speed beside the other kind / alone, as measured; None: not
     interference: tuple  # (generator, learner): the `speeds` factors fitted to them
     noise: float | None  # the learner's step-to-step noise (`learner_steps`): another job on the machine
+    swap_work: float  # what a weight swap adds to each group in flight on its generator (`swap_cost`)
     cores: float
     measured: dict  # the run's own samples_per_s, lags (Counter), gated_frac
 
@@ -146,7 +148,7 @@ def read_events(events: list[dict], path: Path) -> dict:
         elif e["name"] == "generate":
             spans["generate"].setdefault((e["pid"], e["tid"]), []).append((start, end))
         elif e["name"].startswith("weights v"):
-            spans["weights"].append((start, end, args))
+            spans["weights"].append((start, end, {**args, "pid": e["pid"]}))
     spans["steps"] = [(s, phases) for s, phases in sorted(spans["steps"].items())
                       if {"wait batch", *COMPUTE} <= set(phases)]  # (step, {phase: (start, end)})
     if not spans["episode"]:
@@ -156,32 +158,70 @@ def read_events(events: list[dict], path: Path) -> dict:
     return spans
 
 
-def generation_slowdown(spans: dict, learner: Integral) -> float | None:
-    """Seconds per token of one-call episodes while the learner was idle / while it computed (<= 1 when
-    the learner slows generation down), among calls at or above the median concurrency of their
-    generator (a half-empty batch generates each token faster, whatever the learner does) that started
-    once the learner had (the engine's first calls warm up, as the learner's first step does)."""
+def one_call_episodes(spans: dict) -> np.ndarray:
+    """Episodes of one generate call that started once the learner had (the engine's first calls warm up, as
+    the learner's first step does): rows (start, end, generated tokens, mean calls in flight on its generator,
+    its generator's pid)."""
     warm = spans["steps"][0][1]["prepare"][0]
     by_generator: dict = {}
     for (pid, _), calls in spans["generate"].items():
         by_generator.setdefault(pid, []).extend(calls)
     flight = {pid: in_progress(calls) for pid, calls in by_generator.items()}
-    rows = []  # (seconds, tokens, share of the call with the learner computing, mean calls in flight)
+    rows = []
     for start, end, args in spans["episode"]:  # an episode's calls are on its own track, inside it
         track = spans["generate"].get((args["pid"], args["tid"]), ())
         inside = [c for c in track if start <= c[0] and c[1] <= end]
         if len(inside) == 1 and warm <= inside[0][0] < inside[0][1] and args.get("generated_tokens", 0) > 0:
             a, b = inside[0]
-            rows.append((b - a, args["generated_tokens"], learner.over(a, b) / (b - a),
-                         flight[args["pid"]](np.linspace(a, b, 9)).mean()))
-    if not rows:
+            rows.append((a, b, args["generated_tokens"], flight[args["pid"]](np.linspace(a, b, 9)).mean(), args["pid"]))
+    return np.array(rows).reshape(-1, 5)
+
+
+def generation_slowdown(calls: np.ndarray, learner: Integral, swaps: dict) -> float | None:
+    """Seconds per token of one-call episodes while the learner was idle / while it computed (<= 1 when
+    the learner slows generation down), among calls at or above the median concurrency of their
+    generator (a half-empty batch generates each token faster, whatever the learner does) that no weight swap
+    landed in (`swap_cost`: swaps land between the learner's steps, when it is idle)."""
+    if not len(calls):
         return None
-    seconds, tokens, busy, flight = np.array(rows).T
-    loaded = flight >= np.median(flight)
+    start, end, tokens, flight, pid = calls.T
+    busy = np.array([learner.over(a, b) / (b - a) for a, b in zip(start, end)])
+    loaded = (flight >= np.median(flight)) & (swaps_inside(calls, swaps) == 0)
     idle, computing = loaded & (busy <= IDLE), loaded & (busy >= BUSY)
     if idle.sum() < MIN_CALLS or computing.sum() < MIN_CALLS:
         return None
+    seconds = end - start
     return float((seconds[idle].sum() / tokens[idle].sum()) / (seconds[computing].sum() / tokens[computing].sum()))
+
+
+def swap_times(spans: dict) -> dict:
+    """A generator's pid -> the times new weights were applied there (the ends of its `weights v` spans), sorted."""
+    swaps: dict = {}
+    for _, end, args in spans["weights"]:
+        swaps.setdefault(args["pid"], []).append(end)
+    return {pid: np.sort(times) for pid, times in swaps.items()}
+
+
+def swaps_inside(rows, swaps: dict) -> np.ndarray:
+    """Per row (start, end, ..., its generator's pid): how many swaps landed strictly inside it."""
+    return np.array([np.searchsorted(swaps.get(pid, ()), end) - np.searchsorted(swaps.get(pid, ()), start, "right")
+                     for start, end, *_, pid in rows], dtype=int)
+
+
+def swap_cost(calls: np.ndarray, swaps: dict) -> float:
+    """Seconds a weight swap adds to each call in flight: the engine computes the running rows again under the
+    new weights (hf_engine.py "Weights"). From one-call episodes at or above the median concurrency: the
+    seconds of those a swap landed in, beyond their tokens at the seconds per token of those none did, per
+    swap; 0 when too few of either kind (MIN_CALLS) or none is slower."""
+    if not len(calls):
+        return 0.0
+    start, end, tokens, flight, _ = calls.T
+    count, loaded = swaps_inside(calls, swaps), flight >= np.median(flight)
+    clean, hit = loaded & (count == 0), loaded & (count > 0)
+    if clean.sum() < MIN_CALLS or hit.sum() < MIN_CALLS:
+        return 0.0
+    per_token = (end - start)[clean].sum() / tokens[clean].sum()
+    return max(0.0, float(((end - start)[hit] - tokens[hit] * per_token).sum() / count[hit].sum()))
 
 
 def learner_steps(spans: dict, rows: list[dict], generating: Integral, samples_per_step: int) -> tuple:
@@ -311,25 +351,31 @@ def read_source(run_dir: str, cores: float | None = None) -> Source:
     samples_per_step = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
     try:
         spans = read_events(load_trace(trace), trace)
-        done = [(args["version"], start, end, args["outcome"]) for start, end, args in spans["lease"]
-                if args.get("outcome") in ("completed", "filtered")]
+        pid_of_group = {args["group_id"]: args["pid"] for _, _, args in spans["episode"]}  # its generator's
+        done = [(args["version"], start, end, args["outcome"], pid_of_group.get(args["group_id"]))
+                for start, end, args in spans["lease"] if args.get("outcome") in ("completed", "filtered")]
         if not done:
             raise ConfigError(f"{trace}: no lease completed its group")
         points, learner, generators = computing(spans)
         generating = Integral(points, (generators > 0).astype(float))
         learner_slowdown, noise = learner_steps(spans, rows, generating, samples_per_step)
-        slowdowns = generation_slowdown(spans, Integral(points, learner)), learner_slowdown
+        calls, swaps = one_call_episodes(spans), swap_times(spans)
+        slowdowns = generation_slowdown(calls, Integral(points, learner), swaps), learner_slowdown
+        swap = 0.0 if drain else swap_cost(calls, swaps)  # drain: no group is in flight when weights land
         interference = fit_interference(slowdowns, cfg.generator.replicas, cores)
         generator_speed, learner_speed = speeds(generators, learner, cores, interference)
         costs, delays = step_costs(spans, Integral(points, learner_speed), drain)
         sampled = measured(rows, samples_per_step)
     except (KeyError, TypeError) as error:  # an event or a row without a field the trace and metrics always have
         raise ConfigError(f"{path}: trace.json or metrics.jsonl lacks the field {error}") from None
-    versions, starts, ends, outcomes = zip(*done)
+    versions, starts, ends, outcomes, pids = zip(*done)
     generator_work = Integral(points, generator_speed)
+    # a lease's own work leaves out the swaps that landed in it (the simulation adds those where they land), at
+    # least a tenth of it kept: a generated token costs something whatever the estimate of a swap
+    work = np.array([generator_work.over(a, b) for a, b in zip(starts, ends)])
+    work = np.maximum(work - swap * swaps_inside(list(zip(starts, ends, pids)), swaps), 0.1 * work)
     return Source(cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max, cfg.generator.replicas,
                   cfg.generator.max_groups_in_flight, drain, len(costs), np.array(versions),
-                  np.array([generator_work.over(a, b) for a, b in zip(starts, ends)]),
-                  outcomes.count("filtered") / len(outcomes), costs, delays, request_lags(spans),
-                  generator_starts(spans), slowdowns, interference, noise, cores, sampled)
+                  work, outcomes.count("filtered") / len(outcomes), costs, delays, request_lags(spans),
+                  generator_starts(spans), slowdowns, interference, noise, swap, cores, sampled)
 

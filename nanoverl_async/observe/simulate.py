@@ -196,6 +196,10 @@ class Simulation:
             self.pending[g] = version  # no new group until the in-flight ones finish
             return
         self.version[g] = version
+        if self.in_flight[g] and self.source.swap_work:  # its running rows are computed again: each group is later
+            self.jobs[GENERATING] = [(end + self.source.swap_work if args[0] == g else end, seq, handler, args)
+                                     for end, seq, handler, args in self.jobs[GENERATING]]
+            heapq.heapify(self.jobs[GENERATING])
         self.request(g)
 
     def take(self) -> None:
@@ -334,7 +338,8 @@ def model_notes(source: Source) -> str:
     (generator, learner), noise = source.slowdowns, source.noise
     return (f"Model: generation beside the learner ran at {measured(generator, 'not measured: taken as the learner')}"
             f" its speed alone, the learner beside generation at {measured(learner, 'not measured: taken as generation')}"
-            f" (simulated as {source.interference[0]:.2f}x, {source.interference[1]:.2f}x); the learner's step-to-step "
+            f" (simulated as {source.interference[0]:.2f}x, {source.interference[1]:.2f}x); a weight swap added "
+            f"{source.swap_work:.3f} s to each group in flight on its generator; the learner's step-to-step "
             f"noise {'not measured' if noise is None else f'+-{noise:.0%}'} (alone on a machine: under {NOISY:.0%}). "
             f"Each setting: {REPEATS} simulated runs of {source.steps} steps, each on a bootstrap replicate of this "
             f"run's leases and steps; intervals hold {INTERVAL[1] - INTERVAL[0]}% of them. Every setting trains the "
