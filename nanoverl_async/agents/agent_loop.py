@@ -57,25 +57,18 @@ class _Tokens:
     """The growing per-token record of one episode."""
 
     def __init__(self):
-        self.ids: list[int] = []
-        self.mask: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
+        self.ids, self.mask, self.logprobs, self.versions = [], [], [], []  # per token
         self.cache = {"prefill_tokens": 0, "cached_tokens": 0, "preemptions": 0}  # the engine's, summed over turns
 
-    def add_forced(self, ids: list[int]) -> None:  # prompt and observation tokens: not sampled
+    def add(self, ids: list[int], sampled: Optional[Completion] = None) -> None:
+        """Prompt and observation tokens (`sampled` None: mask 0), or a sampled turn's (mask 1)."""
         self.ids += ids
-        self.mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [-1] * len(ids)
-
-    def add_sampled(self, completion: Completion) -> None:
-        self.ids += completion.token_ids
-        self.mask += [1] * len(completion.token_ids)
-        self.logprobs += completion.logprobs
-        self.versions += completion.versions
-        for key in self.cache:
-            self.cache[key] += getattr(completion, key)
+        self.mask += [int(sampled is not None)] * len(ids)
+        self.logprobs += sampled.logprobs if sampled is not None else [0.0] * len(ids)
+        self.versions += sampled.versions if sampled is not None else [-1] * len(ids)
+        if sampled is not None:
+            for key in self.cache:
+                self.cache[key] += getattr(sampled, key)
 
 
 def render_delta(tokenizer, history: list[dict], new: list[dict], tools: Optional[list], stop_text: str
@@ -108,8 +101,7 @@ class Episode:
         self.tool_format: str = getattr(env, "tool_format", "hermes")
         self.max_chars: int = getattr(env, "max_observation_chars", 2000)
         self.schemas = [t.schema for t in self.tools] if getattr(env, "show_tools", True) and self.tools else None
-        stops = [tokenizer.convert_tokens_to_ids(s) for s in stop_strings(self.tool_format)]
-        self.stop_ids = (tokenizer.eos_token_id, *stops)
+        self.stop_ids = (tokenizer.eos_token_id, *map(tokenizer.convert_tokens_to_ids, stop_strings(self.tool_format)))
         self.record, self.messages = _Tokens(), []
         self.turns = self.tool_calls = self.tool_errors = self.fallbacks = 0
         self.first_tool_error = ""  # the episode's first failed call, "name: error: ...", for metrics.py's warning
@@ -124,7 +116,7 @@ class Episode:
         """Render the prompt (mask 0)."""
         self.messages = [dict(m) for m in messages]
         rendered = self.tokenizer.apply_chat_template(self.messages, tools=self.schemas, add_generation_prompt=True)
-        self.record.add_forced(list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered))
+        self.record.add(list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered))
         if len(self.record.ids) >= self.agent.max_total_tokens:
             raise ValueError(f"the prompt has {len(self.record.ids)} tokens, no room under "
                              f"agent.max_total_tokens={self.agent.max_total_tokens}")
@@ -139,7 +131,7 @@ class Episode:
         params = SamplingParams(budget, self.temperature, self.stop_ids)
         completion = await self.engine.generate(self.record.ids, params, episode_id=self.episode_id)
         self._spent("generate", tick)
-        self.record.add_sampled(completion)
+        self.record.add(completion.token_ids, completion)
         self.turns += 1
         last = completion.token_ids[-1]
         stopped = last in self.stop_ids
@@ -150,11 +142,8 @@ class Episode:
         first = self.tools[0] if self.tools else None
         content, calls = (text, []) if not stopped else parse_turn(
             text, self.tool_format, first.name if first else "", first.parameters[0] if first and first.parameters else "")
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [c.message_entry() for c in calls]
-            message["parsed_calls"] = calls
-        return message
+        return {"role": "assistant", "content": content,
+                **({"tool_calls": [c.message_entry() for c in calls], "parsed_calls": calls} if calls else {})}
 
     async def run_tools(self, calls: list[ParsedCall]) -> list[dict]:
         """Run the calls in order -> tool messages (errors included, counted)."""
@@ -175,8 +164,8 @@ class Episode:
                 self._spent("tool", tick)
         self.tool_calls += len(calls)
         self.tool_errors += sum(r.error for r in results)
-        failed = [f"{c.name}: {r.text}" for c, r in zip(calls, results) if r.error]
-        self.first_tool_error = self.first_tool_error or (failed[0][:200] if failed else "")
+        failed = (f"{c.name}: {r.text}"[:200] for c, r in zip(calls, results) if r.error)
+        self.first_tool_error = self.first_tool_error or next(failed, "")
         return [{"role": "tool", "name": c.name, "content": r.text[: self.max_chars]} for c, r in zip(calls, results)]
 
     def _spent(self, kind: str, tick: float) -> None:
@@ -198,7 +187,7 @@ class Episode:
             self.finish = "length"
             return False
         self.messages += new
-        self.record.add_forced(delta)
+        self.record.add(delta)
         return True
 
 
@@ -259,8 +248,7 @@ async def run_episode(engine: Engine, tokenizer, sample: dict, env: Any, agent: 
         reward, info = await drive(episode, env, sample)
     record, ended, origin = episode.record, time.perf_counter(), episode.wall_origin
     return Trajectory(
-        id=trajectory_id, group_id=group_id,
-        prompt_index=prompt_index, sample_index=sample_index,
+        id=trajectory_id, group_id=group_id, prompt_index=prompt_index, sample_index=sample_index,
         token_ids=np.asarray(record.ids, dtype=np.int32), loss_mask=np.asarray(record.mask, dtype=np.uint8),
         behaviour_logprobs=np.asarray(record.logprobs, dtype=np.float32),
         versions=np.asarray(record.versions, dtype=np.int32), reward=reward, num_turns=episode.turns,

@@ -22,6 +22,7 @@ Run alone: `python -m pytest tests/test_env_data.py -q`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -59,16 +60,13 @@ def to_sample(row: dict, where: str) -> dict:
         raise ValueError(f"{where}: no 'prompt' column (the row has {columns})")
     prompt = row["prompt"]
     if isinstance(prompt, str) and prompt.lstrip().startswith("["):  # a JSON-encoded message list (some exports)
-        try:
+        with contextlib.suppress(json.JSONDecodeError):  # reported below as what it is: not a message list
             prompt = json.loads(prompt)
-        except json.JSONDecodeError:
-            pass  # reported below as what it is: not a message list
     if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m for m in prompt):
         raise ValueError(f"{where}: column 'prompt' must be a list of {{'role', 'content'}} messages, "
                          f"got {prompt!r:.80}")
-    sample = {k: _plain(v) for k, v in row.items() if k != "prompt"}
-    sample["messages"] = [{k: _plain(v) for k, v in m.items() if v is not None} for m in prompt]
-    return sample
+    return {**{k: _plain(v) for k, v in row.items() if k != "prompt"},
+            "messages": [{k: _plain(v) for k, v in m.items() if v is not None} for m in prompt]}
 
 
 def _plain(value: Any) -> Any:
@@ -83,9 +81,7 @@ def _plain(value: Any) -> Any:
 
 
 def load_samples(files: list[str]) -> list[dict]:
-    samples = []
-    for path in files:
-        samples += [to_sample(row, f"{path} row {i}") for i, row in enumerate(read_rows(path))]
+    samples = [to_sample(row, f"{path} row {i}") for path in files for i, row in enumerate(read_rows(path))]
     if not samples:
         raise ValueError(f"no rows in {files}")
     return samples

@@ -109,15 +109,11 @@ def env_factory(spec: str, reward_fn: Optional[Callable] = None) -> Callable[[],
     A class is instantiated with no arguments; a function becomes a FunctionEnv. `reward_fn` (from
     `reward.path`) is set on every instance that has no reward function of its own."""
     target = load_object(spec, "agent.env")
-    if inspect.isclass(target):
-        make = target
-    elif inspect.iscoroutinefunction(target):
-        def make():
-            return FunctionEnv(target)
-    else:
+    if not inspect.isclass(target) and not inspect.iscoroutinefunction(target):
         raise ValueError(f"agent.env '{spec}' is neither a class nor an async rollout function")
+
     def new_env():
-        env = make()
+        env = target() if inspect.isclass(target) else FunctionEnv(target)
         if reward_fn is not None and getattr(env, "reward_fn", None) is None:
             env.reward_fn = reward_fn
         return env

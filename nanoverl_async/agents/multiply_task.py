@@ -42,13 +42,8 @@ def make_prompt(seed: int, index: int) -> dict:
     # Python versions, and (seed, index) pairs never collide the way seed * K + index could.
     rng = random.Random(f"nanoverl_async.multiply:{seed}:{index}")
     a, b = rng.randrange(MAX_OPERAND), rng.randrange(MAX_OPERAND)
-    return {
-        "index": index,
-        "a": a,
-        "b": b,
-        "messages": [{"role": "user", "content": f"{a}*{b}?"}],
-        "answer": str(a * b),
-    }
+    return {"index": index, "a": a, "b": b, "messages": [{"role": "user", "content": f"{a}*{b}?"}],
+            "answer": str(a * b)}
 
 
 def calculator(expression: str) -> str:

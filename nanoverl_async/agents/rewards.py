@@ -61,8 +61,7 @@ def math_compute_score(data_source: str, solution_str: str, ground_truth: Any, e
     # math-verify's timeouts use signal.alarm, which works only in the main thread (it raises elsewhere);
     # a generator's event loop runs in a Ray actor's thread, so there they are off (an answer is one turn).
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    gold = parse(f"${ground_truth}$", parsing_timeout=timeout)
-    predicted = parse(f"${answer}$", parsing_timeout=timeout)
+    gold, predicted = (parse(f"${text}$", parsing_timeout=timeout) for text in (ground_truth, answer))
     if gold and predicted and verify(gold, predicted, timeout_seconds=timeout):
         return 1.0
     return float(_normalise(answer) == _normalise(str(ground_truth)))

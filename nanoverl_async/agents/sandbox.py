@@ -43,6 +43,7 @@ Run alone: `python -m pytest tests/test_sandbox.py -q`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -53,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Union
 
 ISOLATIONS = ("bwrap", "unsafe_no_isolation")
@@ -131,8 +133,7 @@ class _Bwrap:
 
 def unavailable() -> Optional[str]:
     """Why bubblewrap cannot isolate code on this machine (None: it can); checked once per process."""
-    found = _bwrap()
-    return found if isinstance(found, str) else None
+    return _bwrap() if isinstance(_bwrap(), str) else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,10 +205,7 @@ def _filesystem() -> tuple:
 
 def _parents(path: str) -> list:
     """bwrap arguments that make `path`'s folders 0755 (bwrap would make them 0700: nobody could look in)."""
-    folders = [os.path.dirname(path)]
-    while folders[-1] != "/":
-        folders.append(os.path.dirname(folders[-1]))
-    return [arg for folder in reversed(folders[:-1]) for arg in ("--dir", folder)]
+    return [arg for folder in reversed(Path(path).parents[:-1]) for arg in ("--dir", str(folder))]
 
 
 def _argv(sandbox: _Bwrap, limits: SandboxLimits) -> list:
@@ -264,8 +262,9 @@ async def _communicate(process, source: str, limits: SandboxLimits) -> SandboxRe
         raw = await asyncio.wait_for(read_all(), limits.wall_s)
     except (asyncio.TimeoutError, BrokenPipeError, ConnectionResetError) as exc:
         raw, error = b"", "timeout" if isinstance(exc, asyncio.TimeoutError) else "the process closed its input"
-    finally:
-        _kill_group(process.pid)  # bwrap (PID 1's parent: the sandbox goes with it) or the unisolated group
+    finally:  # kill bwrap (PID 1's parent: the sandbox goes with it) or the unisolated group
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
         await process.wait()
     output = raw.decode("utf-8", errors="replace")
     if len(output) > limits.max_output_chars:  # keep the head and the tail (where the error is)
@@ -283,13 +282,6 @@ def _exit_reason(code: int, bwrap: bool) -> str:
     if signum in (signal.SIGXCPU, signal.SIGKILL):  # SIGKILL: the hard CPU limit, SIGXCPU ignored
         return "cpu time limit"
     return f"killed by signal {signum}" if signum else f"exit code {code}"
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 async def python(code: str) -> str:

@@ -19,6 +19,7 @@ Run alone: `python -m pytest tests/test_tools.py -q`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -48,13 +49,11 @@ def stop_strings(tool_format: str) -> tuple[str, ...]:
 
 def parse_turn(text: str, tool_format: str, default_tool: str = "", default_arg: str = "") -> tuple[str, list[ParsedCall]]:
     """A sampled turn's text (eos removed) -> (content, calls). No calls: a final answer."""
+    if tool_format not in FORMATS:
+        raise ValueError(f"tool format {tool_format!r} is not one of {', '.join(FORMATS)}")
     if tool_format == "builtin":
         return parse_builtin(text, default_tool, default_arg)
-    if tool_format == "hermes":
-        return parse_hermes(text)
-    if tool_format == "json":
-        return parse_json(text)
-    raise ValueError(f"tool format {tool_format!r} is not one of {', '.join(FORMATS)}")
+    return parse_hermes(text) if tool_format == "hermes" else parse_json(text)
 
 
 def parse_builtin(text: str, tool: str, arg: str) -> tuple[str, list[ParsedCall]]:
@@ -65,9 +64,7 @@ def parse_builtin(text: str, tool: str, arg: str) -> tuple[str, list[ParsedCall]
     if start < 0:
         return body, [ParsedCall(tool, {}, "malformed call")]
     expression = body[start + len(BUILTIN_OPEN):]
-    if not expression.strip():
-        return body[:start], [ParsedCall(tool, {arg: expression}, "malformed call")]
-    return body[:start], [ParsedCall(tool, {arg: expression})]
+    return body[:start], [ParsedCall(tool, {arg: expression}, None if expression.strip() else "malformed call")]
 
 
 def parse_hermes(text: str) -> tuple[str, list[ParsedCall]]:
@@ -91,10 +88,8 @@ def _hermes_call(block: str) -> ParsedCall:
         return ParsedCall("", {}, 'malformed call: expected {"name": ..., "arguments": {...}}')
     arguments = call.get("arguments", call.get("parameters", {}))
     if isinstance(arguments, str):
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass
     if not isinstance(arguments, dict):
         return ParsedCall(call["name"], {}, "malformed call: arguments must be a JSON object")
     return ParsedCall(call["name"], arguments)

@@ -77,15 +77,11 @@ def as_tool(fn: Callable | Tool, name: Optional[str] = None, timeout_s: Optional
         raise ValueError(f"tool '{name}' needs {' and '.join(missing)}: its JSON schema, all the model "
                          f"sees of it, is built from them (nanoverl_async/agents/tools.py)")
     description, arg_docs = parse_docstring(doc)
-    properties, required = {}, []
-    for param in params:
-        properties[param.name] = {**json_schema(hints[param.name]), **({"description": arg_docs[param.name]}
-                                                                       if param.name in arg_docs else {})}
-        if param.default is inspect.Parameter.empty:
-            required.append(param.name)
-    schema = {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": {"type": "object", "properties": properties, "required": required}}}
+    described = {arg: {"description": text} for arg, text in arg_docs.items()}
+    properties = {p.name: {**json_schema(hints[p.name]), **described.get(p.name, {})} for p in params}
+    required = [p.name for p in params if p.default is inspect.Parameter.empty]
+    schema = {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": properties, "required": required}}}
     return Tool(fn=fn, name=name, schema=schema, timeout_s=timeout_s, hints={p: hints[p] for p in properties})
 
 
@@ -93,16 +89,15 @@ def parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
     """Google-style docstring -> (first paragraph, {arg: description}) from its "Args:" section."""
     description = doc.split("\n\n", 1)[0].replace("\n", " ").strip()
     args: dict[str, str] = {}
+    current = None  # the argument a continuation line belongs to
     section = re.search(r"^(?:Args|Arguments|Parameters):\s*\n((?:[ \t]+.*\n?|\s*\n)+)", doc, flags=re.M)
-    if section:
-        current = None
-        for line in section.group(1).splitlines():
-            match = re.match(r"^\s+(\w+)\s*(?:\([^)]*\))?:\s*(.*)$", line)
-            if match:
-                current = match.group(1)
-                args[current] = match.group(2).strip()
-            elif current and line.strip():
-                args[current] += " " + line.strip()
+    for line in section.group(1).splitlines() if section else ():
+        match = re.match(r"^\s+(\w+)\s*(?:\([^)]*\))?:\s*(.*)$", line)
+        if match:
+            current = match.group(1)
+            args[current] = match.group(2).strip()
+        elif current and line.strip():
+            args[current] += " " + line.strip()
     return description, args
 
 
@@ -126,10 +121,8 @@ def json_schema(hint: Any) -> dict:
 def check_value(hint: Any, value: Any) -> bool:
     """Whether a JSON value fits a type hint (the same subset as json_schema)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (int, float):  # an int fits a float; a bool fits neither
+        return isinstance(value, int if hint is int else (int, float)) and not isinstance(value, bool)
     if hint in _JSON_TYPES:
         return isinstance(value, hint)
     if origin is typing.Literal:
@@ -171,10 +164,9 @@ async def call_tool(tool: Tool, arguments: Any, timeout_s: float = 5.0, max_char
     if problem is not None:
         return result(f"error: {problem}", True)
     try:
-        if inspect.iscoroutinefunction(tool.fn):
-            pending = tool.fn(**arguments)
-        else:  # a thread keeps the event loop running; it cannot be killed on timeout
-            pending = asyncio.to_thread(tool.fn, **arguments)
+        # a synchronous tool runs in a thread, which keeps the event loop running; it cannot be killed on timeout
+        pending = (tool.fn(**arguments) if inspect.iscoroutinefunction(tool.fn)
+                   else asyncio.to_thread(tool.fn, **arguments))
         return result(str(await asyncio.wait_for(pending, timeout_s)), False)
     except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
         return result(f"error: timeout after {timeout_s:g}s", True)
