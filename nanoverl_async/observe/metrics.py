@@ -46,8 +46,7 @@ def engine_total(trajectories: list, key: str) -> int:
 def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, step_seconds: float,
                  samples_trained: int) -> dict:
     """Everything logged for step `step`; `batch` is the buffer's Batch, `learner` the pool's metrics."""
-    trajectories = batch.trajectories
-    stats = batch.stats
+    trajectories, stats = batch.trajectories, batch.stats
     generator_versions = stats.get("generator_versions", {})
     metrics = {"step": step}
     for key, name in BUFFER_STAT_KEYS.items():
@@ -82,11 +81,9 @@ def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, ste
         # which prompts this step trained on: a resumed run never trains on one twice (tests/test_cli_run.py)
         "batch/prompt_indices": sorted({t.prompt_index for t in trajectories}),
     })
-    for key, value in stats.items():
-        if key not in BUFFER_STAT_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool):
-            metrics[f"buffer/{key}"] = value
-    for key, value in learner.items():
-        metrics[key if "/" in key else f"learner/{key}"] = value
+    metrics.update({f"buffer/{key}": value for key, value in stats.items()
+                    if key not in BUFFER_STAT_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool)})
+    metrics.update({key if "/" in key else f"learner/{key}": value for key, value in learner.items()})
     metrics.update(reward_info_means(trajectories))
     return metrics
 
@@ -168,17 +165,14 @@ class MetricsLogger:
         self.file = _open_rows(self.path, start_step)
         self.log_samples, self.print_sample_every = log_samples, print_sample_every
         self.samples = _open_rows(Path(output_dir) / "samples.jsonl", start_step) if log_samples else None
-        self.total_steps = total_steps
-        self.progress = progress
-        self.started = time.monotonic()
+        self.total_steps, self.progress, self.started = total_steps, progress, time.monotonic()
         self.tied_steps, self.warned = 0, set()  # the warnings given: each at most once a run
-        self.bar = None
+        self.bar = self.wandb_run = None
         if progress and sys.stdout.isatty():  # a live bar in a terminal; plain lines when piped to a file
             self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=20),
                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn())
             self.bar_task = self.bar.add_task("train", total=total_steps, completed=start_step, info="starting")
             self.bar.start()
-        self.wandb_run = None
         if wandb_config is not None:
             import wandb  # optional tracker, imported only when asked for
 
@@ -200,15 +194,16 @@ class MetricsLogger:
                                step=metrics["step"])
         if self.progress:
             self._print_line(metrics)
-        self._warn_if_nothing_to_learn(metrics)
-        self._warn_if_silently_wrong(metrics, trajectories)
+        self._warn_if_wrong(metrics, trajectories)
 
     def _warn(self, kind: str, message: str) -> None:
         if kind not in self.warned:
             self.warned.add(kind)
             print(f"warning: {message}", file=sys.stderr, flush=True)
 
-    def _warn_if_nothing_to_learn(self, m: dict) -> None:
+    def _warn_if_wrong(self, m: dict, trajectories: list) -> None:
+        """Once a run each: every group tied for TIED_STEPS_WARNING steps in a row; most of a step's tool calls
+        failed; every reward is 0 and samples lacked the ground truth the reward function was given."""
         self.tied_steps = self.tied_steps + 1 if m["batch/tied_groups_frac"] == 1.0 else 0
         if self.tied_steps == TIED_STEPS_WARNING:
             self._warn("tied", f"steps {m['step'] - TIED_STEPS_WARNING + 1}-{m['step']}: within every group all "
@@ -216,10 +211,6 @@ class MetricsLogger:
                        f"and nothing is learned (learner/grad_norm 0). Likely the reward function never (or always) "
                        f"gives credit: check a few episodes' answers against it (reward.path, agent.env), or make "
                        f"the task easier for this model")
-
-    def _warn_if_silently_wrong(self, m: dict, trajectories: list) -> None:
-        """Once a run each: most of a step's tool calls failed; every reward is 0 and samples lacked the
-        ground truth the reward function was given."""
         calls, errors, missing = m["episodes/tool_calls"], m["episodes/tool_errors"], m["episodes/ground_truth_missing"]
         if 2 * errors > calls:  # more than half
             first = next((t.info["first_tool_error"] for t in trajectories if t.info.get("first_tool_error")), "")

@@ -74,16 +74,24 @@ class Series:
 
 
 def read_run(run_dir: str) -> Run:
+    """The run's metrics rows and its config.yaml as a plain nested dict (config.read_yaml, which reads every
+    config file: a ConfigError naming the file when it is missing or not YAML)."""
     path = Path(run_dir)
-    return Run(path, read_rows(path / "metrics.jsonl"), read_config(path / "config.yaml"))
+    rows = read_rows(path / "metrics.jsonl")
+    return Run(path, rows, OmegaConf.to_container(read_yaml(str(run_file(path / "config.yaml")))))
+
+
+def run_file(path: Path) -> Path:
+    """`path`, or a ConfigError naming it when it does not exist."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file (a run directory holds the {path.name} a launch writes)")
+    return path
 
 
 def read_rows(path: Path) -> list[dict]:
     """metrics.jsonl's rows; a ConfigError naming the file when it is missing, empty or not JSON rows."""
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such file (a run directory holds the metrics.jsonl a launch writes)")
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(keepends=True), 1):
+    for number, line in enumerate(run_file(path).read_text().splitlines(keepends=True), 1):
         if not line.strip() or not line.endswith("\n"):  # blank, or the row a live run is still writing
             continue
         try:
@@ -98,19 +106,10 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def read_config(path: Path) -> dict:
-    """config.yaml as a plain nested dict; a ConfigError naming the file when it is missing or not YAML
-    (config.read_yaml, which reads every config file)."""
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such file (a run directory holds the config.yaml a launch writes)")
-    return OmegaConf.to_container(read_yaml(str(path)))
-
-
 def run_labels(configs: list[dict], names: list[str]) -> list[str]:
     """One legend label per run: `key=value` for each dotted config key whose value differs between the
     runs (`algorithm.correction=none, staleness.max=4`); the directory names for one run or equal configs."""
-    differing = sorted({key for config in configs[1:] for key in changed_keys(configs[0], config)}
-                       - UNLABELLED_KEYS)
+    differing = sorted({key for config in configs[1:] for key in changed_keys(configs[0], config)} - UNLABELLED_KEYS)
     if not differing:
         return list(names)
     more = f", +{len(differing) - MAX_LABEL_KEYS} more" if len(differing) > MAX_LABEL_KEYS else ""

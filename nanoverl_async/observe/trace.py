@@ -173,9 +173,8 @@ class PipelineTrace:
         self.events = 0  # written so far
         self.roles = roles
         self.offsets: dict[str, tuple[float, float]] = {}  # role -> (offset, uncertainty), from the first step
-        self.pids: dict[str, int] = {}
-        self.tids: dict[tuple[str, str, int], int] = {}
-        self.lanes: dict[tuple[str, str], Lanes] = {}
+        # process -> pid; (process, track, lane) -> tid; (process, track) -> Lanes
+        self.pids, self.tids, self.lanes = {}, {}, {}
 
     def step(self, step: int, trajectories: list[Trajectory], marks: tuple[float, ...]) -> None:
         """After step `step`: its phases (`marks`: time.monotonic() when its wait began and after each of
@@ -222,9 +221,8 @@ class PipelineTrace:
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
                            "args": {"name": f"{span.track} {lane}" if lane else span.track}})
         tid = self.tids[(process, span.track, lane)]
-        events.append(complete(span.name, pid, tid, start, end, span.args))
-        return events + [complete(c.name, pid, tid, c.start - offset, c.end - offset, c.args)
-                         for c in sequential(span.children)]
+        return events + [complete(s.name, pid, tid, s.start - offset, s.end - offset, s.args)
+                         for s in (span, *sequential(span.children))]
 
     def _pid(self, process: str) -> tuple[int, list[dict]]:
         """The process's id, and its metadata events when it is new (a trajectory may name any generator)."""
