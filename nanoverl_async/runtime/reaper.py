@@ -28,6 +28,7 @@ import os
 if __name__ == "__main__" and os.fork():  # the watcher detaches at once: Ray kills a worker's own children with it
     os._exit(0)  # (a generator's watcher among them); `Reaper` waits for this first process to leave
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -51,11 +52,9 @@ class Reaper:
         self.process.wait()  # it has forked the watcher (detached) and left
 
     def release(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # the watcher is already gone
             self.process.stdin.write(RELEASE)
             self.process.stdin.close()
-        except OSError:  # the watcher is already gone
-            pass
 
 
 def descendants(pid: int) -> dict[int, float]:
@@ -68,12 +67,10 @@ def descendants(pid: int) -> dict[int, float]:
 
 def kill_all(processes: dict[int, float]) -> None:
     for pid, started in processes.items():
-        try:
+        with contextlib.suppress(psutil.Error):
             process = psutil.Process(pid)
             if process.create_time() == started:  # not a new process that reuses the pid
                 process.kill()
-        except psutil.Error:
-            pass
 
 
 def signal_group(group: int, sig: int) -> bool:
@@ -99,8 +96,7 @@ def end_group(group: int) -> None:
 def watch(pid: int, group: int = 0) -> None:
     """Poll `pid`'s descendants (or `group`) until stdin closes; then kill them unless the launcher released
     the watcher."""
-    seen: dict[int, float] = {}
-    message = []
+    seen, message = {}, []  # pid -> start time; what the launcher wrote
     reader = threading.Thread(target=lambda: message.append(sys.stdin.buffer.read()), daemon=True)
     reader.start()
     while reader.is_alive():

@@ -76,9 +76,7 @@ class GeneratorRole:
         try:
             await self.worker.run(buffer_endpoints, weights_endpoint, curve)
         finally:
-            close = getattr(self.worker.engine, "close", None)  # an SGLang engine stops its server processes
-            if close is not None:
-                close()
+            getattr(self.worker.engine, "close", lambda: None)()  # an SGLang engine stops its server processes
 
     async def stop(self) -> None:
         self.worker.stop()
