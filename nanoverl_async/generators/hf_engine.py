@@ -34,7 +34,7 @@ blocks, released to an LRU queue, stay until evicted), another group with the sa
 recomputed after a preemption. Requests admitted together with the same context (the G samples of a group) compute
 it once: the copies hold the same blocks (refcounts) and sample from the same logits; a row about to write into a
 block other rows hold copies it first (copy on write). Counters: `reused_tokens` (prefill tokens served from
-cache), `computed_tokens`, `preemptions`, `cow_copies`, `cache.pool.peak`; `stats()` gives them to the worker.
+cache), `computed_tokens`, `preemptions`, `cow_copies`, `cache.pool.peak` (tests and benchmarks read them).
 
 Sampling (the behaviour policy mu of the loss): p = softmax(logits / temperature), one draw from p with a
 `torch.Generator` seeded from the config seed; logprob = log p[token], in float32.
@@ -94,11 +94,6 @@ def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, generator: t
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def free_memory(device: torch.device) -> int:
-    """Bytes free on `device` now: the GPU's free memory, or the RAM available."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
-
-
 @dataclass
 class _Request:
     input_ids: list[int]
@@ -120,9 +115,7 @@ class _Request:
     def tokens(self, begin: int, end: int) -> list[int]:
         """The context's tokens [begin, end), without building the whole context."""
         cut = len(self.input_ids)
-        if end <= cut:
-            return self.input_ids[begin:end]
-        return self.input_ids[begin:] + self.completion.token_ids[max(0, begin - cut):end - cut]
+        return self.input_ids[begin:end] + self.completion.token_ids[max(0, begin - cut):max(0, end - cut)]
 
 
 class TransformersEngine:
@@ -147,7 +140,9 @@ class TransformersEngine:
         self._runner: Optional[asyncio.Task] = None
         if num_blocks is None:
             budget = kv_cache_memory or DEFAULT_KV_MEMORY[self.device.type]
-            num_blocks = pool_blocks(budget, free_memory(self.device), self.forward.block_bytes(block_size))
+            free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else \
+                psutil.virtual_memory().available  # bytes free once the model is loaded
+            num_blocks = pool_blocks(budget, free, self.forward.block_bytes(block_size))
         self.cache = PagedCache(self.forward, num_blocks, block_size, max_batch_size, self.device)
         self._cache_version = version  # the weights version the running rows' cache was computed with
         self._lens = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # cached tokens per row
@@ -155,11 +150,10 @@ class TransformersEngine:
         self._temps = torch.ones(max_batch_size, 1, dtype=torch.float32, device=self.device)
         self._graphs = DecodeGraphs(self.forward, self._next, self._lens) if (
             cuda_graphs and self.device.type == "cuda") else None  # decode replayed from CUDA graphs
-        self.decode_steps = 0  # steps (one forward each, a replayed graph's included), for metrics and tests
-        self.reused_tokens = 0  # prefill tokens served from cached blocks
-        self.computed_tokens = 0  # prefill tokens computed (prompts, later turns' new tokens, recomputed rows)
-        self.preemptions = 0  # rows put back in the queue because the pool was short
-        self.cow_copies = 0  # shared blocks copied before a row wrote into them
+        # Counters, for tests and benchmarks: steps (one forward each, a replayed graph's included); prefill tokens
+        # served from cached blocks and computed (prompts, later turns' new tokens, recomputed rows); rows put back
+        # in the queue because the pool was short; shared blocks copied before a row wrote into them.
+        self.decode_steps = self.reused_tokens = self.computed_tokens = self.preemptions = self.cow_copies = 0
         self.tokens_generated = self.weight_swaps = 0
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *,
@@ -172,11 +166,10 @@ class TransformersEngine:
             raise ValueError(f"token ids {min(input_ids)}..{max(input_ids)} are not all in the model's "
                              f"vocabulary [0, {vocabulary})")
         positions = len(input_ids) + params.max_new_tokens - 1  # the last sampled token is never cached
-        pool = self.cache.pool
-        if positions > pool.capacity * pool.block_size:  # it could never run
-            raise ValueError(f"{len(input_ids)} input tokens + max_new_tokens={params.max_new_tokens} need "
-                             f"{positions} positions of KV cache; generator.kv_cache_memory holds "
-                             f"{pool.capacity * pool.block_size}")
+        held = self.cache.pool.capacity * self.cache.pool.block_size
+        if positions > held:  # it could never run
+            raise ValueError(f"{len(input_ids)} input tokens + max_new_tokens={params.max_new_tokens} need {positions} "
+                             f"positions of KV cache; generator.kv_cache_memory holds {held}")
         loop = asyncio.get_running_loop()
         request = _Request(list(input_ids), params, loop.create_future(), episode_id or "")
         if self._runner is None or self._runner.done() or self._runner.get_loop() is not loop:
@@ -190,25 +183,11 @@ class TransformersEngine:
     def in_flight(self) -> int:
         return len(self._pending) + sum(not r.future.done() for r in self._rows)
 
-    def stats(self) -> dict:
-        """The cache's counters, for the worker's metrics."""
-        prefilled = self.reused_tokens + self.computed_tokens
-        return {"prefix_cache_hit_frac": self.reused_tokens / prefilled if prefilled else 0.0,
-                "preemptions": self.preemptions, "kv_blocks_peak": self.cache.pool.peak,
-                "kv_blocks": self.cache.pool.capacity, "kv_cow_copies": self.cow_copies}
-
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load `state_dict` as weights `version` now (a safe point: see the module docstring)."""
         if version < 0:
             raise ValueError(f"weight versions are >= 0, got {version}")
-        self._check_fits(state_dict, version)  # before loading: a refused version leaves the model intact
-        self.model.load_state_dict(state_dict, strict=False)  # in place: the forward reads the same tensors
-        self.version = version
-        self.weight_swaps += 1
-        if self.recompute_cache_on_swap:
-            self.cache.pool.forget()  # their hashes name the old version: none could match again
-
-    def _check_fits(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        # Checked before loading: a refused version leaves the model intact.
         params = dict(self.model.named_parameters(remove_duplicate=False))
         given = {params[k].data_ptr() for k in state_dict if k in params}
         # A tied parameter (lm_head = embed_tokens) may appear once in a state dict.
@@ -218,6 +197,11 @@ class TransformersEngine:
         if missing or unexpected or shapes:
             raise KeyError(f"weights version {version} do not fit the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}, wrong shape {shapes[:5]}")
+        self.model.load_state_dict(state_dict, strict=False)  # in place: the forward reads the same tensors
+        self.version = version
+        self.weight_swaps += 1
+        if self.recompute_cache_on_swap:
+            self.cache.pool.forget()  # their hashes name the old version: none could match again
 
     async def _run(self) -> None:
         try:
@@ -226,25 +210,22 @@ class TransformersEngine:
                     await asyncio.sleep(LOCKSTEP_POLL_S)  # some episode is still in a tool call
                     continue
                 with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS):
-                    self._guarded(self._step)
+                    try:
+                        self._step()
+                    except Exception as error:  # the callers of its rows get it; later requests are served
+                        self._fail(self._rows, error)
                 await asyncio.sleep(0)
         except BaseException as error:  # cancelled (its loop is closing) or a bug: no one may wait forever
-            for request in self._rows + self._pending:
-                if not request.future.done():
-                    request.future.set_exception(error) if isinstance(error, Exception) else request.future.cancel()
-            self._release(self._rows)
+            self._fail(self._rows + self._pending, error)
             self._pending = []
             raise
 
-    def _guarded(self, step: Callable[[], None]) -> None:
-        """Run `step`; if it fails, the callers of its rows get the exception, and later requests are served."""
-        try:
-            step()
-        except Exception as error:
-            for request in self._rows:
-                if not request.future.done():
-                    request.future.set_exception(error)
-            self._release(self._rows)
+    def _fail(self, requests: list[_Request], error: BaseException) -> None:
+        """The callers of `requests` get `error` (or are cancelled with the engine); the running rows are released."""
+        for request in requests:
+            if not request.future.done():
+                request.future.set_exception(error) if isinstance(error, Exception) else request.future.cancel()
+        self._release(self._rows)
 
     def _step(self) -> None:
         """One forward for every running row (its last sampled token) and for the waiting requests that fit
@@ -277,7 +258,7 @@ class TransformersEngine:
         logits = torch.cat(logits) if len(logits) > 1 else logits[0]
         if sources:  # the copies sample from the logits of the rows whose context they repeat
             logits = torch.cat([logits, logits[on_device(torch.tensor(sources) + running, self.device)]])
-        self._emit(0, logits)
+        self._emit(logits)
 
     def _seed(self) -> bytes:
         """The hash seed of blocks computed now: the weights version, unless caches outlive swaps."""
@@ -320,11 +301,9 @@ class TransformersEngine:
             if not request.future.done():  # else cancelled while it waited: dropped
                 context = request.context()
                 source = index_of.get(tuple(context))
-                if source is not None:
+                if source is not None:  # a copy: its whole context is served from its source's blocks
                     self.cache.share(request, firsts[source])
-                    self.reused_tokens += len(context)
-                    request.completion.prefill_tokens += len(context)
-                    request.completion.cached_tokens += len(context)
+                    offset = len(context)
                     copies.append(request)
                     sources.append(source)
                 else:
@@ -333,14 +312,14 @@ class TransformersEngine:
                     offset = self.cache.place(request, context, self._seed())
                     if offset is None:
                         break
-                    self.reused_tokens += offset
-                    self.computed_tokens += len(context) - offset
-                    request.completion.prefill_tokens += len(context)
-                    request.completion.cached_tokens += offset
                     computed += len(context) - offset
                     index_of[tuple(context)] = len(firsts)
                     firsts.append(request)
                     offsets.append(offset)
+                self.reused_tokens += offset
+                self.computed_tokens += len(context) - offset
+                request.completion.prefill_tokens += len(context)
+                request.completion.cached_tokens += offset
             taken += 1
         del self._pending[:taken]
         self._rows += firsts + copies
@@ -356,17 +335,17 @@ class TransformersEngine:
         self._temps[rows, 0] = on_device(torch.tensor([r.params.temperature for r in new], dtype=torch.float32),
                                         self.device)
 
-    def _emit(self, start: int, logits: torch.Tensor) -> None:
-        """Sample a token for rows start.. from `logits`, record it, resolve finished rows, compact."""
-        end = len(self._rows)
-        tokens, logprobs = sample_tokens(logits, self._temps[start:end], self._generator)
-        self._next[start:end] = tokens
+    def _emit(self, logits: torch.Tensor) -> None:
+        """Sample a token for every row from `logits`, record it, resolve finished rows, compact."""
+        rows = len(self._rows)
+        tokens, logprobs = sample_tokens(logits, self._temps[:rows], self._generator)
+        self._next[:rows] = tokens
         self._cache_version = self.version
         self.decode_steps += 1
-        self.tokens_generated += end - start
+        self.tokens_generated += rows
         sampled, logps = torch.stack((tokens.double(), logprobs.double())).tolist()  # the step's one host sync
         done = []
-        for row, token, logprob in zip(range(start, end), sampled, logps):
+        for row, (token, logprob) in enumerate(zip(sampled, logps)):
             request, token = self._rows[row], int(token)
             completion = request.completion
             completion.token_ids.append(token)
