@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from itertools import takewhile
 from typing import Optional, Sequence
 
 import torch
@@ -97,13 +98,7 @@ class BlockPool:
 
     def match(self, hashes: Sequence[bytes]) -> list[int]:
         """The blocks holding the longest prefix of `hashes`."""
-        blocks = []
-        for key in hashes:
-            block = self.block_of.get(key)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+        return list(takewhile(lambda block: block is not None, map(self.block_of.get, hashes)))
 
     def fits(self, hits: Sequence[int], count: int) -> bool:
         """Whether `take(hits)` then `allocate(count)` can be done (a released hit stops being free)."""
@@ -125,9 +120,7 @@ class BlockPool:
         self.fresh += len(blocks)
         while len(blocks) < count:
             block, _ = self.released.popitem(last=False)
-            key = self.hash_of.pop(block, None)
-            if key is not None:
-                del self.block_of[key]
+            self.block_of.pop(self.hash_of.pop(block, None), None)  # the prefix it held, if any, is evicted
             blocks.append(block)
         return self.take(blocks)
 
@@ -208,9 +201,8 @@ class PagedCache:
         Its full blocks are registered under their hashes at once: a row placed after it in the same step reads
         them in the same forward, after each layer has written them."""
         size = self.pool.block_size
-        if row.seed != seed:
-            row.hashes, row.seed = [], seed
-        row.hashes = prefix_hashes(context, size, seed, row.hashes)
+        row.hashes = prefix_hashes(context, size, seed, row.hashes if row.seed == seed else [])
+        row.seed = seed
         hits = self.pool.match(row.hashes[: (len(context) - 1) // size])
         need = -(-len(context) // size) - len(hits)
         if not self.pool.fits(hits, need):
