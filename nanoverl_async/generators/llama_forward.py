@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -98,7 +97,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Span:
     """Rows first..first+rows-1 of the block table whose new tokens are the forward's flat tokens [begin, end),
     row by row, each row's at the positions after its cached ones; `length` > every position (the attention span). For
@@ -114,9 +113,6 @@ class Span:
     padded: Optional[torch.Tensor] = None
     unpadded: Optional[torch.Tensor] = None
 
-    def to(self, device: torch.device) -> "Span":
-        return dataclasses.replace(self, padded=on_device(self.padded, device), unpadded=on_device(self.unpadded, device))
-
 
 class Tokens:
     """The flat new tokens of one forward, laid out on the host span by span (`tensors` moves them)."""
@@ -126,10 +122,9 @@ class Tokens:
         already on the device (a decode step's), and their attention length."""
         self.decoding = decoding
         self.begin = len(decoding[0]) if decoding is not None else 0  # flat tokens before the host's
-        self.ids: list[int] = []
-        self.positions: list[int] = []
-        self.rows: list[int] = []
-        self.last: list[int] = []  # each row's last new token: its logits are returned
+        # per flat token: its id, its position and its row of the block table; each row's last new token (its
+        # logits are returned)
+        self.ids, self.positions, self.rows, self.last = [], [], [], []
         self.spans: list[Span] = []
 
     def add(self, first: int, offsets: Sequence[int], new: Sequence[Sequence[int]]) -> None:
@@ -162,7 +157,8 @@ class Tokens:
                                                       Optional[torch.Tensor]]:
         """(ids, positions, rows, spans, last) on `device`: the arguments of `LlamaForward.__call__` after the
         cache and the table."""
-        spans = [span.to(device) for span in self.spans]
+        spans = [dataclasses.replace(span, padded=on_device(span.padded, device),
+                                     unpadded=on_device(span.unpadded, device)) for span in self.spans]
         if self.ids:
             flat = on_device(torch.tensor([self.ids, self.positions, self.rows], dtype=torch.long), device)
             ids, positions, rows, last = *flat, on_device(torch.tensor(self.last, dtype=torch.long), device)
@@ -216,9 +212,8 @@ class LlamaWeights(torch.nn.Module):
         forward, tokens = LlamaForward(self), Tokens()
         tokens.add(0, [0] * rows, input_ids.tolist())
         table = torch.arange(rows, device=input_ids.device)[:, None]  # a block of `length` positions per row
-        ids, positions, at, spans, _ = tokens.tensors(input_ids.device)
-        return SimpleNamespace(logits=forward(forward.cache(rows, length), table, ids, positions, at, spans)
-                               .view(rows, length, -1))
+        logits = forward(forward.cache(rows, length), table, *tokens.tensors(input_ids.device)[:4])  # all, not `last`
+        return SimpleNamespace(logits=logits.view(rows, length, -1))
 
 
 def _check_supported(config, model_path: str) -> None:
@@ -236,13 +231,12 @@ def _check_supported(config, model_path: str) -> None:
                          f"are not supported by the transformers engine (silu; full or sliding attention)")
 
 
-def rope_frequencies(config) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [head_dim / 2] float32, the cos/sin scale) of config.rope_parameters, as transformers'
-    rotary embedding computes them (RoFormer, Su et al. 2021: inv_freq_i = theta^(-2i / head_dim))."""
+def rope_frequencies(config, dim: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim / 2] float32, the cos/sin scale) of config.rope_parameters for heads of `dim`, as
+    transformers' rotary embedding computes them (RoFormer, Su et al. 2021: inv_freq_i = theta^(-2i / dim))."""
     rope = config.rope_parameters
     if rope["rope_type"] != "default":  # linear, llama3, yarn: transformers' own functions
         return ROPE_INIT_FUNCTIONS[rope["rope_type"]](config)
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 
@@ -256,7 +250,7 @@ class LlamaForward:
         self.embed = weights.model.embed_tokens.weight  # [V, hidden]: its dtype and device are the model's
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        inv_freq, self.rope_scale = rope_frequencies(config)
+        inv_freq, self.rope_scale = rope_frequencies(config, self.head_dim)
         self.inv_freq = inv_freq.float().to(self.embed.device)
         sliding = getattr(config, "sliding_window", None)
         types = getattr(config, "layer_types", None) or ["sliding_attention" if sliding else "full_attention"] * len(
