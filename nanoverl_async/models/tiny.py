@@ -26,7 +26,6 @@ Run alone:  python -m nanoverl_async.models.tiny [cache_dir]   (builds or finds,
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import random
@@ -41,7 +40,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config
 
 from nanoverl_async.agents import multiply_task
-from nanoverl_async.models.cache import build_once
+from nanoverl_async.models.cache import build_once, recipe_digest
 
 RECIPE_VERSION = 2  # bump whenever the build code changes what it produces
 SECONDS_PER_STEP = 0.23  # warm-start step time at batch 64, measured on one busy core (log line only)
@@ -86,15 +85,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token=PAD,
-        eos_token=END,
-        unk_token=UNK,
-        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in (PAD, END, UNK)],
-        clean_up_tokenization_spaces=False,
-        model_max_length=256,
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=END, unk_token=UNK,
+                                   additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in (PAD, END, UNK)],
+                                   clean_up_tokenization_spaces=False, model_max_length=256)
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -131,26 +124,17 @@ class TinyRecipe:
         return r * (1 - f) / (f * (1 - r))
 
     def digest(self) -> str:
-        payload = {"recipe_version": RECIPE_VERSION, "chat_template": CHAT_TEMPLATE}
-        payload.update(dataclasses.asdict(self))
-        return hashlib.blake2b(json.dumps(payload, sort_keys=True).encode(), digest_size=8).hexdigest()
+        return recipe_digest({"recipe_version": RECIPE_VERSION, "chat_template": CHAT_TEMPLATE,
+                              **dataclasses.asdict(self)})
 
 
 def build_model(tokenizer: PreTrainedTokenizerFast, recipe: TinyRecipe) -> Qwen2ForCausalLM:
     """A freshly initialised Qwen2 (seeded by recipe.seed), sized for the tokenizer."""
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=recipe.hidden_size,
-        num_hidden_layers=recipe.num_layers,
-        num_attention_heads=recipe.num_heads,
-        num_key_value_heads=recipe.num_kv_heads,
-        intermediate_size=recipe.intermediate_size,
-        max_position_embeddings=recipe.max_positions,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=recipe.hidden_size, num_hidden_layers=recipe.num_layers,
+                         num_attention_heads=recipe.num_heads, num_key_value_heads=recipe.num_kv_heads,
+                         intermediate_size=recipe.intermediate_size, max_position_embeddings=recipe.max_positions,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
     from transformers import Qwen2ForCausalLM  # here: modeling code costs every importer of models/load.py a second
 
     torch.manual_seed(recipe.seed)
@@ -167,25 +151,16 @@ def demo_pieces(tokenizer: PreTrainedTokenizerFast, tools: bool) -> dict[str, st
     text, so we render once with placeholders {Q} {E} {R} {P} and fill them per demo.
     """
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "{E}"}}}
-    msgs = [
-        {"role": "user", "content": "{Q}"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "content": "{R}"},
-        {"role": "assistant", "content": "{P}"},
-    ]
+    msgs = [{"role": "user", "content": "{Q}"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "{R}"}, {"role": "assistant", "content": "{P}"}]
     kw = {"tools": [multiply_task.calculator] if tools else None, "tokenize": False}
     prompt = tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True, **kw)
     renders = [prompt] + [tokenizer.apply_chat_template(msgs[:k], **kw) for k in (2, 3, 4)]
     direct = tokenizer.apply_chat_template([msgs[0], msgs[3]], **kw)
     consistent = all(b.startswith(a) for a, b in zip(renders, renders[1:])) and direct.startswith(prompt)
     assert consistent, "the chat template is not prefix-consistent"
-    return {
-        "prompt": prompt,
-        "call": renders[1][len(prompt):],
-        "result": renders[2][len(renders[1]):],
-        "answer": renders[3][len(renders[2]):],
-        "direct": direct[len(prompt):],
-    }
+    return {"prompt": prompt, "call": renders[1][len(prompt):], "result": renders[2][len(renders[1]):],
+            "answer": renders[3][len(renders[2]):], "direct": direct[len(prompt):]}
 
 
 def demo_batch(tokenizer, pieces: list[dict], recipe: TinyRecipe, rng: random.Random) -> list[dict]:
@@ -218,8 +193,7 @@ def demo_batch(tokenizer, pieces: list[dict], recipe: TinyRecipe, rng: random.Ra
     encoded = iter(tokenizer([t for _, segs in demos for t, _ in segs], add_special_tokens=False)["input_ids"])
     groups: dict[bool, list[tuple[list[int], list[int]]]] = {True: [], False: []}
     for use_tool, segments in demos:
-        ids: list[int] = []
-        labels: list[int] = []
+        ids, labels = [], []
         for _, train in segments:
             seg = next(encoded)
             ids += seg
