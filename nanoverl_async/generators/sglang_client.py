@@ -21,6 +21,7 @@ Run alone: `python -m pytest tests/test_sglang_contract.py -q` (fake servers).
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from typing import Optional
 
@@ -33,13 +34,8 @@ class SGLangError(RuntimeError):
 
 def version_tuple(text: str) -> tuple[int, ...]:
     """'0.5.10.post1' -> (0, 5, 10); anything unparsable sorts as the newest protocol."""
-    parts = []
-    for piece in str(text).split(".")[:3]:
-        digits = "".join(c for c in piece if c.isdigit())
-        if not digits:
-            return (99,)
-        parts.append(int(digits))
-    return tuple(parts)
+    parts = [re.sub(r"\D", "", piece) for piece in str(text).split(".")[:3]]
+    return tuple(map(int, parts)) if all(parts) else (99,)
 
 
 class SGLangClient:
@@ -74,10 +70,13 @@ class SGLangClient:
         if self.legacy_protocol is None:
             self.legacy_protocol = version_tuple(self.server_version) < (0, 5, 23)
 
+    def _before_0_5_10(self) -> bool:
+        return bool(self.server_version) and version_tuple(self.server_version) < (0, 5, 10)
+
     def pause(self, mode: str) -> None:
         """Stop generation: `abort` returns in-flight requests with their partial tokens (once drained);
         `retract` keeps their HTTP calls open and finishes them after `resume`."""
-        if version_tuple(self.server_version) < (0, 5, 10) and self.server_version:  # 0.5.2: no body
+        if self._before_0_5_10():  # 0.5.2: no body
             if mode != "abort":
                 raise SGLangError(f"{self.url}: SGLang {self.server_version} pauses only in abort mode")
             self.post("/pause_generation")
@@ -89,7 +88,7 @@ class SGLangClient:
 
     def weight_version(self) -> str:
         """The server's weight version, read the way its version offers (0.5.2: /get_weight_version)."""
-        if version_tuple(self.server_version) < (0, 5, 10) and self.server_version:
+        if self._before_0_5_10():
             return str(self.get("/get_weight_version")["weight_version"])
         return str(self.get("/model_info")["weight_version"])
 
