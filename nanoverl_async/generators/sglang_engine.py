@@ -54,7 +54,7 @@ from safetensors.torch import save_file
 
 from nanoverl_async.config import SGLangConfig
 from nanoverl_async.generators.engine import Completion, SamplingParams
-from nanoverl_async.generators.sglang_server import SGLangServer
+from nanoverl_async.generators.sglang_server import SGLangServer, sglang_version
 from nanoverl_async.generators.sglang_client import SGLangError, checked, paused
 
 log = logging.getLogger(__name__)
@@ -66,21 +66,17 @@ COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 
 
 class SGLangEngine:
-    def __init__(self, model_path: str, cfg: SGLangConfig, *, generator_id: int = 0, version: int = 0,
-                 seed: int = 0, weights_dir: str = "", servers: Optional[list[SGLangServer]] = None,
-                 command: Optional[list[str]] = None, start: bool = True, dtype: str = "auto"):
-        self.cfg, self.base_model_path, self.version = cfg, model_path, version
+    def __init__(self, model_path: str, cfg: SGLangConfig, *, generator_id: int = 0, seed: int = 0, dtype: str = "auto",
+                 servers: Optional[list[SGLangServer]] = None, command: Optional[list[str]] = None, start: bool = True):
+        self.cfg, self.base_model_path, self.version = cfg, model_path, 0
         # The servers are this process's children, on this node: a local directory is enough.
-        root = weights_dir or cfg.weights_dir or os.path.join(tempfile.gettempdir(), f"nanoverl_sglang_{os.getpid()}")
+        root = cfg.weights_dir or os.path.join(tempfile.gettempdir(), f"nanoverl_sglang_{os.getpid()}")
         self.weights_dir = Path(root) / f"generator_{generator_id}"
         if servers is None:
             if command is None:
-                from nanoverl_async.generators.sglang_server import sglang_version
-
                 log.info("sglang %s", sglang_version())  # fails loudly here if the extra is missing
-            servers = [SGLangServer(model_path, cfg.port_base + generator_id * cfg.servers + i, cfg,
-                                    initial_version=version, command=command, seed=seed * 1_000 + i, dtype=dtype)
-                       for i in range(cfg.servers)]
+            servers = [SGLangServer(model_path, cfg.port_base + generator_id * cfg.servers + i, cfg, command=command,
+                                    seed=seed * 1_000 + i, dtype=dtype) for i in range(cfg.servers)]
         self.servers = servers
         self.outstanding = [0] * len(servers)
         self.latest_path = model_path  # the weights a restarted server loads
@@ -126,40 +122,38 @@ class SGLangEngine:
                        episode_id: Optional[str] = None) -> Completion:
         if len(input_ids) == 0:
             raise ValueError("generate needs at least one input token")
-        index = self.route(episode_id)
+        index, input_ids = self.route(episode_id), list(input_ids)
+        completion, rid, segment, empty = Completion(), f"{episode_id or 'req'}-{uuid.uuid4().hex[:12]}", 0, 0
         self.outstanding[index] += 1
         try:
-            return await self._generate_on(index, list(input_ids), params, episode_id or "req")
+            while True:
+                remaining = params.max_new_tokens - len(completion.token_ids)
+                if remaining <= 0:  # a resumed request whose partial tokens already used the whole budget
+                    completion.finish_reason = "length"
+                    return completion
+                body = {"rid": f"{rid}-{segment}", "input_ids": input_ids + completion.token_ids,
+                        "return_logprob": True, "stream": False,
+                        "sampling_params": {"max_new_tokens": remaining, "temperature": params.temperature,
+                                            "top_p": 1.0, "top_k": -1, "stop_token_ids": list(params.stop_token_ids),
+                                            "skip_special_tokens": False, "no_stop_trim": True}}
+                segment += 1
+                reply = await self._post_generate(index, body)
+                if reply is None:  # the server was restarted: re-issue from the partial tokens
+                    continue
+                tokens, logprobs, versions, finish = parse_reply(reply, self.version)
+                completion.token_ids += tokens
+                completion.logprobs += logprobs
+                completion.versions += versions
+                if finish != "abort":
+                    completion.finish_reason = finish
+                    return completion
+                self.counts["resumed"] += 1
+                empty = 0 if tokens else empty + 1
+                if empty > MAX_EMPTY_RESUMES:
+                    raise SGLangError(f"{self.servers[index].url}: request {rid} aborted {empty} times without a "
+                                      "token")
         finally:
             self.outstanding[index] -= 1
-
-    async def _generate_on(self, index: int, input_ids: list[int], params: SamplingParams, key: str) -> Completion:
-        completion, rid, segment, empty = Completion(), f"{key}-{uuid.uuid4().hex[:12]}", 0, 0
-        while True:
-            remaining = params.max_new_tokens - len(completion.token_ids)
-            if remaining <= 0:  # a resumed request whose partial tokens already used the whole budget
-                completion.finish_reason = "length"
-                return completion
-            body = {"rid": f"{rid}-{segment}", "input_ids": input_ids + completion.token_ids,
-                    "return_logprob": True, "stream": False,
-                    "sampling_params": {"max_new_tokens": remaining, "temperature": params.temperature,
-                                        "top_p": 1.0, "top_k": -1, "stop_token_ids": list(params.stop_token_ids),
-                                        "skip_special_tokens": False, "no_stop_trim": True}}
-            segment += 1
-            reply = await self._post_generate(index, body)
-            if reply is None:  # the server was restarted: re-issue from the partial tokens
-                continue
-            tokens, logprobs, versions, finish = parse_reply(reply, self.version)
-            completion.token_ids += tokens
-            completion.logprobs += logprobs
-            completion.versions += versions
-            if finish != "abort":
-                completion.finish_reason = finish
-                return completion
-            self.counts["resumed"] += 1
-            empty = 0 if tokens else empty + 1
-            if empty > MAX_EMPTY_RESUMES:
-                raise SGLangError(f"{self.servers[index].url}: request {rid} aborted {empty} times without a token")
 
     def _client(self) -> httpx.AsyncClient:
         loop_id = id(asyncio.get_running_loop())
@@ -201,9 +195,8 @@ class SGLangEngine:
             if self.cfg.weight_transport == "nccl":  # a fresh server would serve the base weights forever
                 raise SGLangError(f"SGLang server {server.url} died (exit code {server.process.returncode}); with "
                                   "generator.sglang.weight_transport=nccl a restarted server cannot rejoin learner "
-                                  "rank 0's weight-update group and would serve stale weights. Restart the run, "
-                                  "or use generator.sglang.weight_transport=disk (servers restart with the newest "
-                                  "weights)")
+                                  "rank 0's weight-update group and would serve stale weights. Restart the run, or use "
+                                  "generator.sglang.weight_transport=disk (servers restart with the newest weights)")
             await asyncio.to_thread(server.restart, self.latest_path)
             self.counts["restarts"] += 1
             return True
@@ -212,15 +205,12 @@ class SGLangEngine:
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Write `state_dict` as a Hugging Face directory and load it on every server as `version`; with
         transport nccl, take `version` as loaded already (a version notice: `state_dict` is empty)."""
-        if self.cfg.weight_transport == "nccl":
-            self.note_version(state_dict, version)
+        if self.cfg.weight_transport != "nccl":
+            path = write_hf_dir(state_dict, self.base_model_path, self.weights_dir / f"v{version}")
+            self.update_from_disk(str(path), version)
             return
-        path = write_hf_dir(state_dict, self.base_model_path, self.weights_dir / f"v{version}")
-        self.update_from_disk(str(path), version)
-
-    def note_version(self, state_dict: dict, version: int) -> None:
-        """Transport nccl: learner rank 0 loaded `version` into the servers before publishing this notice.
-        One server is asked, so a notice never runs ahead of the weights it names."""
+        # nccl: learner rank 0 loaded `version` into the servers before publishing this notice. One server is
+        # asked, so a notice never runs ahead of the weights it names.
         if state_dict:
             raise ValueError(f"generator.sglang.weight_transport=nccl: stage_weights takes version notices (an "
                              f"empty state dict), got {len(state_dict)} tensors for version {version}")
@@ -250,20 +240,13 @@ def parse_reply(reply: dict, fallback_version: int) -> tuple[list[int], list[flo
     logprobs = [float(t[0]) for t in triples]
     if "output_ids" in reply and list(reply["output_ids"]) != tokens:
         raise SGLangError(f"reply {meta.get('id')}: output_ids and output_token_logprobs disagree")
-    return tokens, logprobs, token_versions(meta, len(tokens), fallback_version), meta["finish_reason"]["type"]
-
-
-def token_versions(meta: dict, count: int, fallback: int) -> list[int]:
-    """Per-token versions: the `weight_versions` spans, else `weight_version`, else `fallback`."""
-    spans = meta.get("weight_versions")
-    if spans:
-        versions = [-1] * count
-        for span in spans:
-            versions[span["start"]:span["end"]] = [_number(span["version"], fallback)] * (span["end"] - span["start"])
-        if -1 in versions or len(versions) != count:
-            raise SGLangError(f"reply {meta.get('id')}: weight_versions {spans} do not cover {count} tokens")
-        return versions
-    return [_number(meta.get("weight_version", ""), fallback)] * count
+    spans = meta.get("weight_versions")  # per-token versions: these spans, else `weight_version`, else the fallback
+    versions = [-1 if spans else _number(meta.get("weight_version", ""), fallback_version)] * len(tokens)
+    for span in spans or []:
+        versions[span["start"]:span["end"]] = [_number(span["version"], fallback_version)] * (span["end"] - span["start"])
+    if spans and (-1 in versions or len(versions) != len(tokens)):
+        raise SGLangError(f"reply {meta.get('id')}: weight_versions {spans} do not cover {len(tokens)} tokens")
+    return tokens, logprobs, versions, meta["finish_reason"]["type"]
 
 
 def _number(version, fallback: int) -> int:

@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from typing import Optional
 
 import httpx
@@ -55,11 +56,11 @@ def sglang_version() -> str:
 class SGLangServer(SGLangClient):
     """A client (nanoverl_async/generators/sglang_client.py) of a server this process launches, watches and restarts."""
 
-    def __init__(self, model_path: str, port: int, cfg: SGLangConfig, *, initial_version: int = 0,
-                 command: Optional[list[str]] = None, url: str = "", seed: int = 0, dtype: str = "auto"):
+    def __init__(self, model_path: str, port: int, cfg: SGLangConfig, *, command: Optional[list[str]] = None,
+                 url: str = "", seed: int = 0, dtype: str = "auto"):
         super().__init__(url or f"http://{cfg.host}:{port}", cfg.control_timeout_s, tp_size=cfg.tp_size)
         self.model_path, self.port, self.cfg = model_path, port, cfg
-        self.version = initial_version  # the weights version this server holds
+        self.version = 0  # the weights version this server holds
         default = [] if url else [sys.executable, "-m", "sglang.launch_server"]  # a given url: not ours to launch
         self.command = command if command is not None else default
         self.seed, self.dtype = seed, dtype
@@ -73,8 +74,7 @@ class SGLangServer(SGLangClient):
         return [*self.command, "--model-path", self.model_path, "--host", cfg.host, "--port", str(self.port),
                 "--tp-size", str(cfg.tp_size), "--mem-fraction-static", str(cfg.mem_fraction_static),
                 "--weight-version", str(self.version), "--random-seed", str(self.seed), "--dtype", self.dtype,
-                "--skip-server-warmup",
-                *cfg.server_args]
+                "--skip-server-warmup", *cfg.server_args]
 
     def start(self) -> None:
         """Launch the process (unless this wraps an external `url`) and wait until it is healthy."""
@@ -97,11 +97,9 @@ class SGLangServer(SGLangClient):
             if not self.alive():
                 raise SGLangError(f"SGLang server {self.url} exited with code {self.process.returncode} "
                                   "while starting (see its log above)")
-            try:
+            with suppress(httpx.TransportError):  # not listening yet
                 if self._http.get(self.url + "/health", timeout=min(30.0, timeout_s)).status_code == 200:
                     break
-            except httpx.TransportError:
-                pass
             if time.monotonic() > deadline:
                 raise SGLangError(f"SGLang server {self.url} not healthy within {timeout_s:.0f} s")
             time.sleep(HEALTH_POLL_S)
