@@ -31,6 +31,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from typing import Callable, Optional
 
 import msgpack
@@ -112,12 +113,10 @@ class GeneratorWorker:
         # GPU by CUDA IPC, is copied and checked there too (weights.py).
         self._weights_thread = ThreadPoolExecutor(1, thread_name_prefix=f"generator-{self.generator_id}-weights")
         try:
-            self._dealer = context.socket(zmq.DEALER)
-            connect(self._dealer, curve)
-            self._dealer.connect(self.buffer_endpoints["leases"])
-            self._push = context.socket(zmq.PUSH)
-            connect(self._push, curve)
-            self._push.connect(self.buffer_endpoints["trajectories"])
+            self._dealer, self._push = context.socket(zmq.DEALER), context.socket(zmq.PUSH)
+            for socket, name in ((self._dealer, "leases"), (self._push, "trajectories")):
+                connect(socket, curve)
+                socket.connect(buffer_endpoints[name])
             subscriber = WeightSubscriber(weights_endpoint, curve)
             if not self._stop_requested:
                 tasks = [self._spawn(self._lease_loop(), "lease-loop"),
@@ -187,8 +186,7 @@ class GeneratorWorker:
                 self._live -= 1
             self._live += self.group_size * len(reply["leases"])
             for lease in reply["leases"]:
-                task = self._spawn(self._run_group(lease), f"group-{lease['group_id']}")
-                self._groups.add(task)
+                self._groups.add(self._spawn(self._run_group(lease), f"group-{lease['group_id']}"))
             if reply["leases"]:
                 gated_version = None
                 continue
@@ -197,13 +195,10 @@ class GeneratorWorker:
                 gated_since, gated_version = time.monotonic(), version
             elif time.monotonic() - gated_since > self.weight_sync.timeout_s:
                 raise TimeoutError(f"generator {self.generator_id}: the buffer gate stayed closed for version "
-                                   f"{version} and no newer weights arrived within "
-                                   f"{self.weight_sync.timeout_s:.0f} s")
+                                   f"{version} and no newer weights arrived within {self.weight_sync.timeout_s:.0f} s")
             self._new_weights.clear()
-            try:
+            with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._new_weights.wait(), self.lease_retry_s)
-            except asyncio.TimeoutError:
-                pass
 
     async def _run_group(self, lease: dict) -> None:
         episodes = [self._track(self._episode(lease, i)) for i in range(self.group_size)]
@@ -224,10 +219,9 @@ class GeneratorWorker:
 
     async def _episode(self, lease: dict, sample_index: int) -> None:
         trajectory = await run_episode(self.engine, self.tokenizer, lease["sample"], self.make_env(), self.agent,
-                                       self.generator.temperature, group_id=lease["group_id"],
-                                       prompt_index=lease["prompt_index"], sample_index=sample_index,
-                                       generator_id=self.generator_id, keep_messages=self.keep_messages,
-                                       trace=self.trace.enabled)
+                                       self.generator.temperature, group_id=lease["group_id"], sample_index=sample_index,
+                                       prompt_index=lease["prompt_index"], generator_id=self.generator_id,
+                                       keep_messages=self.keep_messages, trace=self.trace.enabled)
         await asyncio.wait_for(self._push.send(encode(trajectory)), self.request_timeout_s)
 
     def _track(self, episode) -> asyncio.Future:
