@@ -42,12 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     simulate.add_argument("--cores", type=float, help="the run's machine's cores (default: this machine's)")
     simulate.add_argument("--seed", type=int, default=0, help="the simulation's seed")
     args = parser.parse_args(argv)
-    if args.command == "plot":
-        return plot_runs(args.run_dirs, args.output)
+    if args.command in ("plot", "simulate"):
+        return observe(args)
     if args.command == "replay":
         return replay_run(args.run_dir)
-    if args.command == "simulate":
-        return simulate_run(args.run_dir, args.staleness, args.generators, args.cores, args.seed)
 
     from nanoverl_async.runtime.preflight import prepare  # no torch: a config is checked in a fraction of a second
 
@@ -97,15 +95,21 @@ def launch_run(launcher, cfg, started: float) -> int:
     return 0
 
 
-def plot_runs(run_dirs: list[str], output: str | None) -> int:
-    from nanoverl_async.observe.plot import save_plot  # matplotlib only when plotting
-
+def observe(args: argparse.Namespace) -> int:
+    """`plot` (prints the PNG's path) or `simulate` (its report); a bad run directory or flag is one line
+    naming it, and status 2."""
     try:
-        path = save_plot(run_dirs, output)
+        if args.command == "plot":
+            from nanoverl_async.observe.plot import save_plot  # matplotlib only when plotting
+
+            print(save_plot(args.run_dirs, args.output))
+        else:
+            from nanoverl_async.observe.simulate import report
+
+            print(report(args.run_dir, args.staleness, args.generators, args.cores, args.seed))
     except ConfigError as error:
-        print(f"nanoverl-async plot: {error}", file=sys.stderr)
+        print(f"nanoverl-async {args.command}: {error}", file=sys.stderr)
         return 2
-    print(path)
     return 0
 
 
@@ -125,17 +129,6 @@ def replay_run(run_dir: str) -> int:
           f"final/ " + ("bit for bit" if same else f"(first mismatch {result['first_mismatch']}, largest "
                                                    f"difference {result['max_abs_diff']:.3g})"))
     return 0 if same else 1
-
-
-def simulate_run(run_dir: str, staleness: str, generators: str, cores: float | None, seed: int) -> int:
-    from nanoverl_async.observe.simulate import report
-
-    try:
-        print(report(run_dir, staleness, generators, cores, seed))
-    except ConfigError as error:
-        print(f"nanoverl-async simulate: {error}", file=sys.stderr)
-        return 2
-    return 0
 
 
 def config_error(error: ConfigError) -> int:

@@ -79,15 +79,13 @@ def start_ray(cfg: RayConfig) -> bool:
     on this machine the workers import it from where the driver did, whatever else is installed."""
     if ray.is_initialized():
         return False
-    if not cfg.address:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local runs need no token (Ray >= 2.60)
     quiet = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     os.environ.update(quiet)
     package = Path(__file__).resolve().parent
-    runtime_env = None
-    if cfg.address:
-        runtime_env = {"env_vars": quiet, "py_modules": [str(package)]}
-    else:  # workers inherit this environment; a runtime_env would bar them from Ray's prestarted ones (~1.3 s)
+    runtime_env = {"env_vars": quiet, "py_modules": [str(package)]} if cfg.address else None
+    if not cfg.address:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local runs need no token (Ray >= 2.60)
+        # workers inherit this environment; a runtime_env would bar them from Ray's prestarted ones (~1.3 s)
         paths = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
         os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(package.parent), *paths]))
     ray.init(address=cfg.address or None, num_cpus=cfg.num_cpus or None, include_dashboard=False,
