@@ -3,6 +3,7 @@ stays pure (it reaches nothing that opens a socket or runs user code); static, f
 process really imports: the buffer's and the controller's stay light."""
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +86,32 @@ def test_a_config_is_checked_without_torch_and_knows_every_registered_algorithm(
 
     tables = ("ADVANTAGES", "POLICY_LOSSES", "CORRECTIONS", "IS_LEVELS", "AGGREGATIONS", "KL_ESTIMATORS")
     assert {t: algorithm_names()[t] for t in tables} == {t: tuple(getattr(algorithms, t)) for t in tables}
+
+
+def test_local_ray_workers_import_this_checkout(monkeypatch):
+    """start_ray puts the folder holding nanoverl_async/ first on the workers' PYTHONPATH (the package, not one of
+    its subfolders: runtime/startup.py sits two levels down)."""
+    import ray
+
+    from nanoverl_async.config import RayConfig
+    from nanoverl_async.runtime import startup
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert startup.start_ray(RayConfig()) is True
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(PACKAGE.parent), "/elsewhere"]
+
+
+def test_a_user_error_names_the_users_frames_not_the_packages():
+    """user_frames skips every frame of the package, whichever subpackage it is in (here wire/)."""
+    from nanoverl_async.agents.user_code import user_frames
+    from nanoverl_async.wire.trajectory import decode
+
+    def users_step():
+        decode(b"not a trajectory")
+
+    with pytest.raises(Exception) as error:
+        users_step()
+    frames = user_frames(error.value)
+    assert "in users_step" in frames and "trajectory.py" not in frames, frames

@@ -98,7 +98,7 @@ def user_error(hook: str, error: Exception) -> UserCodeError:
 def user_frames(error: BaseException, limit: int = 3) -> str:
     """' at file.py:12 in step <- file.py:30 in helper': the innermost `limit` frames of the traceback
     that are neither this package, nor the standard library, nor installed packages."""
-    skip = (str(Path(__file__).parent), *(sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")))
+    skip = (str(Path(__file__).parents[1]), *(sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")))
     frames = [f for f in traceback.extract_tb(error.__traceback__)  # "<string>": generated (a dataclass __init__)
               if not f.filename.startswith(skip) and not f.filename.startswith("<")]
     return " at " + " <- ".join(f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in frames[::-1][:limit]) \

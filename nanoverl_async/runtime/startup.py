@@ -32,19 +32,6 @@ import ray
 from nanoverl_async.config import RayConfig
 
 
-def process_start() -> float:
-    """This process's start as time.time(): on Linux from its start in clock ticks since boot (psutil's
-    create_time adds the boot time in whole seconds, up to 1 s off)."""
-    try:
-        with open("/proc/self/stat") as stat:
-            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
-        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, AttributeError, ValueError, IndexError):
-        import psutil
-
-        return psutil.Process().create_time()
-
-
 def phase(started: float, what: str) -> None:
     """A console line for a start-up phase, with the seconds since `started` (time.time() at launch)."""
     print(f"[{time.time() - started:5.1f} s] {what}", file=sys.stderr, flush=True)
@@ -81,7 +68,7 @@ def start_ray(cfg: RayConfig) -> bool:
         return False
     quiet = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     os.environ.update(quiet)
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # nanoverl_async/, this file being in nanoverl_async/runtime/
     runtime_env = {"env_vars": quiet, "py_modules": [str(package)]} if cfg.address else None
     if not cfg.address:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local runs need no token (Ray >= 2.60)
