@@ -18,7 +18,9 @@ and no step reads a value back from its tensors (HostWaits).
 """
 
 import asyncio
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -562,3 +564,37 @@ def test_random_workloads_match_a_full_forward_under_their_versions(seed, graphs
         assert versions == sorted(versions)
         expected = [reference_logprobs(model, context, tokens, params.temperature) for model in weights]
         assert completion.logprobs == pytest.approx([expected[v][i] for i, v in enumerate(versions)], abs=TOL)
+
+
+def save_checkpoint(model, path: Path, layout: str) -> None:
+    """`model` as transformers saves it: sharded safetensors under an index, or PyTorch's pickles (older
+    transformers, many Hub checkpoints) in one file or two shards under pytorch_model.bin.index.json."""
+    if layout == "safetensors shards":
+        model.save_pretrained(path, max_shard_size="30KB")
+        return
+    model.config.save_pretrained(path)
+    state = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied: saved once
+    if layout == "bin":
+        torch.save(state, path / "pytorch_model.bin")
+        return
+    names = sorted(state)
+    shards = {"pytorch_model-1.bin": names[: len(names) // 2], "pytorch_model-2.bin": names[len(names) // 2:]}
+    for file, keys in shards.items():
+        torch.save({k: state[k] for k in keys}, path / file)
+    index = {"weight_map": {k: file for file, keys in shards.items() for k in keys}}
+    (path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("layout", ["safetensors shards", "bin", "bin shards"])
+def test_every_checkpoint_layout_loads_the_same_weights(model_dir, tmp_path, layout):
+    save_checkpoint(tiny_qwen2(), tmp_path, layout)
+    loaded, reference = TransformersEngine(str(tmp_path)).model, TransformersEngine(model_dir).model
+    assert loaded.state_dict().keys() == reference.state_dict().keys()
+    assert all(torch.equal(loaded.state_dict()[k], reference.state_dict()[k]) for k in reference.state_dict())
+
+
+def test_a_folder_without_weights_names_the_model_path(model_dir, tmp_path):
+    (tmp_path / "config.json").write_text((Path(model_dir) / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"model.path='.*': .* holds no model.safetensors or pytorch_model.bin"):
+        TransformersEngine(str(tmp_path))
+

@@ -186,10 +186,11 @@ class LlamaWeights(torch.nn.Module):
             directory = Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"]))
         self.config = config = AutoConfig.from_pretrained(directory)
         _check_supported(config, model_path)
-        index = directory / "model.safetensors.index.json"  # a sharded checkpoint's file per tensor
-        files = set(json.loads(index.read_text())["weight_map"].values()) if index.exists() else {"model.safetensors"}
-        params = {name: torch.nn.Parameter(tensor.to(device, dtype), requires_grad=False) for file in sorted(files)
-                  for name, tensor in load_file(directory / file).items() if TENSOR_NAMES.fullmatch(name)}
+        params = {}
+        for file in checkpoint_files(directory, model_path):
+            tensors = load_file(file) if file.suffix == ".safetensors" else torch.load(file, "cpu", weights_only=True)
+            params.update({name: torch.nn.Parameter(tensor.to(device, dtype), requires_grad=False)
+                           for name, tensor in tensors.items() if TENSOR_NAMES.fullmatch(name)})
         if config.tie_word_embeddings:  # the head is the embedding, whatever the file holds
             params["lm_head.weight"] = params.get("model.embed_tokens.weight")
         layer = ("input_layernorm", "post_attention_layernorm", *(f"self_attn.{p}_proj" for p in "qkvo"),
@@ -214,6 +215,19 @@ class LlamaWeights(torch.nn.Module):
         table = torch.arange(rows, device=input_ids.device)[:, None]  # a block of `length` positions per row
         logits = forward(forward.cache(rows, length), table, *tokens.tensors(input_ids.device)[:4])  # all, not `last`
         return SimpleNamespace(logits=logits.view(rows, length, -1))
+
+
+def checkpoint_files(directory: Path, model_path: str) -> list[Path]:
+    """The files holding a checkpoint's tensors, as transformers saves them: safetensors, else PyTorch's pickles
+    (read with weights_only: tensors only, no code), one file or shards named by an index."""
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        index = directory / f"{single}.index.json"  # a sharded checkpoint's file per tensor
+        if index.is_file():
+            return [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        if (directory / single).is_file():
+            return [directory / single]
+    raise ValueError(f"model.path={model_path!r}: {directory} holds no model.safetensors or pytorch_model.bin "
+                     "(nor a sharded index of either)")
 
 
 def _check_supported(config, model_path: str) -> None:
