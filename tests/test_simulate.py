@@ -15,7 +15,7 @@ from nanoverl_async.cli import main
 from nanoverl_async.config import load_config, to_yaml
 from nanoverl_async.observe.plot import read_rows
 from nanoverl_async.observe.run_costs import (MIN_CALLS, compact, fit_interference, load_trace, measured, read_source,
-                                              speeds, swap_cost)
+                                              speeds, swap_cost, swaps_inside)
 from nanoverl_async.observe.simulate import (CROWDED, NOISY, WIDE, WITHIN, Prediction, decide, parse_list, predict, report,
                                              resample)
 
@@ -240,8 +240,9 @@ def calls_with_swaps(clean: int, hit: int, extra_s: float) -> tuple[np.ndarray, 
 @pytest.mark.parametrize("hit", [MIN_CALLS - 1, MIN_CALLS])
 def test_a_swap_costs_what_the_calls_it_landed_in_took_beyond_their_tokens(hit):
     calls, swaps = calls_with_swaps(clean=MIN_CALLS, hit=hit, extra_s=0.05)
-    assert swap_cost(calls, swaps) == (pytest.approx(0.05) if hit >= MIN_CALLS else 0.0)
-    assert swap_cost(*calls_with_swaps(clean=MIN_CALLS, hit=MIN_CALLS, extra_s=-0.01)) == 0.0  # none slower
+    assert swap_cost(calls, swaps_inside(calls, swaps)) == (pytest.approx(0.05) if hit >= MIN_CALLS else 0.0)
+    calls, swaps = calls_with_swaps(clean=MIN_CALLS, hit=MIN_CALLS, extra_s=-0.01)
+    assert swap_cost(calls, swaps_inside(calls, swaps)) == 0.0  # none slower
 
 
 def test_a_swap_delays_the_groups_in_flight_so_async_loses_what_sync_does_not(tmp_path):

@@ -16,9 +16,9 @@ prepare/update/publish) at speed min(1, cores / k) x (its interference if k >= 2
 how much slower a process of each kind ran beside the other than core sharing explains (`fit_interference`),
 from two measurements: a generator's seconds per token of its one-call episodes with the learner computing
 vs idle, among calls at or above its median concurrency (a half-empty batch is faster anyway) made after
-the engine's first, warm-up calls, that no weight swap landed in (`generation_slowdown`); the learner's seconds per batch token with a
-generator computing vs none, a least-squares fit over the steps (`learner_steps`). One not measured (too
-few of either kind) takes the other's value; neither, 1. A span's work is its duration at speed 1: the
+the engine's first, warm-up calls, that no weight swap landed in (`generation_slowdown`); the learner's
+seconds per batch token with a generator computing vs none, a least-squares fit over the steps
+(`learner_steps`). One not measured (too few of either kind) takes the other's value; neither, 1. A span's work is its duration at speed 1: the
 integral of the source's own speed over it, less what the weight swaps that landed in it cost (`swap_cost`:
 the simulation charges them where they land).
 
@@ -177,16 +177,16 @@ def one_call_episodes(spans: dict) -> np.ndarray:
     return np.array(rows).reshape(-1, 5)
 
 
-def generation_slowdown(calls: np.ndarray, learner: Integral, swaps: dict) -> float | None:
+def generation_slowdown(calls: np.ndarray, learner: Integral, swapped: np.ndarray) -> float | None:
     """Seconds per token of one-call episodes while the learner was idle / while it computed (<= 1 when
     the learner slows generation down), among calls at or above the median concurrency of their
     generator (a half-empty batch generates each token faster, whatever the learner does) that no weight swap
-    landed in (`swap_cost`: swaps land between the learner's steps, when it is idle)."""
+    landed in (`swapped`: per call, `swaps_inside`; swaps land between the learner's steps, when it is idle)."""
     if not len(calls):
         return None
     start, end, tokens, flight, pid = calls.T
     busy = np.array([learner.over(a, b) / (b - a) for a, b in zip(start, end)])
-    loaded = (flight >= np.median(flight)) & (swaps_inside(calls, swaps) == 0)
+    loaded = (flight >= np.median(flight)) & (swapped == 0)
     idle, computing = loaded & (busy <= IDLE), loaded & (busy >= BUSY)
     if idle.sum() < MIN_CALLS or computing.sum() < MIN_CALLS:
         return None
@@ -208,15 +208,16 @@ def swaps_inside(rows, swaps: dict) -> np.ndarray:
                      for start, end, *_, pid in rows], dtype=int)
 
 
-def swap_cost(calls: np.ndarray, swaps: dict) -> float:
+def swap_cost(calls: np.ndarray, swapped: np.ndarray) -> float:
     """Seconds a weight swap adds to each call in flight: the engine computes the running rows again under the
-    new weights (hf_engine.py "Weights"). From one-call episodes at or above the median concurrency: the
-    seconds of those a swap landed in, beyond their tokens at the seconds per token of those none did, per
-    swap; 0 when too few of either kind (MIN_CALLS) or none is slower."""
+    new weights (hf_engine.py "Weights"). From one-call episodes at or above the median concurrency (`swapped`:
+    how many swaps landed in each, `swaps_inside`): the seconds of those a swap landed in, beyond their tokens
+    at the seconds per token of those none did, per swap; 0 when too few of either kind (MIN_CALLS) or none is
+    slower."""
     if not len(calls):
         return 0.0
     start, end, tokens, flight, _ = calls.T
-    count, loaded = swaps_inside(calls, swaps), flight >= np.median(flight)
+    count, loaded = swapped, flight >= np.median(flight)
     clean, hit = loaded & (count == 0), loaded & (count > 0)
     if clean.sum() < MIN_CALLS or hit.sum() < MIN_CALLS:
         return 0.0
@@ -360,8 +361,9 @@ def read_source(run_dir: str, cores: float | None = None) -> Source:
         generating = Integral(points, (generators > 0).astype(float))
         learner_slowdown, noise = learner_steps(spans, rows, generating, samples_per_step)
         calls, swaps = one_call_episodes(spans), swap_times(spans)
-        slowdowns = generation_slowdown(calls, Integral(points, learner), swaps), learner_slowdown
-        swap = 0.0 if drain else swap_cost(calls, swaps)  # drain: no group is in flight when weights land
+        swapped = swaps_inside(calls, swaps)
+        slowdowns = generation_slowdown(calls, Integral(points, learner), swapped), learner_slowdown
+        swap = 0.0 if drain else swap_cost(calls, swapped)  # drain: no group is in flight when weights land
         interference = fit_interference(slowdowns, cfg.generator.replicas, cores)
         generator_speed, learner_speed = speeds(generators, learner, cores, interference)
         costs, delays = step_costs(spans, Integral(points, learner_speed), drain)
