@@ -18,9 +18,9 @@ from two measurements: a generator's seconds per token of its one-call episodes 
 vs idle, among calls at or above its median concurrency (a half-empty batch is faster anyway) made after
 the engine's first, warm-up calls, that no weight swap landed in (`generation_slowdown`); the learner's
 seconds per batch token with a generator computing vs none, a least-squares fit over the steps
-(`learner_steps`). One not measured (too few of either kind) takes the other's value; neither, 1. A span's work is its duration at speed 1: the
-integral of the source's own speed over it, less what the weight swaps that landed in it cost (`swap_cost`:
-the simulation charges them where they land).
+(`learner_steps`). One not measured (too few of either kind) takes the other's value; neither, 1. A span's
+work is its duration at speed 1: the integral of the source's own speed over it, less what the weight swaps
+that landed in it cost (`swap_cost`: the simulation charges them where they land).
 
 Invariants: every cost is >= 0 and finite; `Source.weight_delays` has one non-empty list per step.
 
