@@ -65,7 +65,10 @@ POLL_INTERVAL_S = 0.02  # how often the send thread checks for new work and new 
 SPARE_PAYLOADS = 2  # sent payloads kept for the publisher's caller to write later versions into
 
 
-def checksum(payload: bytes | memoryview | np.ndarray) -> str:
+def checksum(payload: bytes | memoryview | np.ndarray | torch.Tensor) -> str:
+    """xxh3_128 of host bytes; of a uint8 tensor (a payload on the GPU), `shared_payloads.sum64` where it lies."""
+    if isinstance(payload, torch.Tensor):
+        return shared_payloads.sum64(payload)
     return xxhash.xxh3_128(payload).hexdigest()
 
 
@@ -115,7 +118,7 @@ def serialise(state_dict: dict[str, torch.Tensor]) -> np.ndarray:
     return payload
 
 
-def deserialise(payload: memoryview | torch.Tensor) -> dict[str, torch.Tensor]:
+def deserialise(payload: memoryview | np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
     """`serialise`'s bytes (or `empty_payload`'s uint8 tensor on a GPU) -> tensors that view `payload` (and
     keep it alive); ValueError for a header that does not fit the payload."""
     on_device = isinstance(payload, torch.Tensor)
@@ -193,7 +196,7 @@ class WeightPublisher:
         on_device = device.type == "cuda" and self.device_handles
         payload = self.take_spare()
         if payload is not None and isinstance(payload, torch.Tensor) == on_device:
-            slots = deserialise(payload if on_device else memoryview(payload))
+            slots = deserialise(payload)
             if {name: (slot.dtype, tuple(slot.shape)) for name, slot in slots.items()} == entries:
                 return payload, slots
         return empty_payload(entries, pin_memory=device.type == "cuda", device=device if on_device else None)
@@ -223,11 +226,9 @@ class WeightPublisher:
 
     def _frames(self, version: int, payload: np.ndarray | torch.Tensor) -> list:
         """A version's message: its notice, and its payload unless the notice names where it lies."""
-        notice = {"version": version, "nbytes": len(payload)}
+        notice = {"version": version, "nbytes": len(payload), "checksum": checksum(payload)}
         if isinstance(payload, torch.Tensor):  # on the GPU: only ever with device_handles
-            notice |= {"checksum": shared_payloads.sum64(payload), "segment": {"cuda": shared_payloads.device_handle(payload)}}
-            return [msgpack.packb(notice), b""]
-        notice["checksum"] = checksum(payload)
+            return [msgpack.packb({**notice, "segment": {"cuda": shared_payloads.device_handle(payload)}}), b""]
         path = shared_payloads.path_of(payload) if self.shared_memory else None
         if path is None:
             return [msgpack.packb(notice), payload]
@@ -326,7 +327,7 @@ class WeightSubscriber:
             log.warning("dropped weights version %d from %s: not safetensors (%s)", best[0], self.endpoint, error)
             return None
 
-    def _copy_segment(self, version: int, notice: dict) -> Optional[memoryview | torch.Tensor]:
+    def _copy_segment(self, version: int, notice: dict) -> Optional[np.ndarray | torch.Tensor]:
         """Our copy of the payload a notice names, if its checksum matches (else None: dropped, counted, logged).
         RuntimeError when this process cannot map it at all: then no version ever could be applied."""
         segment, nbytes = notice["segment"], notice["nbytes"]
@@ -340,24 +341,17 @@ class WeightSubscriber:
         except (OSError, RuntimeError) as error:
             raise RuntimeError(f"weights version {version}: cannot map the learner's payload ({error}); learner "
                                f"rank 0 must share this machine (and, for CUDA IPC, this GPU)") from error
-        copy = self._copies[self._next_copy]
-        if "cuda" in segment:
-            if copy is None or not isinstance(copy, torch.Tensor) or copy.numel() != nbytes or copy.device != source.device:
-                copy = torch.empty(nbytes, dtype=torch.uint8, device=source.device)
-            copy.copy_(source)
-            del source  # the learner may free or reuse it once no reader maps it
-            digest = shared_payloads.sum64(copy)
-        else:
-            if copy is None or not isinstance(copy, np.ndarray) or copy.nbytes != nbytes:
-                copy = np.empty(nbytes, dtype=np.uint8)
-            np.copyto(copy, source)
-            digest = checksum(copy)
-        self._copies[self._next_copy] = copy
-        if digest != notice["checksum"]:
+        copy = self._copies[self._next_copy]  # host or device memory, as the source
+        if copy is None or type(copy) is not type(source) or len(copy) != nbytes or \
+                isinstance(copy, torch.Tensor) and copy.device != source.device:
+            copy = self._copies[self._next_copy] = torch.empty_like(source) if "cuda" in segment else np.empty_like(source)
+        copy[:] = source
+        del source  # the learner may free or reuse it once no reader maps it
+        if checksum(copy) != notice["checksum"]:
             return self._drop(f"version {version}: checksum mismatch (rewritten while it was read)")
         self._next_copy ^= 1
         self.counts["from_shared_memory"] += 1
-        return copy if isinstance(copy, torch.Tensor) else memoryview(copy)
+        return copy
 
     def _drop(self, problem: str) -> None:
         self.counts["dropped"] += 1
