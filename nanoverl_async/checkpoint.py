@@ -5,7 +5,7 @@
                         sharded, every learner rank writes its own part (learners/checkpoint.py)
         buffer.msgpack  the prompt frontier, live leases, complete groups' trajectories, counters
                         (BufferService.state_bytes)
-        meta.json       step (= the weights' version), seed, the config and its digest, buffer counters,
+        meta.json       step (= the weights' version), seed, the config, buffer counters,
                         and where each part was written (`written_on`: node addresses; on a cluster
                         the learner shards are on the learners' nodes, the rest on the head's)
 
@@ -30,7 +30,6 @@ needs no RNG state: a prompt is a pure function of (run.seed, index) (data.py, m
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -187,26 +186,20 @@ def disk_problem(error: BaseException, path: Path) -> Optional[str]:
     """Why the disk at `path` refused a write, from the error (or its causes) or the disk itself; None if
     the disk looks fine. A role's error reaches the controller as text, without its errno: hence the text
     and the free space are read too."""
+    free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
+    room = f"{free / 2**20:.0f} MiB free on its disk"
     while error is not None:
         code, text = getattr(error, "errno", None), str(error)
         if code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in text:
             code = errno.ENOSPC
         if code in (errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EROFS):
-            return f"{os.strerror(code)} ({free_space(path)})"
+            return f"{os.strerror(code)} ({room})"
         if "Permission denied" in text or "Read-only file system" in text:
             return text.strip().splitlines()[-1]
         error = error.__cause__ or error.__context__
-    if free_bytes(path) < LOW_DISK_BYTES:
-        return f"the disk is (nearly) full ({free_space(path)})"
+    if free < LOW_DISK_BYTES:
+        return f"the disk is (nearly) full ({room})"
     return None
-
-
-def free_bytes(path: Path) -> int:
-    return shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
-
-
-def free_space(path: Path) -> str:
-    return f"{free_bytes(path) / 2**20:.0f} MiB free on its disk"
 
 
 def read_meta(path: Path) -> dict:
@@ -248,17 +241,12 @@ def commit(tmp: Path, meta: dict, keep: int) -> Path:
 def make_meta(cfg: Config, step: int, buffer_counters: dict, written_on: Optional[dict] = None) -> dict:
     config = trained_config(cfg)
     return {"step": step, "version": step, "seed": cfg.run.seed, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "config_digest": config_digest(config), "config": config, "buffer": buffer_counters,
-            "written_on": written_on or {}}
+            "config": config, "buffer": buffer_counters, "written_on": written_on or {}}
 
 
 def trained_config(cfg: Config) -> dict:
     """The config without the keys a resumed run may change (run.*: steps, output, resume, ...)."""
     return {k: v for k, v in to_dict(cfg).items() if k not in RESUME_FREE_KEYS}
-
-
-def config_digest(config: dict) -> str:
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
