@@ -12,7 +12,7 @@ A row, as verl writes it (e.g. volcengine/verl/examples/data_preprocess/gsm8k.py
 
 Invariants: `DatasetPrompts` is a pure function of (files, seed, index): epoch e = index // len(rows)
 visits every row once in an order shuffled by (seed, e), so a resumed run re-issues the same prompts;
-a sample is JSON-able (it travels to generators as msgpack; numpy values from parquet are converted).
+a sample is JSON-able (it travels to generators as msgpack; pyarrow's to_pylist gives plain Python values).
 Rows are loaded lazily on the first call, in the process that uses them (the buffer), so only the
 file names cross process boundaries. A row without a list-of-messages `prompt` fails loudly, naming
 the file, the row and the column (preflight.py reads every file once when the run starts).
@@ -23,17 +23,18 @@ Run alone: `python -m pytest tests/test_env_data.py -q`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import random
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable
 
 from nanoverl_async.config import DataConfig
 from nanoverl_async.agents.user_code import load_object, user_error
 
 
 def read_rows(path: str) -> list[dict]:
-    """All rows of one .parquet (pyarrow) or .jsonl file, as plain Python values."""
+    """All rows of one .parquet (pyarrow) or .jsonl file, as plain Python values (never numpy)."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
@@ -65,19 +66,9 @@ def to_sample(row: dict, where: str) -> dict:
     if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m for m in prompt):
         raise ValueError(f"{where}: column 'prompt' must be a list of {{'role', 'content'}} messages, "
                          f"got {prompt!r:.80}")
-    return {**{k: _plain(v) for k, v in row.items() if k != "prompt"},
-            "messages": [{k: _plain(v) for k, v in m.items() if v is not None} for m in prompt]}
-
-
-def _plain(value: Any) -> Any:
-    """numpy scalars/arrays (pandas-written parquet) -> Python values."""
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
+    # a parquet file has every struct field in every message: absent ones come back as None
+    return {**{k: v for k, v in row.items() if k != "prompt"},
+            "messages": [{k: v for k, v in m.items() if v is not None} for m in prompt]}
 
 
 def load_samples(files: list[str]) -> list[dict]:
@@ -87,27 +78,28 @@ def load_samples(files: list[str]) -> list[dict]:
     return samples
 
 
+@functools.lru_cache(maxsize=4)  # the frontier moves forward; re-issued prompts may come from the epoch before
+def epoch_order(rows: int, seed: int, epoch: int) -> list[int]:
+    """The order in which epoch `epoch` visits `rows` rows: a shuffle seeded by (seed, epoch)."""
+    order = list(range(rows))
+    random.Random(f"nanoverl_async.data:{seed}:{epoch}").shuffle(order)
+    return order
+
+
 class DatasetPrompts:
     """prompt_fn(index) over verl-format files, shuffled per epoch (see the module invariants)."""
 
     def __init__(self, files: list[str], seed: int):
         self.files, self.seed = [str(Path(f).resolve()) for f in files], seed
-        self._samples: Optional[list[dict]] = None
-        self._orders: dict[int, list[int]] = {}
+
+    @functools.cached_property
+    def samples(self) -> list[dict]:
+        return load_samples(self.files)
 
     def __call__(self, index: int) -> dict:
-        if self._samples is None:
-            self._samples = load_samples(self.files)
-        samples = self._samples
-        epoch, position = divmod(index, len(samples))
-        if epoch not in self._orders:
-            order = list(range(len(samples)))
-            random.Random(f"nanoverl_async.data:{self.seed}:{epoch}").shuffle(order)
-            # The frontier moves forward; re-issued prompts may still come from the previous epoch.
-            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
-            self._orders[epoch] = order
-        row = self._orders[epoch][position]
-        return {**samples[row], "index": index, "row": row}
+        epoch, position = divmod(index, len(self.samples))
+        row = epoch_order(len(self.samples), self.seed, epoch)[position]
+        return {**self.samples[row], "index": index, "row": row}
 
 
 def prompt_source(data: DataConfig, seed: int) -> Callable[[int], dict]:
