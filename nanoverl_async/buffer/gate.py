@@ -48,7 +48,6 @@ class Lease:
 class AdmissionGate:
     def __init__(self, prompts_per_step: int, staleness: int, lease_timeout_s: float,
                  prompt_fn: Callable[[int], dict]):
-        assert prompts_per_step > 0 and staleness >= 0 and lease_timeout_s > 0
         self.prompts_per_step = prompts_per_step  # B
         self.staleness = staleness  # eta
         self.lease_timeout_s = lease_timeout_s
@@ -76,9 +75,8 @@ class AdmissionGate:
         return max(0, (version + self.staleness + 1) * self.prompts_per_step - self.groups_started)
 
     def lease(self, version: int, max_groups: int, now: float, generator_id: int = 0) -> list[Lease]:
-        """Up to `max_groups` new leases for a generator at `version`; [] while the gate is closed."""
-        if version < 0 or max_groups < 0:
-            raise ValueError(f"lease: version {version} and max_groups {max_groups} must be >= 0")
+        """Up to `max_groups` new leases for a generator at `version`; [] while the gate is closed. Both are
+        >= 0 (the service's parse_request refuses anything else)."""
         leases = []
         if version < self.min_version:
             return leases  # still on weights older than the checkpoint it resumed from: wait for newer ones

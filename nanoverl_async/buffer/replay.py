@@ -65,7 +65,6 @@ class Group:
 
 class ReplayBuffer:
     def __init__(self, group_size: int, group_filter: bool = False):
-        assert group_size > 0
         self.group_size = group_size  # G
         self.group_filter = group_filter  # drop complete groups whose rewards all tie
         self.open_groups: dict[int, Group] = {}  # group_id -> group still waiting for trajectories

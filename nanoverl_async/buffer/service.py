@@ -330,23 +330,18 @@ class BufferService:
             leases = self.gate.lease(request["version"], max(0, min(request["max_groups"], room)), now, generator_id)
             refused = not leases and request["max_groups"] > 0
             self._gated.observe(generator_id, refused=refused, now=now)
+            # the trace: a refusal opens the generator's gate-closed spell, a grant ends it; a span per lease
+            if refused:
+                self.trace.begin(("gate", generator_id), f"gate closed, generator {generator_id}", "gate closed",
+                                 generator_id=generator_id, version=request["version"])
+            else:
+                self.trace.end(("gate", generator_id))
             for lease in leases:
                 self.replay.open(lease.group_id, lease.prompt_index, lease.version)
-            if self.trace.enabled:
-                self._trace_request(generator_id, request["version"], leases, refused)
+                self.trace.begin(lease.group_id, "leases", "lease", group_id=lease.group_id,
+                                 prompt_index=lease.prompt_index, generator_id=generator_id, version=lease.version)
         reply = [{"group_id": l.group_id, "prompt_index": l.prompt_index, "sample": l.sample} for l in leases]
         return msgpack.packb({"leases": reply}, use_bin_type=True)
-
-    def _trace_request(self, generator_id: int, version: int, leases: list, refused: bool) -> None:
-        """Open a span per lease granted; a refusal opens the generator's gate-closed spell, a grant ends it."""
-        if refused:
-            self.trace.begin(("gate", generator_id), f"gate closed, generator {generator_id}", "gate closed",
-                             generator_id=generator_id, version=version)
-        else:
-            self.trace.end(("gate", generator_id))
-        for lease in leases:
-            self.trace.begin(lease.group_id, "leases", "lease", group_id=lease.group_id,
-                             prompt_index=lease.prompt_index, generator_id=generator_id, version=version)
 
     def _check_claims(self, request: dict) -> None:
         """What a well-formed request claims, against what the buffer knows; ValueError if it cannot be so."""
