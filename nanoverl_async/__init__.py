@@ -17,30 +17,23 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {
-    "Environment": "nanoverl_async.agents.env",
-    "Step": "nanoverl_async.agents.env",
-    "rollout_tools": "nanoverl_async.agents.env",
-    "load_object": "nanoverl_async.agents.user_code",
-    "Tool": "nanoverl_async.agents.tools",
-    "ToolResult": "nanoverl_async.agents.tools",
-    "as_tool": "nanoverl_async.agents.tools",
-    "call_tool": "nanoverl_async.agents.tools",
-    "python": "nanoverl_async.agents.sandbox",
-    "run_python": "nanoverl_async.agents.sandbox",
-    "SandboxLimits": "nanoverl_async.agents.sandbox",
-    "Episode": "nanoverl_async.agents.agent_loop",
-    "run_episode": "nanoverl_async.agents.agent_loop",
-    "math_compute_score": "nanoverl_async.agents.rewards",
-    "DatasetPrompts": "nanoverl_async.agents.data",
+_EXPORTS = {  # module -> the names it exports
+    "nanoverl_async.agents.env": ("Environment", "Step", "rollout_tools"),
+    "nanoverl_async.agents.user_code": ("load_object",),
+    "nanoverl_async.agents.tools": ("Tool", "ToolResult", "as_tool", "call_tool"),
+    "nanoverl_async.agents.sandbox": ("python", "run_python", "SandboxLimits"),
+    "nanoverl_async.agents.agent_loop": ("Episode", "run_episode"),
+    "nanoverl_async.agents.rewards": ("math_compute_score",),
+    "nanoverl_async.agents.data": ("DatasetPrompts",),
 }
-__all__ = sorted(_EXPORTS)
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
 
 
 def __getattr__(name: str):
-    if name not in _EXPORTS:
+    if name not in _MODULE_OF:
         raise AttributeError(f"module 'nanoverl_async' has no attribute '{name}'")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    return getattr(importlib.import_module(_MODULE_OF[name]), name)
 
 
 def __dir__():
