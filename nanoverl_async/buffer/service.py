@@ -51,7 +51,7 @@ from nanoverl_async.buffer.replay import ADDED, COMPLETED, FILTERED, Group, Repl
 from nanoverl_async.config import BufferConfig, GeneratorConfig
 from nanoverl_async.observe.trace import SpanLog
 from nanoverl_async.wire.trajectory import Trajectory
-from nanoverl_async.wire.auth import CurveKeys, admit_run_clients, serve
+from nanoverl_async.wire.auth import CurveKeys, serve
 
 log = logging.getLogger(__name__)
 
@@ -164,11 +164,9 @@ class BufferService:
         self.trace = SpanLog(trace)
         self._error: BaseException | None = None
         self._context = zmq.Context()
-        self._authenticator = admit_run_clients(self._context, curve)
         self._pull = self._context.socket(zmq.PULL)
         self._router = self._context.socket(zmq.ROUTER)
-        serve(self._pull, curve)
-        serve(self._router, curve)
+        self._authenticator = serve(self._context, curve, self._pull, self._router)
         self.endpoints = {name: f"tcp://{host}:{socket.bind_to_random_port(f'tcp://{host}')}"
                           for name, socket in (("trajectories", self._pull), ("leases", self._router))}
         self._stop = threading.Event()

@@ -3,8 +3,7 @@
     host = placed_host(cfg.wire.host, on_cluster)   # preflight, once: "auto" -> 127.0.0.1, or NODE on a cluster
     keys = run_keys()                      # the controller, once per run
     bind_host(host, node_ip)               # a role that binds, on the node Ray placed it on
-    admit_run_clients(context, keys)       # a role that binds (buffer, weights publisher), per context,
-    serve(socket, keys)                    #   and per socket, before socket.bind
+    serve(context, keys, *sockets)         # a role that binds (buffer, weights publisher), before socket.bind
     connect(socket, keys)                  # a role that connects (generators), before socket.connect
 
 Why: a `wire.host` on a network lets any peer reach the sockets, and on 127.0.0.1 any process of this
@@ -61,27 +60,23 @@ def run_keys() -> CurveKeys:
     return CurveKeys(server_public, server_secret, client_public, client_secret)
 
 
-def admit_run_clients(context: zmq.Context,
-                      keys: Optional[CurveKeys]) -> Optional[zmq.auth.thread.ThreadAuthenticator]:
-    """Start the ZAP handler of `context` (once per context that binds CURVE servers): it admits only
-    clients presenting the run's client key. Stop it before the context ends; None without keys."""
+def serve(context: zmq.Context, keys: Optional[CurveKeys],
+          *sockets: zmq.Socket) -> Optional[zmq.auth.thread.ThreadAuthenticator]:
+    """Make `sockets` (of `context`, before they bind) CURVE servers, and start the ZAP handler of `context`,
+    which admits only clients presenting the run's client key: stop it before the context ends. Nothing
+    (None) without keys."""
     if keys is None:
         return None
+    for socket in sockets:
+        socket.curve_secretkey = keys.server_secret
+        socket.curve_publickey = keys.server_public
+        socket.curve_server = True
     authenticator = zmq.auth.thread.ThreadAuthenticator(context)
     authenticator.start()
     # the ZAP credentials check: the run's client key, and no other (pyzmq passes the client's key z85-encoded)
     run_clients = SimpleNamespace(callback=lambda domain, key: key == keys.client_public)
     authenticator.configure_curve_callback(domain="*", credentials_provider=run_clients)
     return authenticator
-
-
-def serve(socket: zmq.Socket, keys: Optional[CurveKeys]) -> None:
-    """Make `socket` (before it binds) a CURVE server; nothing without keys."""
-    if keys is None:
-        return
-    socket.curve_secretkey = keys.server_secret
-    socket.curve_publickey = keys.server_public
-    socket.curve_server = True
 
 
 def connect(socket: zmq.Socket, keys: Optional[CurveKeys]) -> None:

@@ -56,7 +56,7 @@ import xxhash
 import zmq
 
 from nanoverl_async.wire import shared_payloads
-from nanoverl_async.wire.auth import CurveKeys, admit_run_clients, connect, serve
+from nanoverl_async.wire.auth import CurveKeys, connect, serve
 
 log = logging.getLogger(__name__)
 
@@ -236,9 +236,8 @@ class WeightPublisher:
 
     def _run(self, host: str, curve: Optional[CurveKeys]) -> None:
         context = zmq.Context()
-        authenticator = admit_run_clients(context, curve)  # only the run's generators may subscribe
         socket = context.socket(zmq.XPUB)
-        serve(socket, curve)
+        authenticator = serve(context, curve, socket)  # only the run's generators may subscribe
         socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
         socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # see every subscription, not only the first per topic
         latest: Optional[tuple[list, np.ndarray | torch.Tensor]] = None  # newest version sent (frames, payload)
