@@ -47,12 +47,11 @@ the wave has finished: the same seed gives the same tokens.
 
 Weights (docs/design.md "Weights back to generators", mode interrupt): `stage_weights` must be called on the
 event-loop thread. The decode loop only yields between steps, so the new weights land between two steps: every
-token sampled afterwards carries the new version, earlier tokens keep theirs. By default the running rows are then
-computed again under the new weights (in the next step: they are put back at the front of the queue, and no block
-of the old weights can match), so every logprob is exactly that of the version it is tagged with given the whole
-context. With `recompute_cache_on_swap=False` the cache of earlier tokens stays, and prefixes match across
-versions, as PipelineRL does: cheaper, but the tokens after a swap come from a mixture (old keys/values, new
-weights) that no learner reproduces; the decoupled loss still uses their recorded logprobs.
+token sampled afterwards carries the new version, earlier tokens keep theirs. The running rows are then computed
+again under the new weights (they are put back at the front of the queue, and no block of the old weights can
+match), so every logprob is exactly that of the version it is tagged with given the whole context. (Keeping the
+old keys/values, as PipelineRL does, is cheaper, but the tokens after a swap then come from a mixture of old
+keys/values and new weights that no learner reproduces.)
 
 Run alone: nothing to run; tests/test_engine.py and tests/test_kv_blocks.py drive it on tiny models."""
 
@@ -122,8 +121,7 @@ class TransformersEngine:
     """The `Engine` protocol (engine.py) on a transformers causal LM, continuously batched."""
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32", seed: int = 0, *,
-                 version: int = 0, max_batch_size: int = 256, recompute_cache_on_swap: bool = True,
-                 cuda_graphs: bool = True, kv_cache_memory: float = 0.0, block_size: int = 16,
+                 max_batch_size: int = 256, cuda_graphs: bool = True, kv_cache_memory: float = 0.0, block_size: int = 16,
                  num_blocks: Optional[int] = None, prefill_tokens: int = 8192):
         """`num_blocks` (tests, benchmarks) sizes the pool in blocks instead of `kv_cache_memory`;
         `prefill_tokens` bounds the tokens a step computes for the requests it admits (a longer context is
@@ -131,8 +129,7 @@ class TransformersEngine:
         self.device = torch.device(device)
         self.model = LlamaWeights(model_path, self.device, DTYPES[dtype])
         self.forward = LlamaForward(self.model)
-        self.version, self.max_batch_size, self.prefill_tokens = version, max_batch_size, prefill_tokens
-        self.recompute_cache_on_swap = recompute_cache_on_swap
+        self.version, self.max_batch_size, self.prefill_tokens = 0, max_batch_size, prefill_tokens
         self._generator, self.seed = torch.Generator(device=self.device).manual_seed(seed), seed
         self.lockstep: Optional[Callable[[], int]] = None  # run.deterministic: see "Lockstep" above
         self._pending: list[_Request] = []
@@ -144,7 +141,6 @@ class TransformersEngine:
                 psutil.virtual_memory().available  # bytes free once the model is loaded
             num_blocks = pool_blocks(budget, free, self.forward.block_bytes(block_size))
         self.cache = PagedCache(self.forward, num_blocks, block_size, max_batch_size, self.device)
-        self._cache_version = version  # the weights version the running rows' cache was computed with
         self._lens = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # cached tokens per row
         self._next = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # last sampled, not cached
         self._temps = torch.ones(max_batch_size, 1, dtype=torch.float32, device=self.device)
@@ -200,8 +196,8 @@ class TransformersEngine:
         self.model.load_state_dict(state_dict, strict=False)  # in place: the forward reads the same tensors
         self.version = version
         self.weight_swaps += 1
-        if self.recompute_cache_on_swap:
-            self.cache.pool.forget()  # their hashes name the old version: none could match again
+        self.cache.pool.forget()  # their hashes name the old version: none could match again
+        self._requeue(len(self._rows))  # computed again under the new weights, from the queue's front
 
     async def _run(self) -> None:
         try:
@@ -232,12 +228,10 @@ class TransformersEngine:
         (their context after its cached prefix), then a token sampled for each: requests join without a
         forward of their own. On CUDA the running rows' decode replays a graph, and the others follow in one
         forward."""
-        if self._rows and self.recompute_cache_on_swap and self._cache_version != self.version:
-            self._requeue(len(self._rows))  # computed again under the new weights, from the queue's front
         if self.cache.pool.free() < len(self._rows):  # else every row may take a block: no need to count
             while self.cache.need(self._rows) > self.cache.pool.free():  # the last rows wait for blocks to free
                 self._requeue(1, preempted=True)
-        self.cow_copies += self.cache.grow(self._rows, self._seed())
+        self.cow_copies += self.cache.grow(self._rows, version_seed(self.version))
         running = len(self._rows)
         new, offsets, sources = self._admissions()
         if not self._rows:
@@ -259,10 +253,6 @@ class TransformersEngine:
         if sources:  # the copies sample from the logits of the rows whose context they repeat
             logits = torch.cat([logits, logits[on_device(torch.tensor(sources) + running, self.device)]])
         self._emit(logits)
-
-    def _seed(self) -> bytes:
-        """The hash seed of blocks computed now: the weights version, unless caches outlive swaps."""
-        return version_seed(self.version) if self.recompute_cache_on_swap else b""
 
     def _requeue(self, count: int, preempted: bool = False) -> None:
         """Put the last `count` running rows back at the front of the queue, in order: their blocks are released
@@ -309,7 +299,7 @@ class TransformersEngine:
                 else:
                     if firsts and self.lockstep is None and computed + len(context) > self.prefill_tokens:
                         break  # the step's prefill is full (a lockstep wave is admitted whole)
-                    offset = self.cache.place(request, context, self._seed())
+                    offset = self.cache.place(request, context, version_seed(self.version))
                     if offset is None:
                         break
                     computed += len(context) - offset
@@ -340,7 +330,6 @@ class TransformersEngine:
         rows = len(self._rows)
         tokens, logprobs = sample_tokens(logits, self._temps[:rows], self._generator)
         self._next[:rows] = tokens
-        self._cache_version = self.version
         self.decode_steps += 1
         self.tokens_generated += rows
         sampled, logps = torch.stack((tokens.double(), logprobs.double())).tolist()  # the step's one host sync
