@@ -55,13 +55,14 @@ from nanoverl_async.wire.auth import CurveKeys, connect
 log = logging.getLogger(__name__)
 
 WAIT_POLL_S = 0.005  # how often a bounded wait re-checks its condition
+REQUEST_TIMEOUT_S = 30.0  # one buffer request, or one trajectory push
+GROUP_TIMEOUT_S = 600.0  # one group's G episodes
+LEASE_RETRY_S = 0.02  # the wait before asking a closed gate again; the weights poll period
 EVAL_TEMPERATURE = 1e-3  # evaluation is (near-)greedy: engines sample with temperature > 0 only
 
 
 class GeneratorWorker:
-    def __init__(self, generator_id: int, cfg: Config, model_path: str, *, env: Optional[Callable] = None,
-                 engine: Optional[Engine] = None, tokenizer=None, request_timeout_s: float = 30.0,
-                 group_timeout_s: float = 600.0, lease_retry_s: float = 0.02):
+    def __init__(self, generator_id: int, cfg: Config, model_path: str, *, env: Optional[Callable] = None):
         model_path = resolve_model_path(model_path)
         torch.set_num_threads(cfg.generator.torch_threads)  # this process is the generator's own
         self.generator_id = generator_id
@@ -72,9 +73,9 @@ class GeneratorWorker:
         # One environment per episode: `env` (a no-argument factory) or agent.env (filled in by preflight.py).
         self.make_env = env or env_factory(cfg.agent.env, load_reward(cfg.reward.path, cfg.reward.name))
         sandbox.set_isolation(cfg.agent.sandbox)  # the `python` tool runs in this process
-        self.tokenizer = tokenizer or load_tokenizer(model_path)
-        self.engine = engine or make_engine(cfg.generator, model_path, generator_id=generator_id, seed=cfg.run.seed,
-                                            dtype=cfg.model.dtype)  # generator.engine: transformers or sglang
+        self.tokenizer = load_tokenizer(model_path)
+        self.engine = make_engine(cfg.generator, model_path, generator_id=generator_id, seed=cfg.run.seed,
+                                  dtype=cfg.model.dtype)  # generator.engine: transformers or sglang
         # Episodes that will still call the engine, plus a lease request in flight (it may bring more):
         # with run.deterministic the engine waits for all of them before each wave (hf_engine "Lockstep"),
         # and leases and evaluations each wait until none is left, so they never share a wave.
@@ -82,8 +83,6 @@ class GeneratorWorker:
         self.lockstep = cfg.run.deterministic
         if self.lockstep:
             self.engine.lockstep = lambda: self._live
-        self.request_timeout_s, self.group_timeout_s = request_timeout_s, group_timeout_s
-        self.lease_retry_s = lease_retry_s
         self._stop_requested = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._error: Optional[BaseException] = None
@@ -160,9 +159,9 @@ class GeneratorWorker:
         """One request/reply with the buffer's ROUTER (REQ-style envelope: empty frame, then the map)."""
         async with self._lock:
             await self._dealer.send_multipart([b"", msgpack.packb(message)])
-            if not await self._dealer.poll(timeout=int(self.request_timeout_s * 1000)):
+            if not await self._dealer.poll(timeout=int(REQUEST_TIMEOUT_S * 1000)):
                 raise TimeoutError(f"generator {self.generator_id}: no reply from the buffer at "
-                                   f"{self.buffer_endpoints['leases']} within {self.request_timeout_s:.0f} s "
+                                   f"{self.buffer_endpoints['leases']} within {REQUEST_TIMEOUT_S:.0f} s "
                                    f"to {message['op']!r}")
             frames = await self._dealer.recv_multipart()
         reply = msgpack.unpackb(frames[-1], raw=False)
@@ -176,7 +175,7 @@ class GeneratorWorker:
         while True:
             await self._wait_until(lambda: not self._draining and len(self._groups) < limit
                                    and not (self.lockstep and self._live),
-                                   self.group_timeout_s + self.weight_sync.timeout_s, "a free group slot")
+                                   GROUP_TIMEOUT_S + self.weight_sync.timeout_s, "a free group slot")
             version = self.engine.version
             self._live += 1
             try:
@@ -198,19 +197,19 @@ class GeneratorWorker:
                                    f"{version} and no newer weights arrived within {self.weight_sync.timeout_s:.0f} s")
             self._new_weights.clear()
             with suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._new_weights.wait(), self.lease_retry_s)
+                await asyncio.wait_for(self._new_weights.wait(), LEASE_RETRY_S)
 
     async def _run_group(self, lease: dict) -> None:
         episodes = [self._track(self._episode(lease, i)) for i in range(self.group_size)]
         try:
-            done, running = await asyncio.wait(episodes, timeout=self.group_timeout_s,
+            done, running = await asyncio.wait(episodes, timeout=GROUP_TIMEOUT_S,
                                                return_when=asyncio.FIRST_EXCEPTION)
             errors = [e.exception() for e in done if not e.cancelled() and e.exception() is not None]
             if errors:
                 raise errors[0]
             if running:
                 raise TimeoutError(f"generator {self.generator_id}: group {lease['group_id']} did not finish "
-                                   f"within {self.group_timeout_s:.0f} s")
+                                   f"within {GROUP_TIMEOUT_S:.0f} s")
         finally:  # a failed sibling (or a timeout) must not leave the others running unowned
             for episode in episodes:
                 episode.cancel()
@@ -222,7 +221,7 @@ class GeneratorWorker:
                                        self.generator.temperature, group_id=lease["group_id"], sample_index=sample_index,
                                        prompt_index=lease["prompt_index"], generator_id=self.generator_id,
                                        keep_messages=self.keep_messages, trace=self.trace.enabled)
-        await asyncio.wait_for(self._push.send(encode(trajectory)), self.request_timeout_s)
+        await asyncio.wait_for(self._push.send(encode(trajectory)), REQUEST_TIMEOUT_S)
 
     def _track(self, episode) -> asyncio.Future:
         """Run an episode counted in `_live` (counted by whoever scheduled it) until it ends, however it ends."""
@@ -234,7 +233,7 @@ class GeneratorWorker:
         """One near-greedy episode per sample, once weights `min_version` or newer are loaded -> eval/*
         metrics (nothing pushed)."""
         await self._wait_until(lambda: self.engine.version >= min_version and not (self.lockstep and self._live),
-                               self.weight_sync.timeout_s + self.group_timeout_s, f"weights version {min_version}")
+                               self.weight_sync.timeout_s + GROUP_TIMEOUT_S, f"weights version {min_version}")
         version = self.engine.version
         self._live += len(samples)
         episodes = await asyncio.gather(*(self._track(
@@ -253,7 +252,7 @@ class GeneratorWorker:
             newest = await self._loop.run_in_executor(self._weights_thread, subscriber.poll_newest, self.engine.version)
             if newest is not None:
                 await self._apply(subscriber, *newest, received)
-            await asyncio.sleep(self.lease_retry_s)
+            await asyncio.sleep(LEASE_RETRY_S)
 
     async def _apply(self, subscriber: WeightSubscriber, version: int, state_dict: dict, received: float) -> None:
         if self.weight_sync.mode == "drain":
@@ -277,17 +276,15 @@ class GeneratorWorker:
 
 def make_engine(generator: GeneratorConfig, model_path: str, *, generator_id: int, seed: int,
                 dtype: str = "float32") -> Engine:
-    """The engine `generator.engine` names, for generator `generator_id` (imports are lazy: sglang is an
-    optional extra, and its engine launches its servers here)."""
-    if generator.engine == "transformers":
-        from nanoverl_async.generators.hf_engine import TransformersEngine
-
-        # Replicas sample differently from one config seed.
-        return TransformersEngine(model_path, generator.device, dtype, seed=seed * 10_007 + generator_id,
-                                  kv_cache_memory=generator.kv_cache_memory, block_size=generator.kv_block_size)
+    """The engine `generator.engine` names (validation.py checks the name), for generator `generator_id`
+    (imports are lazy: sglang is an optional extra, and its engine launches its servers here)."""
+    seed = seed * 10_007 + generator_id  # replicas sample differently from one config seed
     if generator.engine == "sglang":
         from nanoverl_async.generators.sglang_engine import SGLangEngine
 
-        return SGLangEngine(model_path, generator.sglang, generator_id=generator_id, seed=seed * 10_007 + generator_id,
-                            dtype=dtype, command=list(generator.sglang.server_command) or None)
-    raise ValueError(f"generator.engine={generator.engine!r}: expected transformers or sglang")
+        return SGLangEngine(model_path, generator.sglang, generator_id=generator_id, seed=seed, dtype=dtype,
+                            command=list(generator.sglang.server_command) or None)
+    from nanoverl_async.generators.hf_engine import TransformersEngine
+
+    return TransformersEngine(model_path, generator.device, dtype, seed=seed, kv_cache_memory=generator.kv_cache_memory,
+                              block_size=generator.kv_block_size)
