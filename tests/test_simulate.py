@@ -226,12 +226,12 @@ def test_the_learner_noise_is_the_spread_of_its_seconds_per_token(tmp_path):
 
 
 def calls_with_swaps(clean: int, hit: int, extra_s: float) -> tuple[np.ndarray, dict]:
-    """One-call episodes of one generator (pid 7), 10 tokens at 0.01 s each, in flight beside as many others; the
-    last `hit` of them each had one weight swap land inside, which cost it `extra_s` more."""
+    """One-call episodes of one generator (pid 7), 10 tokens at 0.01 s each; the last `hit` of them each had one
+    weight swap land inside, which cost it `extra_s` more."""
     rows, swaps = [], []
     for i in range(clean + hit):
         seconds = 0.1 + (extra_s if i >= clean else 0.0)
-        rows.append((10.0 * i, 10.0 * i + seconds, 10, 4.0, 7))
+        rows.append((10.0 * i, 10.0 * i + seconds, 10, 7))
         if i >= clean:
             swaps.append(10.0 * i + seconds / 2)
     return np.array(rows), {7: np.array(swaps)}

@@ -160,8 +160,9 @@ def read_events(events: list[dict], path: Path) -> dict:
 
 def one_call_episodes(spans: dict) -> np.ndarray:
     """Episodes of one generate call that started once the learner had (the engine's first calls warm up, as
-    the learner's first step does): rows (start, end, generated tokens, mean calls in flight on its generator,
-    its generator's pid)."""
+    the learner's first step does), at or above the median concurrency of them (mean calls in flight on its
+    generator: a half-empty batch generates each token faster, whatever the learner does): rows (start, end,
+    generated tokens, its generator's pid)."""
     warm = spans["steps"][0][1]["prepare"][0]
     by_generator: dict = {}
     for (pid, _), calls in spans["generate"].items():
@@ -173,25 +174,26 @@ def one_call_episodes(spans: dict) -> np.ndarray:
         inside = [c for c in track if start <= c[0] and c[1] <= end]
         if len(inside) == 1 and warm <= inside[0][0] < inside[0][1] and args.get("generated_tokens", 0) > 0:
             a, b = inside[0]
-            rows.append((a, b, args["generated_tokens"], flight[args["pid"]](np.linspace(a, b, 9)).mean(), args["pid"]))
-    return np.array(rows).reshape(-1, 5)
+            rows.append((a, b, args["generated_tokens"], args["pid"], flight[args["pid"]](np.linspace(a, b, 9)).mean()))
+    rows = np.array(rows).reshape(-1, 5)
+    loaded = rows[:, 4] >= (np.median(rows[:, 4]) if len(rows) else 0)
+    return rows[loaded, :4]
+
+
+def per_token(calls: np.ndarray, chosen: np.ndarray) -> float | None:
+    """Seconds per generated token over the `chosen` calls (`one_call_episodes`); None under MIN_CALLS of them."""
+    start, end, tokens, _ = calls[chosen].T
+    return float((end - start).sum() / tokens.sum()) if chosen.sum() >= MIN_CALLS else None
 
 
 def generation_slowdown(calls: np.ndarray, learner: Integral, swapped: np.ndarray) -> float | None:
     """Seconds per token of one-call episodes while the learner was idle / while it computed (<= 1 when
-    the learner slows generation down), among calls at or above the median concurrency of their
-    generator (a half-empty batch generates each token faster, whatever the learner does) that no weight swap
-    landed in (`swapped`: per call, `swaps_inside`; swaps land between the learner's steps, when it is idle)."""
-    if not len(calls):
-        return None
-    start, end, tokens, flight, pid = calls.T
-    busy = np.array([learner.over(a, b) / (b - a) for a, b in zip(start, end)])
-    loaded = (flight >= np.median(flight)) & (swapped == 0)
-    idle, computing = loaded & (busy <= IDLE), loaded & (busy >= BUSY)
-    if idle.sum() < MIN_CALLS or computing.sum() < MIN_CALLS:
-        return None
-    seconds = end - start
-    return float((seconds[idle].sum() / tokens[idle].sum()) / (seconds[computing].sum() / tokens[computing].sum()))
+    the learner slows generation down), among those no weight swap landed in (`swapped`: per call,
+    `swaps_inside`; swaps land between the learner's steps, when it is idle)."""
+    busy = np.array([learner.over(a, b) / (b - a) for a, b, *_ in calls])
+    idle = per_token(calls, (swapped == 0) & (busy <= IDLE))
+    computing = per_token(calls, (swapped == 0) & (busy >= BUSY))
+    return None if idle is None or computing is None else idle / computing
 
 
 def swap_times(spans: dict) -> dict:
@@ -210,19 +212,14 @@ def swaps_inside(rows, swaps: dict) -> np.ndarray:
 
 def swap_cost(calls: np.ndarray, swapped: np.ndarray) -> float:
     """Seconds a weight swap adds to each call in flight: the engine computes the running rows again under the
-    new weights (hf_engine.py "Weights"). From one-call episodes at or above the median concurrency (`swapped`:
-    how many swaps landed in each, `swaps_inside`): the seconds of those a swap landed in, beyond their tokens
-    at the seconds per token of those none did, per swap; 0 when too few of either kind (MIN_CALLS) or none is
-    slower."""
-    if not len(calls):
+    new weights (hf_engine.py "Weights"). From one-call episodes (`swapped`: how many swaps landed in each,
+    `swaps_inside`): the seconds of those a swap landed in, beyond their tokens at the seconds per token of
+    those none did, per swap; 0 when too few of either kind (MIN_CALLS) or none is slower."""
+    clean, hit = per_token(calls, swapped == 0), swapped > 0
+    if clean is None or hit.sum() < MIN_CALLS:
         return 0.0
-    start, end, tokens, flight, _ = calls.T
-    count, loaded = swapped, flight >= np.median(flight)
-    clean, hit = loaded & (count == 0), loaded & (count > 0)
-    if clean.sum() < MIN_CALLS or hit.sum() < MIN_CALLS:
-        return 0.0
-    per_token = (end - start)[clean].sum() / tokens[clean].sum()
-    return max(0.0, float(((end - start)[hit] - tokens[hit] * per_token).sum() / count[hit].sum()))
+    start, end, tokens, _ = calls[hit].T
+    return max(0.0, float((end - start - tokens * clean).sum() / swapped[hit].sum()))
 
 
 def learner_steps(spans: dict, rows: list[dict], generating: Integral, samples_per_step: int) -> tuple:
