@@ -28,7 +28,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from host_waits import HostWaits
-from nanoverl_async.generators import llama_forward
+from nanoverl_async.generators import decode_graphs, llama_forward
 from nanoverl_async.generators.decode_graphs import DecodeGraphs
 from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
@@ -479,13 +479,12 @@ def emulate_decode_graphs(engine: TransformersEngine, monkeypatch) -> list[Emula
     monkeypatch.setattr(llama_forward, "_gqa_sdpa", llama_forward._expanded_sdpa)
     graphs, captured = DecodeGraphs(engine.forward, engine._next, engine._lens), []
 
-    def capture(kv, table, rows, length):
-        captured.append(EmulatedGraph(lambda: graphs.step(kv, table, rows, length),
-                                      lambda: [engine._next, engine._lens, engine.cache.table, engine.cache.kv,
-                                               *engine.model.parameters()]))
+    def capture(step, pool):
+        captured.append(EmulatedGraph(step, lambda: [engine._next, engine._lens, engine.cache.table, engine.cache.kv,
+                                                     *engine.model.parameters()]))
         return captured[-1], captured[-1].hidden
 
-    graphs._capture = capture
+    monkeypatch.setattr(decode_graphs, "capture", capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     engine._graphs = graphs
     return captured

@@ -54,8 +54,8 @@ class DecodeGraphs:
         key = (bucket(count, table.shape[0]), bucket(max(length, 64), table.shape[1] * kv.shape[4]))  # fewer captures
         self.lens[count:key[0]] = 0  # free rows: position 0 of the null block
         table[count:key[0], 0] = NULL_BLOCK
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(kv, table, *key)
+        if key not in self.graphs:  # the warm-up run writes the same keys and values the replay will write
+            self.graphs[key] = capture(lambda: self.step(kv, table, *key), self.pool)
         graph, hidden = self.graphs[key]
         graph.replay()
         return self.forward.logits(hidden[:count])
@@ -65,11 +65,6 @@ class DecodeGraphs:
         head (hidden states [rows, hidden])."""
         decoding = Tokens(decoding=(self.tokens[:rows], self.lens[:rows], length))
         return self.forward(kv, table, *decoding.tensors(kv.device), head=False)
-
-    def _capture(self, kv: torch.Tensor, table: torch.Tensor, rows: int,
-                 length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # The warm-up run writes the same keys and values the replay will write.
-        return capture(lambda: self.step(kv, table, rows, length), self.pool)
 
 
 def capture(step: Callable[[], torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
