@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,9 +47,6 @@ from nanoverl_async.models.load import on_device
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # fixed frequencies (no per-length update)
-# the tensors this forward reads, by their transformers names; a checkpoint's others (none in these families) stay out
-TENSOR_NAMES = re.compile(r"lm_head\.weight|model\.(embed_tokens|norm)\.weight|model\.layers\.\d+\.(input_layernorm|"
-                          r"post_attention_layernorm|self_attn\.[qk]_norm|(self_attn\.[qkvo]|mlp\.(gate|up|down))_proj)\.(weight|bias)")
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -186,19 +182,21 @@ class LlamaWeights(torch.nn.Module):
             directory = Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"]))
         self.config = config = AutoConfig.from_pretrained(directory)
         _check_supported(config, model_path)
+        layer = ("input_layernorm", "post_attention_layernorm", *(f"self_attn.{p}_proj" for p in "qkvo"),
+                 *(f"mlp.{p}_proj" for p in ("gate", "up", "down")), *(("self_attn.q_norm", "self_attn.k_norm")
+                                                                       if config.model_type == "qwen3" else ()))
+        modules = ["model.embed_tokens", "model.norm", "lm_head",
+                   *(f"model.layers.{i}.{part}" for i in range(config.num_hidden_layers) for part in layer)]
+        # the tensors this forward reads; a checkpoint's others (none in these families) stay out
+        wanted = {f"{module}.{kind}" for module in modules for kind in ("weight", "bias")}
         params = {}
         for file in checkpoint_files(directory, model_path):
             tensors = load_file(file) if file.suffix == ".safetensors" else torch.load(file, "cpu", weights_only=True)
             params.update({name: torch.nn.Parameter(tensor.to(device, dtype), requires_grad=False)
-                           for name, tensor in tensors.items() if TENSOR_NAMES.fullmatch(name)})
+                           for name, tensor in tensors.items() if name in wanted})
         if config.tie_word_embeddings:  # the head is the embedding, whatever the file holds
             params["lm_head.weight"] = params.get("model.embed_tokens.weight")
-        layer = ("input_layernorm", "post_attention_layernorm", *(f"self_attn.{p}_proj" for p in "qkvo"),
-                 *(f"mlp.{p}_proj" for p in ("gate", "up", "down")), *(("self_attn.q_norm", "self_attn.k_norm")
-                                                                       if config.model_type == "qwen3" else ()))
-        missing = [name for name in ("model.embed_tokens", "model.norm", "lm_head", *(
-            f"model.layers.{i}.{part}" for i in range(config.num_hidden_layers) for part in layer))
-                   if params.get(f"{name}.weight") is None]
+        missing = [module for module in modules if params.get(f"{module}.weight") is None]
         if missing:
             raise ValueError(f"model.path={model_path!r}: the checkpoint in {directory} has no {missing[:3]}")
         for name, parameter in params.items():  # each under its dotted name: model.layers.0.mlp.up_proj.weight
@@ -303,41 +301,7 @@ class LlamaForward:
             masks.append({w: torch.where(seen & (keys > at - w) if w else seen, 0.0, float("-inf"))
                           .to(cos.dtype)[:, None] for w in set(self.windows)})
 
-        def attend(layer: int, q, k, v):
-            pool = kv[layer]  # [k|v, kv_heads, blocks, block_size, head_dim]
-            flat = pool.view(2, self.kv_heads, -1, self.head_dim)
-            flat[0].index_copy_(1, where, k.transpose(0, 1))
-            flat[1].index_copy_(1, where, v.transpose(0, 1))
-            out = []
-            for span, gather, mask in zip(spans, gathers, masks):
-                queries = q[span.begin:span.end]
-                queries = queries[span.padded] if span.padded is not None else queries[:, None]
-                cached = pool.index_select(2, gather).view(2, self.kv_heads, span.rows, -1, self.head_dim)
-                if span.padded is None:
-                    o = _one_query_attention(queries.transpose(1, 2), cached[0], cached[1], mask[self.windows[layer]])
-                else:
-                    attention = _expanded_sdpa if q.device.type == "cuda" else _gqa_sdpa
-                    o = attention(queries.transpose(1, 2), cached[0].transpose(0, 1), cached[1].transpose(0, 1),
-                                  attn_mask=mask[self.windows[layer]])
-                o = o.transpose(1, 2).flatten(0, 1)
-                out.append(o[span.unpadded] if span.unpadded is not None else o)
-            return torch.cat(out) if len(out) > 1 else out[0]
-
-        hidden = self._layers(F.embedding(ids, self.embed), cos, sin, attend)
-        if last is not None:
-            hidden = hidden[last]
-        return self.logits(hidden) if head else hidden
-
-    def _rope(self, positions: torch.Tensor):
-        """positions [T] -> cos, sin [T, 1, head_dim] in the model dtype (HF's formula)."""
-        freqs = positions[:, None].float() * self.inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None]
-        dtype = self.embed.dtype
-        return (angles.cos() * self.rope_scale).to(dtype), (angles.sin() * self.rope_scale).to(dtype)
-
-    def _layers(self, x: torch.Tensor, cos, sin, attend: Callable) -> torch.Tensor:
-        """The decoder layers on the flat tokens x [T, hidden]; `attend(layer, q, k, v)` caches k, v
-        [T, kv_heads, d] and returns the attention [T, heads, d]."""
+        x = F.embedding(ids, self.embed)
         for index, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = _rms_norm(x, layer.input_layernorm.weight, self.eps)
@@ -347,10 +311,40 @@ class LlamaForward:
             if "q_norm" in attn._modules:  # qwen3
                 q, k = _rms_norm(q, attn.q_norm.weight, self.eps), _rms_norm(k, attn.k_norm.weight, self.eps)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            x = x + _linear(attend(index, q, k, v).flatten(1), attn.o_proj)
+            pool = kv[index]  # [k|v, kv_heads, blocks, block_size, head_dim]
+            flat = pool.view(2, self.kv_heads, -1, self.head_dim)
+            flat[0].index_copy_(1, where, k.transpose(0, 1))
+            flat[1].index_copy_(1, where, v.transpose(0, 1))
+            out = [self._attend(pool, q, span, gather, mask[self.windows[index]])
+                   for span, gather, mask in zip(spans, gathers, masks)]
+            x = x + _linear((torch.cat(out) if len(out) > 1 else out[0]).flatten(1), attn.o_proj)
             h = _rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
             x = x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)  # hidden_act silu
-        return x
+        if last is not None:
+            x = x[last]
+        return self.logits(x) if head else x
+
+    def _attend(self, pool: torch.Tensor, q: torch.Tensor, span: Span, gather: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """The attention [end - begin, heads, d] of one span's queries (q [T, heads, d], all the forward's) to its
+        rows' cached keys and values (`gather`: their blocks in the layer's `pool`, written already)."""
+        queries = q[span.begin:span.end]
+        queries = queries[span.padded] if span.padded is not None else queries[:, None]
+        cached = pool.index_select(2, gather).view(2, self.kv_heads, span.rows, -1, self.head_dim)
+        if span.padded is None:
+            o = _one_query_attention(queries.transpose(1, 2), cached[0], cached[1], mask)
+        else:
+            attention = _expanded_sdpa if q.device.type == "cuda" else _gqa_sdpa
+            o = attention(queries.transpose(1, 2), cached[0].transpose(0, 1), cached[1].transpose(0, 1), attn_mask=mask)
+        o = o.transpose(1, 2).flatten(0, 1)
+        return o[span.unpadded] if span.unpadded is not None else o
+
+    def _rope(self, positions: torch.Tensor):
+        """positions [T] -> cos, sin [T, 1, head_dim] in the model dtype (HF's formula)."""
+        freqs = positions[:, None].float() * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+        dtype = self.embed.dtype
+        return (angles.cos() * self.rope_scale).to(dtype), (angles.sin() * self.rope_scale).to(dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [n, hidden] -> float32 logits [n, V] (final norm, then the LM head)."""
