@@ -36,6 +36,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -122,15 +123,10 @@ def in_progress(intervals: list[tuple[float, float]]):
     return lambda times: np.searchsorted(starts, times, "right") - np.searchsorted(ends, times, "right")
 
 
-class Integral:
-    """The integral of a step function over [a, b]: values[i] holds on [points[i], points[i + 1])."""
-
-    def __init__(self, points: np.ndarray, values: np.ndarray):
-        self.points = points
-        self.cumulative = np.concatenate([[0.0], np.cumsum(values * np.diff(points))])
-
-    def over(self, a: float, b: float) -> float:
-        return float(np.interp(b, self.points, self.cumulative) - np.interp(a, self.points, self.cumulative))
+def integral(points: np.ndarray, values: np.ndarray) -> Callable[[float, float], float]:
+    """(a, b) -> the integral over [a, b] of the step function that holds values[i] on [points[i], points[i + 1])."""
+    cumulative = np.concatenate([[0.0], np.cumsum(values * np.diff(points))])
+    return lambda a, b: float(np.interp(b, points, cumulative) - np.interp(a, points, cumulative))
 
 
 def read_events(events: list[dict], path: Path) -> dict:
@@ -186,11 +182,11 @@ def per_token(calls: np.ndarray, chosen: np.ndarray) -> float | None:
     return float((end - start).sum() / tokens.sum()) if chosen.sum() >= MIN_CALLS else None
 
 
-def generation_slowdown(calls: np.ndarray, learner: Integral, swapped: np.ndarray) -> float | None:
+def generation_slowdown(calls: np.ndarray, learner: Callable, swapped: np.ndarray) -> float | None:
     """Seconds per token of one-call episodes while the learner was idle / while it computed (<= 1 when
     the learner slows generation down), among those no weight swap landed in (`swapped`: per call,
     `swaps_inside`; swaps land between the learner's steps, when it is idle)."""
-    busy = np.array([learner.over(a, b) / (b - a) for a, b, *_ in calls])
+    busy = np.array([learner(a, b) / (b - a) for a, b, *_ in calls])
     idle = per_token(calls, (swapped == 0) & (busy <= IDLE))
     computing = per_token(calls, (swapped == 0) & (busy >= BUSY))
     return None if idle is None or computing is None else idle / computing
@@ -222,7 +218,7 @@ def swap_cost(calls: np.ndarray, swapped: np.ndarray) -> float:
     return max(0.0, float((end - start - tokens * clean).sum() / swapped[hit].sum()))
 
 
-def learner_steps(spans: dict, rows: list[dict], generating: Integral, samples_per_step: int) -> tuple:
+def learner_steps(spans: dict, rows: list[dict], generating: Callable, samples_per_step: int) -> tuple:
     """(the learner's slowdown beside generation, its step-to-step noise), from the steps after the first (a
     warm-up). A least-squares fit of seconds = tokens x (alone x (1 - h) + beside x h), h the share of the step's
     compute with a generator computing, tokens the batch's; the slowdown alone / beside is None unless both
@@ -235,7 +231,7 @@ def learner_steps(spans: dict, rows: list[dict], generating: Integral, samples_p
     for step, phases in spans["steps"][1:]:
         seconds = sum(phases[p][1] - phases[p][0] for p in COMPUTE)
         if length.get(step) and seconds > 0:
-            shared = sum(generating.over(*phases[p]) for p in COMPUTE) / seconds
+            shared = sum(generating(*phases[p]) for p in COMPUTE) / seconds
             samples.append((seconds, length[step] * samples_per_step, shared))
     if len(samples) < MIN_STEPS:
         return None, None
@@ -281,7 +277,7 @@ def computing(spans: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return points, learner, sum((in_progress(own)(middles) > 0).astype(float) for own in leases.values())
 
 
-def step_costs(spans: dict, learner_work: Integral, drain: bool) -> tuple[np.ndarray, list]:
+def step_costs(spans: dict, learner_work: Callable, drain: bool) -> tuple[np.ndarray, list]:
     """Per source step, STEP_COSTS (compute phases as work at speed 1) and the delays of its weights."""
     lease_end = {args["group_id"]: end for _, end, args in spans["lease"]}
     ready: dict = {}  # step -> when the last group it trained was complete
@@ -294,7 +290,7 @@ def step_costs(spans: dict, learner_work: Integral, drain: bool) -> tuple[np.nda
         handover = waited[1] - min(waited[1], max(waited[0], ready.get(step, waited[0])))
         last = i + 1 == len(spans["steps"])
         between = math.nan if last else max(0.0, spans["steps"][i + 1][1]["wait batch"][0] - published)
-        rows.append([handover, *(learner_work.over(*phases[p]) for p in COMPUTE), between])
+        rows.append([handover, *(learner_work(*phases[p]) for p in COMPUTE), between])
         # publish end -> the generator holds the weights (drain: -> receipt; the simulation drains itself)
         delays.append([max(0.0, (start if drain else end) - published) for start, end, args in spans["weights"]
                        if args.get("version") == step + 1])
@@ -355,23 +351,23 @@ def read_source(run_dir: str, cores: float | None = None) -> Source:
         if not done:
             raise ConfigError(f"{trace}: no lease completed its group")
         points, learner, generators = computing(spans)
-        generating = Integral(points, (generators > 0).astype(float))
+        generating = integral(points, (generators > 0).astype(float))
         learner_slowdown, noise = learner_steps(spans, rows, generating, samples_per_step)
         calls, swaps = one_call_episodes(spans), swap_times(spans)
         swapped = swaps_inside(calls, swaps)
-        slowdowns = generation_slowdown(calls, Integral(points, learner), swapped), learner_slowdown
+        slowdowns = generation_slowdown(calls, integral(points, learner), swapped), learner_slowdown
         swap = 0.0 if drain else swap_cost(calls, swapped)  # drain: no group is in flight when weights land
         interference = fit_interference(slowdowns, cfg.generator.replicas, cores)
         generator_speed, learner_speed = speeds(generators, learner, cores, interference)
-        costs, delays = step_costs(spans, Integral(points, learner_speed), drain)
+        costs, delays = step_costs(spans, integral(points, learner_speed), drain)
         sampled = measured(rows, samples_per_step)
     except (KeyError, TypeError) as error:  # an event or a row without a field the trace and metrics always have
         raise ConfigError(f"{path}: trace.json or metrics.jsonl lacks the field {error}") from None
     versions, starts, ends, outcomes, pids = zip(*done)
-    generator_work = Integral(points, generator_speed)
+    generator_work = integral(points, generator_speed)
     # a lease's own work leaves out the swaps that landed in it (the simulation adds those where they land), at
     # least a tenth of it kept: a generated token costs something whatever the estimate of a swap
-    work = np.array([generator_work.over(a, b) for a, b in zip(starts, ends)])
+    work = np.array([generator_work(a, b) for a, b in zip(starts, ends)])
     work = np.maximum(work - swap * swaps_inside(list(zip(starts, ends, pids)), swaps), 0.1 * work)
     return Source(cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max, cfg.generator.replicas,
                   cfg.generator.max_groups_in_flight, drain, len(costs), np.array(versions),
