@@ -59,7 +59,7 @@ CONFIG_CASES = [
 ]
 # --- the world the config names, checked at launch before Ray starts
 LAUNCH_CASES = [
-    ("model.path=builtin:huge", "'model.path': 'builtin:huge' is not a built-in model; the built-in models are"),
+    ("model.path=builtin:huge", "'model.path': 'builtin:huge' is not a built-in model.path; the built-ins are"),
     ("model.path=/nonexistent/model", "'model.path': '/nonexistent/model' is not a directory"),
     ("wire.host=203.0.113.7", "'wire.host': cannot bind '203.0.113.7'"),
     ("wire.host=not a host", "'wire.host'"),

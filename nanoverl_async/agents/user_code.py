@@ -4,9 +4,9 @@
     load_object("my_pkg.envs:Calculator")                # an importable module
     load_object("path/to/my_env.py:Calculator")          # a file; its folder is importable, as for a script
 
-Why one resolver: config keys name environments, prompt functions and reward functions the same way,
-and each role loads them in its own process; `absolute_spec` makes a file path survive a change of
-working directory. Nothing here runs at import time: user code runs only when a spec is loaded.
+Why one resolver: config keys name environments, prompt functions, reward functions and model builders
+the same way, and each role loads them in its own process; `absolute_spec` makes a file path survive a
+change of working directory. Nothing here runs at import time: user code runs only when a spec is loaded.
 
     await call_user("agent.env step()", env.step, sample, message)   # the agent loop calls hooks so
 
@@ -29,6 +29,10 @@ BUILTINS = {  # config key -> built-in name -> the object it stands for
     "agent.env": {"builtin:multiply": "nanoverl_async.agents.multiply_task:MultiplyEnv",
                   "builtin:chat": "nanoverl_async.agents.env:Environment"},
     "data.task": {"builtin:multiply": "nanoverl_async.agents.multiply_task:make_prompt"},
+    "model.path": {  # builders fn(cache_dir) -> a model directory, made once and cached (models/cache.py)
+        "builtin:tiny": "nanoverl_async.models.tiny:build_tiny",
+        "builtin:smollm2-135m": "nanoverl_async.models.smollm2:build_smollm2",
+    },
 }
 
 

