@@ -121,7 +121,7 @@ def prepared(learner, world_size, algo, seed):
     batch = collate(episodes([(3, [4, 2], 1.0), (3, [5], 0.0), (4, [2, 3], 0.0), (4, [6], 1.0)], seed=seed))
     if algo.advantage == "gae":
         parts = [None] * world_size
-        dist.all_gather_object(parts, learner.compute_values(batch))
+        dist.all_gather_object(parts, learner.compute(batch, "values"))
         batch.values = torch.from_numpy(np.concatenate(parts))
     return with_advantages(batch, 2, algo, KLConfig(), max_total_tokens=16)
 

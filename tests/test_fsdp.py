@@ -1,7 +1,7 @@
 """LearnerRank with FSDP2 on CPU (gloo, torch.multiprocessing, no Ray): 2 ranks == 1 rank == plain torch.
 
 One tiny random Qwen2 (hidden 64, 2 layers, vocab 100, tied embeddings) is built in a tmp dir. Each run
-does: proximal logprobs -> update (decoupled, proximal from compute_logprobs) -> update (proximal
+does: proximal logprobs -> update (decoupled, proximal from compute) -> update (proximal
 omitted) -> publish_weights -> save_pretrained, and rank 0 writes what it saw to a file. The learning
 rate is small because Adam turns fp32 summation-order noise on near-zero gradients into steps of ~lr.
 """
@@ -71,7 +71,7 @@ def train_and_report(rank, world_size, port, model_dir, out_dir, micro_batch_tok
     learner = LearnerRank(setup(model_dir, learner=cfg, world_size=world_size), rank, "127.0.0.1", port)
     batch = make_batch()
     parts = [None] * world_size
-    dist.all_gather_object(parts, learner.compute_logprobs(batch))  # what LearnerPool.prepare does
+    dist.all_gather_object(parts, learner.compute(batch, "proximal_logprobs"))  # what LearnerPool.prepare does
     batch.proximal_logprobs = torch.from_numpy(np.concatenate(parts))
     first = learner.update(batch)
     batch.proximal_logprobs = None

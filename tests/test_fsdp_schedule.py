@@ -45,7 +45,7 @@ def make_batch(algo=ALGO):
 
 def gathered(learner, batch, which, world_size):
     parts = [None] * world_size
-    dist.all_gather_object(parts, learner.compute_logprobs(batch, which))  # what LearnerPool.prepare does
+    dist.all_gather_object(parts, learner.compute(batch, which))  # what LearnerPool.prepare does
     return torch.from_numpy(np.concatenate(parts))
 
 
@@ -53,8 +53,8 @@ def train(rank, world_size, port, model_dir, out_dir, micro_batch_tokens):
     cfg = dataclasses.replace(SCHEDULE, micro_batch_tokens=micro_batch_tokens)
     learner = LearnerRank(setup(model_dir, ALGO, cfg, world_size, kl=KL), rank, "127.0.0.1", port)
     batch = make_batch()
-    batch.proximal_logprobs = gathered(learner, batch, "policy", world_size)
-    batch.reference_logprobs = gathered(learner, batch, "reference", world_size)
+    batch.proximal_logprobs = gathered(learner, batch, "proximal_logprobs", world_size)
+    batch.reference_logprobs = gathered(learner, batch, "reference_logprobs", world_size)
     metrics = learner.update(batch)
     state = full_state_dict(learner.model)
     if rank == 0:
@@ -146,7 +146,7 @@ def train_critic(rank, world_size, port, model_dir, out_dir, micro_batch_tokens)
     for _ in range(2):
         batch = make_batch(algo=None)
         parts = [None] * world_size
-        dist.all_gather_object(parts, learner.compute_values(batch))
+        dist.all_gather_object(parts, learner.compute(batch, "values"))
         batch.values = torch.from_numpy(np.concatenate(parts))
         batch = with_advantages(batch, 2, GAE, KLConfig(), max_total_tokens=16)
         runs.append({**learner.update(batch), "explained_variance": explained_variance(batch)})

@@ -14,10 +14,10 @@ Invariants:
     backward all-gathers parameters collectively;
   - logprobs use the generator's sampling temperature (softmax(logits / T), as the generator sampled);
   - the models stay in eval mode (no dropout), so the logprobs of the update's forward equal the
-    proximal logprobs of `compute_logprobs` on the same weights;
+    proximal logprobs of `compute` on the same weights;
   - `version` counts BATCHES trained (one per training step t, however many optimizer steps it took):
     the weights published after step t are version t + 1 (docs/design.md "The bound in batches");
-  - every collective (`update`, `compute_logprobs`, `compute_values`, `publish_weights`,
+  - every collective (`update`, `compute`, `publish_weights`,
     `save_pretrained`, `save_checkpoint`, `load_checkpoint`, `connect_sglang`) must be called on all
     ranks, in the same order.
 Weights out: by default rank 0 publishes each version's full state dict over ZeroMQ (weights.py). After
@@ -139,15 +139,6 @@ class LearnerRank:
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return split_to(bounds, int(count.item()))
 
-    def compute_logprobs(self, batch: TrainBatch, which: str = "policy") -> np.ndarray:
-        """float32 [rows of this rank's shard, L], token-indexed (see batch.sequence_logprobs), 0 off the
-        loss mask: under `which` = "policy", the proximal logprobs p_old of the weights this rank holds now
-        (version `self.version`); under "reference", those of the frozen reference model."""
-        model = {"policy": self.model, "reference": self.reference}[which]
-        assert model is not None, "no reference model: KL is off (kl.loss_coef = kl.reward_coef = 0)"
-        return self._per_token(batch, lambda packing: packing.logprobs(model, self.setup.temperature,
-                                                                      self.cfg.logits_chunk_tokens))
-
     def _micro_batch(self, local: TrainBatch, start: int, stop: int) -> tuple[TrainBatch, Packing]:
         """Rows [start, stop) of this rank's shard and their packing into rows (packing.pack), on the device:
         laid out on the host, then copied without blocking, so no step of a micro-batch waits for the GPU."""
@@ -156,20 +147,20 @@ class LearnerRank:
         packing = pack(mb.input_ids, mb.attention_mask, self.packs, prompts, self.attention_cost, mb.loss_mask)
         return to_device(mb, self.device), packing.to(self.device)
 
-    def compute_values(self, batch: TrainBatch) -> np.ndarray:
-        """The critic's values V before this step, [rows of this rank's shard, L], token-indexed, 0 off the
-        loss mask (advantage=gae only)."""
-        assert self.critic is not None, "no critic: algorithm.advantage is not gae"
-        return self._per_token(batch, self._values)
-
     @torch.no_grad()
-    def _per_token(self, batch: TrainBatch, forward) -> np.ndarray:
-        """forward(packing) -> [n, l] token-indexed values, over this rank's shard, padded back to L."""
+    def compute(self, batch: TrainBatch, field: str) -> np.ndarray:
+        """The TrainBatch field `field` of this rank's shard, from a forward before the update: float32 [rows,
+        L], token-indexed (see batch.sequence_logprobs), 0 off the loss mask. "proximal_logprobs": p_old, of
+        the weights this rank holds now (version `self.version`); "reference_logprobs": those of the frozen
+        reference model (KL only); "values": the critic's V before this step (advantage=gae only)."""
+        model = {"proximal_logprobs": self.model, "reference_logprobs": self.reference, "values": self.critic}[field]
+        assert model is not None, f"no model computes {field} in this run (the reference needs KL, the critic gae)"
         local = shard(batch, self.rank, self.world_size)
         out = torch.zeros(local.input_ids.shape, dtype=torch.float32)
         for start, stop in self._micro_bounds(local):
             mb, packing = self._micro_batch(local, start, stop)
-            values = forward(packing)
+            values = self._values(packing) if field == "values" else \
+                packing.logprobs(model, self.setup.temperature, self.cfg.logits_chunk_tokens)
             out[start:stop, :values.shape[1]] = torch.where(mb.loss_mask.bool(), values, 0.0).cpu()
         return out.numpy()
 
@@ -244,9 +235,10 @@ class LearnerRank:
             loss, metrics = loss_of(*self._micro_batch(local, start, stop), normalisers)
             (loss * self.world_size).backward()  # FSDP2 averages gradients over ranks: undo the 1/world_size
             parts.append(metrics)
-        grad_norm = _clip_grad_norm(model, grad_clip)
+        # the global gradient norm before clipping (grad_clip 0: no clipping)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
         optimizer.step()
-        return _reduce(parts), grad_norm
+        return _reduce(parts), float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
     def _value_loss(self, mb: TrainBatch, packing: Packing, normalisers: dict[str, float]) -> tuple[torch.Tensor, dict]:
         """The critic's loss of one micro-batch: the clipped value loss (algorithms.value_loss) against the GAE
@@ -368,12 +360,6 @@ def _device(kind: str, rank: int) -> torch.device:
     index = rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
-
-
-def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Clip the global gradient norm (0 = no clipping); returns the norm before clipping."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
 def _reduce(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:

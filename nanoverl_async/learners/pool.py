@@ -40,10 +40,12 @@ class LearnerPool:
             dataclasses.replace(cfg.model, path=model_path), cfg.learner, cfg.algorithm, cfg.kl, cfg.reference,
             cfg.critic, cfg.wire.host, cfg.generator.temperature, cfg.run.seed, cfg.agent.max_total_tokens, curve)
         learner = cfg.learner
-        # p_old must be recomputed unless the update's own forward (one optimizer step) sees the same weights
-        self.needs_proximal = learner.ppo_epochs * learner.minibatches > 1
-        self.needs_reference = cfg.kl.loss_coef > 0 or cfg.kl.reward_coef > 0
-        self.needs_values = cfg.algorithm.advantage == "gae"
+        # the TrainBatch fields `prepare` computes (LearnerRank.compute); p_old must be recomputed unless the
+        # update's own forward (one optimizer step) sees the same weights
+        needed = {"proximal_logprobs": learner.ppo_epochs * learner.minibatches > 1,
+                  "reference_logprobs": cfg.kl.loss_coef > 0 or cfg.kl.reward_coef > 0,
+                  "values": cfg.algorithm.advantage == "gae"}
+        self.forwards = [field for field, wanted in needed.items() if wanted]
         gpus = learner.gpus_per_rank if learner.device == "cuda" else 0
         actor = ray.remote(num_cpus=0, num_gpus=gpus, resources=cfg.ray.resources("learner"))(LearnerRankRole)
         self.ranks = [actor.remote() for _ in range(learner.world_size)]
@@ -80,22 +82,13 @@ class LearnerPool:
         runs on exactly the weights of version `step`: its detached logprobs ARE the proximal logprobs,
         so that forward is not run twice (and, with no KL and no critic, nothing runs here at all)."""
         train_batch, group_size = collate(batch.trajectories), group_size_of(batch.trajectories)
-        gathered = {}  # TrainBatch field -> [N, L], from every rank's shard
-        if self.needs_proximal or self.needs_reference or self.needs_values:
-            shared = ray.put(train_batch)  # one copy in Ray's object store for every rank and forward
-            if self.needs_proximal:
-                gathered["proximal_logprobs"] = self._gather("compute_logprobs", shared, "policy")
-            if self.needs_reference:
-                gathered["reference_logprobs"] = self._gather("compute_logprobs", shared, "reference")
-            if self.needs_values:
-                gathered["values"] = self._gather("compute_values", shared)
+        shared = ray.put(train_batch) if self.forwards else None  # one copy in Ray's object store for every rank
+        # each field [N, L]: every rank's [shard rows, L], concatenated in rank order
+        gathered = {field: torch.from_numpy(np.concatenate(self._all("compute", shared, field)))
+                    for field in self.forwards}
         setup = self.setup
         return with_advantages(dataclasses.replace(train_batch, **gathered), group_size, setup.algorithm, setup.kl,
                                setup.max_total_tokens)
-
-    def _gather(self, method: str, *args) -> torch.Tensor:
-        """Every rank's [shard rows, L] result of `method(*args)`, concatenated in rank order: [N, L]."""
-        return torch.from_numpy(np.concatenate(self._all(method, *args)))
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """learner.ppo_epochs x learner.minibatches optimizer steps on the batch, one new version;
