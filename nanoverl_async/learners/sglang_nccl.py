@@ -127,17 +127,13 @@ class SGLangWeightSender:
         for future in pending:
             future.result(self.timeout_s)
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
-        if self.broadcast is not None:
-            self.broadcast(tensor)
-        else:
-            torch.distributed.broadcast(tensor.to(self.device), src=0, group=self.group)
-
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load every tensor into every server as weights `version` (servers paused meanwhile)."""
         if self.group is None and self.broadcast is None:
             raise SGLangError("SGLangWeightSender.send before init_group")
         parts = buckets(list(named_tensors), self.bucket_bytes)
+        broadcast = self.broadcast or (
+            lambda tensor: torch.distributed.broadcast(tensor.to(self.device), src=0, group=self.group))
         with paused(self.servers, self.pause_mode):
             for server in self.servers:
                 server.begin_update()
@@ -148,7 +144,7 @@ class SGLangWeightSender:
                         "load_format": None, "abort_all_requests": False}
                 pending = self._on_all("/update_weights_from_distributed", [body] * len(self.servers))
                 for _, tensor in bucket:  # the servers receive in the order of `names`
-                    self._broadcast(tensor.contiguous())
+                    broadcast(tensor.contiguous())
                 for future in pending:
                     future.result(self.timeout_s)
             for server in self.servers:

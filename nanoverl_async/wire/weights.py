@@ -343,7 +343,8 @@ class WeightSubscriber:
         copy = self._copies[self._next_copy]  # host or device memory, as the source
         if copy is None or type(copy) is not type(source) or len(copy) != nbytes or \
                 isinstance(copy, torch.Tensor) and copy.device != source.device:
-            copy = self._copies[self._next_copy] = torch.empty_like(source) if "cuda" in segment else np.empty_like(source)
+            copy = torch.empty_like(source) if "cuda" in segment else np.empty_like(source)
+            self._copies[self._next_copy] = copy
         copy[:] = source
         del source  # the learner may free or reuse it once no reader maps it
         if checksum(copy) != notice["checksum"]:
