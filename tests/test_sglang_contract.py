@@ -250,15 +250,19 @@ def test_15_distributed_update_handshake_by_version(model_dirs, fake_version):
     ("0.5.2", "/get_weight_version", 200), ("0.5.2", "/model_info", 404),
     ("0.5.10", "/get_weight_version", 404), ("0.5.10", "/model_info", 200), ("0.5.23", "/model_info", 200)])
 def test_16_weight_version_read_paths(model_dirs, fake_version, path, status):
-    from nanoverl_async.generators.sglang_client import SGLangClient
+    from nanoverl_async.generators.sglang_client import SGLangClient, SGLangError
 
     fake = FakeSGLangServer(model_dirs[0], weight_version="5", fake_version=fake_version).start()
     try:
         reply = httpx.get(fake.url + path)
         assert reply.status_code == status and (status != 200 or reply.json()["weight_version"] == "5")
         client = SGLangClient(fake.url, timeout_s=30.0)
-        client.detect_protocol()
-        assert client.weight_version() == "5" and client.legacy_protocol == (fake_version != "0.5.23")
+        if fake_version == "0.5.2":  # refused by name: it pauses without a mode and reads versions elsewhere
+            with pytest.raises(SGLangError, match="runs SGLang 0.5.2; nanoverl-async needs 0.5.10 or newer"):
+                client.detect_protocol()
+        else:
+            client.detect_protocol()
+            assert client.weight_version() == "5" and client.legacy_protocol == (fake_version != "0.5.23")
         client.close()
     finally:
         fake.stop()

@@ -13,9 +13,9 @@ the engine's own `/generate` calls too.
 Invariants (docs/sglang.md "Version differences"):
   - every call has a timeout (`timeout_s`) and fails loudly: `SGLangError` names the server, the
     endpoint, the status and the body; a reply with `success: false` is a failure too;
-  - the variant follows the server's own version: before 0.5.10 a pause takes no body (always abort)
-    and the weight version is read from `/get_weight_version`; from 0.5.23 distributed/tensor updates
-    sit between `/begin_weight_update` and `/end_weight_update` (`legacy_protocol` = no wrap).
+  - SGLang 0.5.10 or newer (older servers are refused); the variant follows the server's own version:
+    from 0.5.23 distributed/tensor updates sit between `/begin_weight_update` and `/end_weight_update`
+    (`legacy_protocol` = no wrap).
 Run alone: `python -m pytest tests/test_sglang_contract.py -q` (fake servers).
 """
 
@@ -67,29 +67,21 @@ class SGLangClient:
     def detect_protocol(self) -> None:
         """Read the server's version (`GET /server_info`) and, unless forced, pick the protocol variant."""
         self.server_version = str(self.get("/server_info").get("version", ""))
+        if version_tuple(self.server_version) < (0, 5, 10):  # 0.5.2 pauses without a mode, reads versions elsewhere
+            raise SGLangError(f"{self.url} runs SGLang {self.server_version}; nanoverl-async needs 0.5.10 or newer")
         if self.legacy_protocol is None:
             self.legacy_protocol = version_tuple(self.server_version) < (0, 5, 23)
-
-    def _before_0_5_10(self) -> bool:
-        return bool(self.server_version) and version_tuple(self.server_version) < (0, 5, 10)
 
     def pause(self, mode: str) -> None:
         """Stop generation: `abort` returns in-flight requests with their partial tokens (once drained);
         `retract` keeps their HTTP calls open and finishes them after `resume`."""
-        if self._before_0_5_10():  # 0.5.2: no body
-            if mode != "abort":
-                raise SGLangError(f"{self.url}: SGLang {self.server_version} pauses only in abort mode")
-            self.post("/pause_generation")
-        else:
-            self.post("/pause_generation", {"mode": mode})
+        self.post("/pause_generation", {"mode": mode})
 
     def resume(self) -> None:
         self.post("/continue_generation", {})
 
     def weight_version(self) -> str:
-        """The server's weight version, read the way its version offers (0.5.2: /get_weight_version)."""
-        if self._before_0_5_10():
-            return str(self.get("/get_weight_version")["weight_version"])
+        """The weights version the server holds."""
         return str(self.get("/model_info")["weight_version"])
 
     def begin_update(self) -> None:
