@@ -256,20 +256,17 @@ def _number(version, fallback: int) -> int:
 
 def write_hf_dir(state_dict: dict[str, torch.Tensor], base_model_path: str, path: Path) -> Path:
     """A directory `from_pretrained` (and SGLang) loads: model.safetensors + the base config/tokenizer files.
-    Written to a temporary name and renamed, so a reader never sees half a directory."""
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    Written in place: no server is told of it before this returns."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
     seen, tensors = set(), {}
     for name, tensor in state_dict.items():  # safetensors refuses shared storage (tied embeddings)
         tensor = tensor.detach().cpu().contiguous()
         pointer = tensor.untyped_storage().data_ptr()
         tensors[name] = tensor.clone() if pointer in seen else tensor
         seen.add(pointer)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     for name in COPIED_FILES:
         if (Path(base_model_path) / name).exists():
-            shutil.copy(Path(base_model_path) / name, tmp / name)
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
+            shutil.copy(Path(base_model_path) / name, path / name)
     return path
