@@ -218,7 +218,6 @@ def test_a_rollout_function_runs_the_tools_it_declares(tokenizer):
     async def rollout(episode, sample):
         episode.start(sample["messages"])
         message = await episode.generate()
-        episode.add_turn(message)
         observations = await episode.run_tools(message.get("parsed_calls", []))
         return float(observations[0]["content"] == sample["answer"])
 

@@ -201,7 +201,6 @@ def test_full_control_rollout_function():
     async def rollout(episode, sample):
         episode.start(sample["messages"])
         first = await episode.generate()
-        episode.add_turn(first)
         assert episode.observe([{"role": "user", "content": "sure?"}])
         second = await episode.generate()
         return float(second["content"] == "6")

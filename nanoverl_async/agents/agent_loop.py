@@ -122,7 +122,8 @@ class Episode:
                              f"agent.max_total_tokens={self.agent.max_total_tokens}")
 
     async def generate(self) -> Optional[dict]:
-        """Sample one assistant turn (mask 1) -> its message with parsed `tool_calls` (None: no room/turns)."""
+        """Sample one assistant turn (mask 1) and add it to the history -> its message with parsed `tool_calls`
+        (and `parsed_calls`, for run_tools) (None: no room/turns)."""
         budget = min(self.agent.max_new_tokens, self.agent.max_total_tokens - len(self.record.ids))
         if self.turns >= self.agent.max_turns or budget <= 0:
             self.finish = "max_turns" if budget > 0 else "length"
@@ -142,8 +143,11 @@ class Episode:
         first = self.tools[0] if self.tools else None
         content, calls = (text, []) if not stopped else parse_turn(
             text, self.tool_format, first.name if first else "", first.parameters[0] if first and first.parameters else "")
-        return {"role": "assistant", "content": content,
-                **({"tool_calls": [c.message_entry() for c in calls], "parsed_calls": calls} if calls else {})}
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.message_entry() for c in calls]
+        self.messages.append(message)
+        return {**message, "parsed_calls": calls} if calls else dict(message)  # a copy: the history stays as is
 
     async def run_tools(self, calls: list[ParsedCall]) -> list[dict]:
         """Run the calls in order -> tool messages (errors included, counted)."""
@@ -174,10 +178,6 @@ class Episode:
         self.spent[kind] += now - tick
         self.calls.append([kind, self.wall_origin + tick, self.wall_origin + now])
 
-    def add_turn(self, message: dict) -> None:
-        """Record a sampled turn's message in the history (its tokens are already in the record)."""
-        self.messages.append({k: v for k, v in message.items() if k != "parsed_calls"})
-
     def observe(self, new: list[dict]) -> bool:
         """Append messages after the last turn as a rendered delta (mask 0); False (and "length") if
         they would leave no room to answer."""
@@ -198,7 +198,6 @@ async def drive(episode: Episode, env: Any, sample: dict) -> tuple[float, dict]:
         if message is None:
             return 0.0, {}
         calls = message.get("parsed_calls", [])
-        episode.add_turn(message)
         if calls:
             if episode.tool_calls + len(calls) > episode.agent.max_tool_calls:
                 episode.finish = "max_tool_calls"

@@ -15,8 +15,8 @@ or, for full control, one function (or an Environment method) driving the episod
     @rollout_tools(calculator, tool_format="builtin")  # the tools it runs and how calls are written
     async def rollout(episode, sample) -> float:   # episode: nanoverl_async.agents.agent_loop.Episode
         episode.start(sample["messages"])            # the prompt (mask 0)
-        message = await episode.generate()           # one sampled assistant turn (mask 1); None: out of room
-        episode.add_turn(message)                    # into the message history
+        message = await episode.generate()           # one sampled assistant turn (mask 1), into the history;
+                                                     # None: out of room
         episode.observe([{"role": "user", "content": "Are you sure?"}])   # rendered delta, mask 0
         ...                                          # episode.run_tools(calls) runs parsed tool calls
         return reward
