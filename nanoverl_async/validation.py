@@ -29,12 +29,12 @@ MIN_LEASE_TIMEOUT_S = 1.0
 
 
 def _numbers(node: Any, prefix: str = ""):
-    """(dotted key, value) of every float in the config tree."""
+    """(dotted key, value) of every number in the config tree (a list's floats too)."""
     for f in dataclasses.fields(node):
         value = getattr(node, f.name)
         if dataclasses.is_dataclass(value):
             yield from _numbers(value, f"{prefix}{f.name}.")
-        elif isinstance(value, float):
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
             yield f"{prefix}{f.name}", value
         elif isinstance(value, list):
             yield from ((f"{prefix}{f.name}", v) for v in value if isinstance(v, float))
@@ -143,25 +143,19 @@ POSITIVE = ("run.total_steps", "data.prompts_per_step", "data.samples_per_prompt
             "buffer.lease_timeout_s", "generator.temperature", "algorithm.is_cap", "generator.sglang.servers",
             "generator.sglang.tp_size", "generator.sglang.mem_fraction_static", "generator.sglang.launch_timeout_s",
             "generator.sglang.request_timeout_s", "generator.sglang.control_timeout_s")
-NON_NEGATIVE = ("staleness.max", "run.seed", "run.eval_every", "run.save_every", "run.keep_checkpoints",
-                "run.log_samples", "run.print_sample_every", "learner.weight_decay", "learner.grad_clip",
-                "learner.logits_chunk_tokens", "learner.micro_batch_tokens", "algorithm.clip.low",
-                "algorithm.clip.high", "algorithm.entropy_coef", "algorithm.is_low", "algorithm.overlong.buffer",
-                "algorithm.overlong.penalty", "kl.loss_coef", "kl.reward_coef", "critic.weight_decay",
-                "critic.grad_clip", "critic.value_clip", "ray.num_cpus", "generator.kv_cache_memory")
 
 
 def _check_numbers(cfg: Config) -> None:
-    """Every float finite, signs, and the bounds that have a reason of their own."""
+    """Every number finite and >= 0 (none of the config's means anything below 0), the POSITIVE ones > 0, and
+    the bounds that have a reason of their own."""
     for key, value in _numbers(cfg):
-        if not math.isfinite(value):  # an inf learning rate used to pass, then kill the generator
+        if isinstance(value, float) and not math.isfinite(value):  # an inf lr used to pass, then kill the generator
             raise ConfigError(f"config key '{key}': must be a finite number, got {value}")
+        if value < 0:
+            raise ConfigError(f"config key '{key}': must be >= 0, got {value}")
     for key in POSITIVE:
         if not get_key(cfg, key) > 0:
             raise ConfigError(f"config key '{key}': must be > 0, got {get_key(cfg, key)}")
-    for key in NON_NEGATIVE:
-        if get_key(cfg, key) < 0:
-            raise ConfigError(f"config key '{key}': must be >= 0, got {get_key(cfg, key)}")
     if cfg.run.seed > MAX_SEED:
         raise ConfigError(f"config key 'run.seed': must be at most {MAX_SEED} (numpy seeds are 32-bit), "
                           f"got {cfg.run.seed}")

@@ -322,9 +322,7 @@ class WeightSubscriber:
         try:
             return best[0], deserialise(payload)
         except Exception as error:  # a checksummed payload that is not safetensors: a sender bug
-            self.counts["dropped"] += 1
-            log.warning("dropped weights version %d from %s: not safetensors (%s)", best[0], self.endpoint, error)
-            return None
+            return self._drop(f"version {best[0]}: not safetensors ({error})")
 
     def _copy_segment(self, version: int, notice: dict) -> Optional[np.ndarray | torch.Tensor]:
         """Our copy of the payload a notice names, if its checksum matches (else None: dropped, counted, logged).
