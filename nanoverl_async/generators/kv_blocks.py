@@ -62,10 +62,8 @@ def prefix_hashes(tokens: Sequence[int], block_size: int, seed: bytes, known: Se
 
 def pool_blocks(kv_cache_memory: float, free_bytes: int, block_bytes: int) -> int:
     """Blocks of `block_bytes` in the budget `generator.kv_cache_memory`: <= 1 is that fraction of `free_bytes`
-    (the device memory free once the model is loaded), > 1 is GiB. At least one block besides the null one."""
-    if not kv_cache_memory > 0:
-        raise ValueError(f"generator.kv_cache_memory must be > 0 (a fraction <= 1 of free memory, or GiB), "
-                         f"got {kv_cache_memory}")
+    (the device memory free once the model is loaded), > 1 is GiB. At least one block besides the null one.
+    `kv_cache_memory` > 0: validation.py refuses a negative one, and the engine replaces 0 by its default."""
     budget = kv_cache_memory * free_bytes if kv_cache_memory <= 1 else kv_cache_memory * GIB
     blocks = int(budget // block_bytes)
     if blocks < 2:
@@ -78,8 +76,6 @@ class BlockPool:
     """Refcounts, the LRU queue of released blocks and the prefix-hash map of a pool of `num_blocks` blocks."""
 
     def __init__(self, num_blocks: int, block_size: int):
-        if block_size < 1 or num_blocks < 2:
-            raise ValueError(f"a KV pool needs block_size >= 1 and >= 2 blocks, got {block_size}, {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.capacity = num_blocks - 1  # block 0 is the null block
         self.fresh = 1  # blocks fresh.. have never been handed out
@@ -173,14 +169,13 @@ class PagedCache:
         for index, row in enumerate(rows):  # every step: kept lean
             cached = row.length() - 1
             offset = cached % size
-            if offset == 0:
-                row.blocks.append(pool.allocate(1)[0])
-                updates.append((index, cached // size, row.blocks[-1]))
-            elif refs[row.blocks[-1]] > 1:
-                copies.append((row.blocks[-1], pool.allocate(1)[0]))
-                pool.release(row.blocks[-1:])
-                row.blocks[-1] = copies[-1][1]
-                updates.append((index, cached // size, row.blocks[-1]))
+            if offset == 0 or refs[row.blocks[-1]] > 1:
+                block = pool.allocate(1)[0]
+                if offset:  # copy on write: the last block is shared, the row writes into its own copy
+                    copies.append((row.blocks.pop(), block))
+                    pool.release(copies[-1][:1])
+                row.blocks.append(block)
+                updates.append((index, cached // size, block))
             if offset == size - 1 and row.seed == seed and len(row.hashes) == (column := cached // size):
                 row.hashes.append(block_hash(row.hashes[-1] if column else seed, row.tokens(cached + 1 - size,
                                                                                            cached + 1)))
