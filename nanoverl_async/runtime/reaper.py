@@ -65,14 +65,6 @@ def descendants(pid: int) -> dict[int, float]:
         return {}
 
 
-def kill_all(processes: dict[int, float]) -> None:
-    for pid, started in processes.items():
-        with contextlib.suppress(psutil.Error):
-            process = psutil.Process(pid)
-            if process.create_time() == started:  # not a new process that reuses the pid
-                process.kill()
-
-
 def signal_group(group: int, sig: int) -> bool:
     """Send `sig` to process group `group` -> whether it had a member (signal 0: whether it has one)."""
     try:
@@ -82,15 +74,6 @@ def signal_group(group: int, sig: int) -> bool:
     except PermissionError:  # it exists
         pass
     return True
-
-
-def end_group(group: int) -> None:
-    """SIGTERM the group, SIGKILL it GRACE_S later unless it has emptied by then."""
-    deadline = time.monotonic() + GRACE_S
-    if signal_group(group, signal.SIGTERM):
-        while time.monotonic() < deadline and signal_group(group, 0):
-            time.sleep(0.05)
-        signal_group(group, signal.SIGKILL)
 
 
 def watch(pid: int, group: int = 0) -> None:
@@ -107,12 +90,20 @@ def watch(pid: int, group: int = 0) -> None:
         reader.join(POLL_S)
     if message == [RELEASE]:
         return
-    if group:
-        end_group(group)
-    else:
-        seen.update(descendants(pid))
-        seen.pop(os.getpid(), None)  # the watcher is one of the launcher's children too
-        kill_all(seen)
+    if group:  # SIGTERM, then SIGKILL GRACE_S later unless the group has emptied by then
+        deadline = time.monotonic() + GRACE_S
+        if signal_group(group, signal.SIGTERM):
+            while time.monotonic() < deadline and signal_group(group, 0):
+                time.sleep(0.05)
+            signal_group(group, signal.SIGKILL)
+        return
+    seen.update(descendants(pid))
+    seen.pop(os.getpid(), None)  # the watcher is one of the launcher's children too
+    for child, started in seen.items():
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(child)
+            if process.create_time() == started:  # not a new process that reuses the pid
+                process.kill()
 
 
 if __name__ == "__main__":
