@@ -130,7 +130,8 @@ def integral(points: np.ndarray, values: np.ndarray) -> Callable[[float, float],
 
 
 def read_events(events: list[dict], path: Path) -> dict:
-    """The spans the model reads, as (start, end, args) in seconds, by kind; errors name what is missing."""
+    """The spans the model reads, as (start, end, args) in seconds, by kind, and each generator's leases as
+    (start, end) under "leases of" (its generator_id); errors name what is missing."""
     names = {e.get("pid"): e["args"].get("name", "") for e in events if e.get("name") == "process_name"}
     spans: dict = {"steps": {}, "lease": [], "episode": [], "generate": {}, "weights": [], "gate closed": []}
     for e in events:
@@ -147,6 +148,9 @@ def read_events(events: list[dict], path: Path) -> dict:
             spans["weights"].append((start, end, {**args, "pid": e["pid"]}))
     spans["steps"] = [(s, phases) for s, phases in sorted(spans["steps"].items())
                       if {"wait batch", *COMPUTE} <= set(phases)]  # (step, {phase: (start, end)})
+    spans["leases of"] = {}
+    for start, end, args in spans["lease"]:
+        spans["leases of"].setdefault(args["generator_id"], []).append((start, end))
     if not spans["episode"]:
         raise ConfigError(f"{path}: no episode events (a run launched with run.trace=true that trained a step)")
     if not spans["steps"] or not spans["lease"]:
@@ -268,13 +272,10 @@ def computing(spans: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Over the source run, constant between consecutive `points`: (points, the learner computing (0 or 1),
     the generators computing: those with a lease in flight)."""
     compute = [phases[p] for _, phases in spans["steps"] for p in COMPUTE]
-    leases: dict = {}
-    for start, end, args in spans["lease"]:
-        leases.setdefault(args["generator_id"], []).append((start, end))
     points = np.unique([t for interval in compute + [l[:2] for l in spans["lease"]] for t in interval])
     middles = (points[:-1] + points[1:]) / 2
     learner = (in_progress(compute)(middles) > 0).astype(float)
-    return points, learner, sum((in_progress(own)(middles) > 0).astype(float) for own in leases.values())
+    return points, learner, sum((in_progress(own)(middles) > 0).astype(float) for own in spans["leases of"].values())
 
 
 def step_costs(spans: dict, learner_work: Callable, drain: bool) -> tuple[np.ndarray, list]:
@@ -284,21 +285,19 @@ def step_costs(spans: dict, learner_work: Callable, drain: bool) -> tuple[np.nda
     for _, _, args in spans["episode"]:
         step, end = args["trained_step"], lease_end.get(args["group_id"], -math.inf)
         ready[step] = max(ready.get(step, -math.inf), end)
-    rows, delays = [], []
-    for i, (step, phases) in enumerate(spans["steps"]):
+    rows, delays, steps = [], [], spans["steps"]
+    for step, phases in steps:
         waited, published = phases["wait batch"], phases["publish"][1]
         handover = waited[1] - min(waited[1], max(waited[0], ready.get(step, waited[0])))
-        last = i + 1 == len(spans["steps"])
-        between = math.nan if last else max(0.0, spans["steps"][i + 1][1]["wait batch"][0] - published)
-        rows.append([handover, *(learner_work(*phases[p]) for p in COMPUTE), between])
+        rows.append([handover, *(learner_work(*phases[p]) for p in COMPUTE)])
         # publish end -> the generator holds the weights (drain: -> receipt; the simulation drains itself)
         delays.append([max(0.0, (start if drain else end) - published) for start, end, args in spans["weights"]
                        if args.get("version") == step + 1])
-    costs = np.array(rows)
-    gaps = costs[:, -1]  # the last step has none of its own: the median of the others
-    costs[np.isnan(gaps), -1] = np.nanmedian(gaps) if np.isfinite(gaps).any() else 0.0
+    between = [max(0.0, after["wait batch"][0] - before["publish"][1])
+               for (_, before), (_, after) in zip(steps, steps[1:])]
+    between.append(np.median(between) if between else 0.0)  # the last step has none of its own: the others' median
     every = [d for own in delays for d in own] or [0.0]  # a step whose weights no generator applied (the last)
-    return costs, [own or every for own in delays]
+    return np.column_stack([rows, between]), [own or every for own in delays]
 
 
 def request_lags(spans: dict) -> np.ndarray:
@@ -306,9 +305,9 @@ def request_lags(spans: dict) -> np.ndarray:
     (a grant, or a refusal that opened a gate-closed spell) minus the first completion of its groups
     between the two. The worker asks at once in theory; on a busy event loop it does not."""
     lags = []
-    for g in {args["generator_id"] for _, _, args in spans["lease"]}:
-        ends = np.sort([end for _, end, args in spans["lease"] if args["generator_id"] == g])
-        requests = sorted({(start, "grant") for start, _, args in spans["lease"] if args["generator_id"] == g} |
+    for g, leases in sorted(spans["leases of"].items()):
+        ends = np.sort([end for _, end in leases])
+        requests = sorted({(start, "grant") for start, _ in leases} |
                           {(start, "refusal") for start, _, args in spans["gate closed"] if args["generator_id"] == g})
         for (before, kind), (after, _) in zip(requests, requests[1:]):
             first = np.searchsorted(ends, before, "right")
@@ -320,10 +319,8 @@ def request_lags(spans: dict) -> np.ndarray:
 def generator_starts(spans: dict) -> np.ndarray:
     """Per generator that leased, seconds from the learner's first wait for a batch to its first lease (0 if
     earlier), sorted: a generator that loaded its model late left the first steps to the others."""
-    begun, firsts = spans["steps"][0][1]["wait batch"][0], {}
-    for start, _, args in spans["lease"]:
-        firsts[args["generator_id"]] = min(firsts.get(args["generator_id"], math.inf), start)
-    return np.sort([max(0.0, first - begun) for first in firsts.values()])
+    begun = spans["steps"][0][1]["wait batch"][0]
+    return np.sort([max(0.0, min(start for start, _ in own) - begun) for own in spans["leases of"].values()])
 
 
 def measured(rows: list[dict], samples_per_step: int) -> dict:
