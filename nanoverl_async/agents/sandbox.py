@@ -226,25 +226,21 @@ async def run_python(code: str, limits: Optional[SandboxLimits] = None) -> Sandb
     raises SandboxUnavailable when isolation is asked for and missing)."""
     limits = limits or TOOL_LIMITS
     interpreter = [sys.executable, "-I", "-c", RUNNER, *_rlimits(limits)]
-    workdir, fds = None, ()
-    if limits.isolation == "bwrap":
-        sandbox = _bwrap()
-        if isinstance(sandbox, str):
-            raise SandboxUnavailable(refusal(sandbox))
-        argv, fds = _argv(sandbox, limits) + interpreter, sandbox.fds
-    else:
-        argv, workdir = interpreter, tempfile.mkdtemp(prefix="nanoverl_sandbox_")
-    try:
-        process = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True, pass_fds=fds, cwd=workdir or "/", env=ENVIRONMENT)
-        return await _communicate(process, code, limits)
-    finally:
-        if workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
+    if limits.isolation != "bwrap":
+        with tempfile.TemporaryDirectory(prefix="nanoverl_sandbox_", ignore_cleanup_errors=True) as workdir:
+            return await _run(interpreter, code, limits, cwd=workdir)
+    sandbox = _bwrap()
+    if isinstance(sandbox, str):
+        raise SandboxUnavailable(refusal(sandbox))
+    return await _run(_argv(sandbox, limits) + interpreter, code, limits, cwd="/", fds=sandbox.fds)
 
 
-async def _communicate(process, source: str, limits: SandboxLimits) -> SandboxResult:
+async def _run(argv: list, source: str, limits: SandboxLimits, cwd: str, fds: tuple = ()) -> SandboxResult:
+    """Start `argv` in a session of its own, feed it `source`, collect its output within limits.wall_s."""
+    process = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True, pass_fds=fds, cwd=cwd, env=ENVIRONMENT)
+
     async def read_all() -> bytes:
         process.stdin.write(source.encode())
         await process.stdin.drain()
