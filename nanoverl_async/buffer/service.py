@@ -72,20 +72,13 @@ class Batch:
 
 
 def parse_request(payload: bytes) -> dict:
-    """A lease/report request -> a checked dict, or ValueError naming the bad field."""
-    try:
-        request = msgpack.unpackb(payload, raw=False)
-    except Exception as error:
-        raise ValueError(f"not a msgpack message: {type(error).__name__}") from None
-    if not isinstance(request, dict):
-        raise ValueError(f"expected a map, got {type(request).__name__}")
+    """A lease/report request -> a checked dict, or ValueError (a WireError) naming the bad field."""
+    request = wire.unpack_map(payload)
     keys = {"lease": ("op", "generator_id", "version", "max_groups"), "report": ("op", "generator_id", "version")}
     op = request.get("op")
     if op not in keys:
         raise ValueError(f"field 'op': {op!r} is not one of {', '.join(keys)}")
-    for problem, names in (("missing", set(keys[op]) - set(request)), ("unknown", set(request) - set(keys[op]))):
-        if names:
-            raise ValueError(f"{problem} field '{sorted(names, key=str)[0]}'")
+    wire.check_fields(request, set(keys[op]))
     for name in keys[op][1:]:
         if not isinstance(request[name], int) or isinstance(request[name], bool) or request[name] < 0:
             raise ValueError(f"field '{name}': expected a non-negative int, got {request[name]!r}")

@@ -105,18 +105,28 @@ _SCALAR_TYPES = {"id": str, "group_id": int, "prompt_index": int, "sample_index"
                  "generator_id": int, "timings": dict, "info": dict, "spans": list}
 
 
-def decode(message: bytes) -> Trajectory:
-    """Bytes -> a validated Trajectory, or WireError naming what is wrong."""
+def unpack_map(message: bytes) -> dict:
+    """Every message on the wire is a msgpack map (never pickle): the map, or WireError."""
     try:
-        record = msgpack.unpackb(message, raw=False, strict_map_key=True)
+        record = msgpack.unpackb(message, raw=False)
     except Exception as error:
         raise WireError(f"not a msgpack message: {type(error).__name__}: {error}") from None
     if not isinstance(record, dict):
         raise WireError(f"expected a map, got {type(record).__name__}")
-    expected = {f.name for f in fields(Trajectory)}
+    return record
+
+
+def check_fields(record: dict, expected: set) -> None:
+    """WireError naming a field of `record` beyond `expected`, or one it lacks."""
     for problem, names in (("unknown", set(record) - expected), ("missing", expected - set(record))):
         if names:
-            raise WireError(f"{problem} field '{sorted(names)[0]}'")
+            raise WireError(f"{problem} field '{sorted(names, key=str)[0]}'")
+
+
+def decode(message: bytes) -> Trajectory:
+    """Bytes -> a validated Trajectory, or WireError naming what is wrong."""
+    record = unpack_map(message)
+    check_fields(record, {f.name for f in fields(Trajectory)})
     for name, kind in _SCALAR_TYPES.items():
         if not isinstance(record[name], kind) or isinstance(record[name], bool):
             raise WireError(f"field '{name}': expected {getattr(kind, '__name__', 'a number')}, "

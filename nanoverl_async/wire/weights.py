@@ -57,6 +57,7 @@ import zmq
 
 from nanoverl_async.wire import shared_payloads
 from nanoverl_async.wire.auth import CurveKeys, connect, serve
+from nanoverl_async.wire.trajectory import check_fields, unpack_map
 
 log = logging.getLogger(__name__)
 
@@ -361,14 +362,10 @@ class WeightSubscriber:
         try:
             if len(frames) != 2:
                 raise ValueError(f"{len(frames)} frames, expected 2")
-            try:
-                header = msgpack.unpackb(frames[0].bytes, raw=False)
-            except Exception as error:
-                raise ValueError(f"header is not msgpack ({type(error).__name__})") from None
-            payload, keys = frames[1].buffer, {"version", "nbytes", "checksum"}
-            if not isinstance(header, dict) or not keys <= set(header) <= keys | {"segment"} \
-                    or not isinstance(header["version"], int):
-                raise ValueError(f"bad header {header!r:.200}")
+            header, payload = unpack_map(frames[0].bytes), frames[1].buffer
+            check_fields(header, {"version", "nbytes", "checksum"} | ({"segment"} & set(header)))
+            if not all(isinstance(header[key], int) for key in ("version", "nbytes")):
+                raise ValueError(f"version and nbytes must be ints: {header!r:.200}")
             version, segment = header["version"], header.get("segment")
             if "segment" in header:
                 if len(payload) or not isinstance(segment, dict) or not (
