@@ -243,9 +243,15 @@ class TransformersEngine:
                 logits.append(self._graphs.decode(self.cache.kv, self.cache.table, running, length))
             else:
                 tokens = Tokens(decoding=(self._next[:running], self._lens[:running], length))
-        if new:
-            self._stage(running, new, offsets, tokens)
-        if tokens.spans or tokens.decoding:
+        if new:  # their tokens past their cached prefix; their block tables, lengths and temperatures (set after
+            # a graph's replay has read the free rows)
+            tokens.add(running, offsets, [r.context()[offset:] for r, offset in zip(new, offsets)])
+            self.cache.seat(running, new)
+            rows = slice(running, running + len(new))
+            self._lens[rows] = on_device(torch.tensor([r.length() for r in new]), self.device)
+            self._temps[rows, 0] = on_device(torch.tensor([r.params.temperature for r in new], dtype=torch.float32),
+                                            self.device)
+        if tokens.spans:
             logits.append(self.forward(self.cache.kv, self.cache.table, *tokens.tensors(self.device)))
         if running:
             self._lens[:running] += 1
@@ -315,18 +321,9 @@ class TransformersEngine:
         self._rows += firsts + copies
         return firsts + copies, offsets, sources
 
-    def _stage(self, start: int, new: list[_Request], offsets: list[int], tokens: Tokens) -> None:
-        """New rows start..: the tokens of each that computes past its cached prefix (`tokens`), and their
-        block tables, lengths and temperatures (after a graph's replay has read the free rows)."""
-        tokens.add(start, offsets, [r.context()[offset:] for r, offset in zip(new, offsets)])
-        self.cache.seat(start, new)
-        rows = slice(start, start + len(new))
-        self._lens[rows] = on_device(torch.tensor([r.length() for r in new]), self.device)
-        self._temps[rows, 0] = on_device(torch.tensor([r.params.temperature for r in new], dtype=torch.float32),
-                                        self.device)
-
     def _emit(self, logits: torch.Tensor) -> None:
-        """Sample a token for every row from `logits`, record it, resolve finished rows, compact."""
+        """Sample a token for every row from `logits`, record it, resolve finished rows and drop them (their
+        blocks released): the last running rows move into their places in the table, so rows stay in 0..R-1."""
         rows = len(self._rows)
         tokens, logprobs = sample_tokens(logits, self._temps[:rows], self._generator)
         self._next[:rows] = tokens
@@ -348,12 +345,6 @@ class TransformersEngine:
                 if not request.future.done():
                     request.future.set_result(completion)
                 done.append(row)
-        if done:
-            self._compact(done)
-
-    def _compact(self, done: list[int]) -> None:
-        """Drop finished rows (their blocks released); the last running rows move into their places in the
-        table, so rows stay in 0..R-1."""
         self._release([self._rows[row] for row in done])
         keep, gone = len(self._rows) - len(done), set(done)
         holes = [row for row in done if row < keep]

@@ -121,7 +121,7 @@ class Tokens:
         # per flat token: its id, its position and its row of the block table; each row's last new token (its
         # logits are returned)
         self.ids, self.positions, self.rows, self.last = [], [], [], []
-        self.spans: list[Span] = []
+        self.spans = [Span(0, self.begin, 0, self.begin, decoding[2])] if decoding is not None else []
 
     def add(self, first: int, offsets: Sequence[int], new: Sequence[Sequence[int]]) -> None:
         """Rows first.. of the block table, row r holding positions [0, offsets[r]), get the tokens new[r] (at
@@ -160,9 +160,8 @@ class Tokens:
             ids, positions, rows, last = *flat, on_device(torch.tensor(self.last, dtype=torch.long), device)
         if self.decoding is None:
             return ids, positions, rows, spans, last
-        decoded, at, length = self.decoding
+        decoded, at, _ = self.decoding
         decoding = torch.arange(self.begin, device=device)
-        spans.insert(0, Span(0, self.begin, 0, self.begin, length))
         if not self.ids:
             return decoded, at, decoding, spans, None  # every token is a row's last
         return (torch.cat([decoded, ids]), torch.cat([at, positions]), torch.cat([decoding, rows]), spans,
