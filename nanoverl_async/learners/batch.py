@@ -63,27 +63,28 @@ def group_size_of(trajectories: Sequence[Trajectory]) -> int:
 
 
 def collate(trajectories: Sequence[Trajectory]) -> TrainBatch:
-    """Group-contiguous trajectories -> a right-padded TrainBatch, without advantages (`with_advantages`)."""
+    """Group-contiguous trajectories -> a right-padded TrainBatch, without advantages (`with_advantages`). Off
+    the loss mask a trajectory's behaviour logprobs are already 0 and its versions -1 (trajectory.validate)."""
     assert trajectories, "collate needs at least one trajectory"
     group_size_of(trajectories)  # asserts contiguity and equal group sizes
-    n, length = len(trajectories), max(len(t.token_ids) for t in trajectories)
-    input_ids = np.full((n, length), PAD_TOKEN_ID, dtype=np.int64)
-    attention_mask = np.zeros((n, length), dtype=np.int64)
-    loss_mask = np.zeros((n, length), dtype=np.float32)
-    behaviour = np.zeros((n, length), dtype=np.float32)
-    versions = np.full((n, length), -1, dtype=np.int64)
-    for row, t in enumerate(trajectories):
-        size = len(t.token_ids)
+    for t in trajectories:
         assert t.loss_mask[0] == 0, f"trajectory {t.id}: token 0 has no logits to predict it and cannot be trained on"
-        input_ids[row, :size] = t.token_ids
-        attention_mask[row, :size] = 1
-        loss_mask[row, :size] = t.loss_mask
-        behaviour[row, :size] = np.where(t.loss_mask == 1, t.behaviour_logprobs, 0.0)
-        versions[row, :size] = np.where(t.loss_mask == 1, t.versions, -1)
-    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-    return TrainBatch(input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(attention_mask),
-                      loss_mask=torch.from_numpy(loss_mask), behaviour_logprobs=torch.from_numpy(behaviour),
-                      versions=torch.from_numpy(versions), rewards=rewards)
+    length = max(len(t.token_ids) for t in trajectories)
+
+    def padded(field: str, fill: int, dtype: type) -> Tensor:
+        """[N, length]: each trajectory's `field`, then `fill`."""
+        out = np.full((len(trajectories), length), fill, dtype=dtype)
+        for row, t in enumerate(trajectories):
+            out[row, :len(t.token_ids)] = getattr(t, field)
+        return torch.from_numpy(out)
+
+    sizes = torch.tensor([len(t.token_ids) for t in trajectories])
+    return TrainBatch(input_ids=padded("token_ids", PAD_TOKEN_ID, np.int64),
+                      attention_mask=(torch.arange(length) < sizes[:, None]).long(),
+                      loss_mask=padded("loss_mask", 0, np.float32),
+                      behaviour_logprobs=padded("behaviour_logprobs", 0, np.float32),
+                      versions=padded("versions", -1, np.int64),
+                      rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32))
 
 
 def with_advantages(batch: TrainBatch, group_size: int, algo: AlgorithmConfig, kl: KLConfig,
