@@ -216,11 +216,10 @@ async def drive(episode: Episode, env: Any, sample: dict) -> tuple[float, dict]:
 async def call_hook(env: Any, method: str, *args, valid: Callable[[Any], bool] = lambda _: True,
                     expected: str = "") -> Any:
     """`env.method(*args)` -> what it returned; a UserCodeError naming the hook as 'agent.env Calc.step()' (a
-    FunctionEnv's rollout: the user's function it wraps) if it raised, or returned what `valid` refuses."""
-    if isinstance(env, FunctionEnv):
-        hook, function = f"agent.env {getattr(env.function, '__name__', 'rollout')}()", env.function
-    else:
-        hook, function = f"agent.env {type(env).__name__}.{method}()", getattr(env, method)
+    FunctionEnv's rollout: 'agent.env my_rollout()') if it raised, or returned what `valid` refuses."""
+    function = getattr(env, method)
+    name = getattr(function, "__name__", method) if isinstance(env, FunctionEnv) else f"{type(env).__name__}.{method}"
+    hook = f"agent.env {name}()"
     value = await call_user(hook, function, *args)
     if not valid(value):
         raise UserCodeError(f"{hook}{defined_at(function)} returned {type(value).__name__} {value!r:.60}; {expected}")

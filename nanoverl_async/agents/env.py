@@ -95,11 +95,8 @@ class FunctionEnv(Environment):
     `rollout_tools` declared on it."""
 
     def __init__(self, rollout: Callable):
-        self.function = rollout  # the user's, named in errors (agent_loop.call_hook)
+        self.rollout = rollout  # the user's function itself, so errors name it (agent_loop.call_hook)
         self.tools, self.tool_format = getattr(rollout, "tools", ()), getattr(rollout, "tool_format", "hermes")
-
-    async def rollout(self, episode, sample: dict) -> float:
-        return await self.function(episode, sample)
 
 
 def env_factory(spec: str, reward_fn: Optional[Callable] = None) -> Callable[[], Any]:
