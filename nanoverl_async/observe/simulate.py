@@ -89,6 +89,13 @@ def nearest(keys: np.ndarray, center: int, minimum: int) -> np.ndarray:
     return np.arange(len(keys))
 
 
+def near_step(step: int, steps: int, rng: np.random.Generator) -> int:
+    """Which of the run's `steps` steps simulated step `step` takes its costs from: step 0 is itself (a warm-up:
+    allocations, first calls), a later one one of the STEP_POOL steps after the first nearest it (costs trend as
+    episodes lengthen)."""
+    return int(rng.choice(nearest(np.arange(1, steps), step, STEP_POOL) + 1)) if step and steps > 1 else 0
+
+
 def group_record(lease) -> Trajectory:
     """What a simulated group files in the replay buffer: one trajectory with one token of the lease's version."""
     one = np.ones(1)
@@ -216,8 +223,7 @@ class Simulation:
                 self.gate.consume(group.group_id)
                 self.lags[self.step - group.version] += self.source.group
             self.gated_fracs.append(self.gated.fraction(self.now, self.generators))
-            later = np.arange(1, self.source.steps)  # step 0 warms up (allocations, first calls): it stands alone
-            chosen = self.rng.choice(nearest(later, self.step, STEP_POOL) + 1) if self.step and len(later) else 0
+            chosen = near_step(self.step, self.source.steps, self.rng)
             self.costs, self.delays = self.source.step_costs[chosen], self.source.weight_delays[chosen]
             self.start_phase(0)
 
@@ -243,11 +249,9 @@ class Simulation:
 
 def resample(source: Source, rng: np.random.Generator) -> Source:
     """A bootstrap replicate of the run (Efron 1979): its completed leases drawn with replacement, each with
-    its version and work, and each step after the first (a warm-up, kept) replaced by one of its STEP_POOL
-    nearest (costs trend as episodes lengthen), with its costs and weight delays."""
+    its version and work, and each step replaced by its `near_step`, with its costs and weight delays."""
     leases = rng.integers(len(source.lease_work), size=len(source.lease_work))
-    later = np.arange(1, source.steps)
-    steps = [0, *(int(rng.choice(nearest(later, step, STEP_POOL) + 1)) for step in later)]
+    steps = [near_step(step, source.steps, rng) for step in range(source.steps)]
     return replace(source, lease_versions=source.lease_versions[leases], lease_work=source.lease_work[leases],
                    step_costs=source.step_costs[steps], weight_delays=[source.weight_delays[i] for i in steps])
 
