@@ -15,6 +15,7 @@ Run alone: `python -m pytest tests/test_sglang_engine.py -q`.
 """
 
 import asyncio
+import importlib.util
 import os
 import random
 import socket
@@ -163,6 +164,12 @@ def test_dead_server_is_restarted_and_requests_reissued(model_dirs, tmp_path):
         assert "--model-path" in server.launch_args() and model_dirs[1] in server.launch_args()
     finally:
         engine.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
+def test_a_missing_sglang_extra_is_named_before_any_launch():
+    with pytest.raises(SGLangError, match=r"generator.engine=sglang needs `pip install -e '\.\[sglang\]'`"):
+        SGLangEngine("unused", SGLangConfig())
 
 
 def test_a_call_past_its_timeout_fails_loudly():

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import logging
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -54,10 +54,8 @@ from safetensors.torch import save_file
 
 from nanoverl_async.config import SGLangConfig
 from nanoverl_async.generators.engine import Completion, SamplingParams
-from nanoverl_async.generators.sglang_server import SGLangServer, sglang_version
+from nanoverl_async.generators.sglang_server import SGLangServer
 from nanoverl_async.generators.sglang_client import SGLangError, checked, paused
-
-log = logging.getLogger(__name__)
 
 STICKY_EPISODES = 65_536  # episode -> server entries kept (oldest forgotten first)
 MAX_EMPTY_RESUMES = 1_000  # consecutive aborted replies without a token before giving up
@@ -73,8 +71,8 @@ class SGLangEngine:
         root = cfg.weights_dir or os.path.join(tempfile.gettempdir(), f"nanoverl_sglang_{os.getpid()}")
         self.weights_dir = Path(root) / f"generator_{generator_id}"
         if servers is None:
-            if command is None:
-                log.info("sglang %s", sglang_version())  # fails loudly here if the extra is missing
+            if command is None and importlib.util.find_spec("sglang") is None:  # an optional extra, never imported
+                raise SGLangError("generator.engine=sglang needs `pip install -e '.[sglang]'` on a GPU machine")
             servers = [SGLangServer(model_path, cfg.port_base + generator_id * cfg.servers + i, cfg, command=command,
                                     seed=seed * 1_000 + i, dtype=dtype) for i in range(cfg.servers)]
         self.servers = servers

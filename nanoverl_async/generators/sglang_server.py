@@ -44,15 +44,6 @@ log = logging.getLogger(__name__)
 HEALTH_POLL_S = 0.2
 
 
-def sglang_version() -> str:
-    """The installed sglang version (a lazy import: sglang is an optional extra)."""
-    try:
-        import sglang
-    except ImportError as error:
-        raise SGLangError("generator.engine=sglang needs `pip install -e '.[sglang]'` on a GPU machine") from error
-    return getattr(sglang, "__version__", "0")
-
-
 class SGLangServer(SGLangClient):
     """A client (nanoverl_async/generators/sglang_client.py) of a server this process launches, watches and restarts."""
 
