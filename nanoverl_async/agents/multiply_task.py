@@ -19,7 +19,7 @@ Invariants: `make_prompt` is a pure function of (seed, index) and returns JSON-a
 `calculator` accepts exactly "<int> <op> <int>" with non-negative integers and op in + - *, and
 raises ValueError on anything else.
 
-Run alone:  python -m nanoverl_async.agents.multiply_task   (prints a few prompts and a tool call)
+Run alone: `python -m pytest tests/test_tiny_model.py -q -k multiply_task`.
 """
 
 from __future__ import annotations
@@ -76,11 +76,3 @@ class MultiplyEnv(Environment):
 
     async def step(self, sample: dict, message: dict) -> Step:
         return Step(reward=score(sample, message["content"]))
-
-
-if __name__ == "__main__":
-    for i in range(3):
-        s = make_prompt(seed=0, index=i)
-        expr = f"{s['a']}*{s['b']}"
-        print(s["messages"][0]["content"], "->", f"<call>{expr}</call><res>{calculator(expr)}</res>",
-              "score", score(s, calculator(expr)))
