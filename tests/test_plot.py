@@ -12,7 +12,7 @@ import yaml
 
 from nanoverl_async.cli import main
 from nanoverl_async.config import ConfigError
-from nanoverl_async.observe.plot import draw, read_rows, read_run, run_labels, series, staleness_shares
+from nanoverl_async.observe.plot import column, draw, read_rows, read_run, run_labels, staleness_shares
 from test_cli_run import read_metrics
 
 
@@ -29,14 +29,11 @@ def write_run(path, rows, config=None):
     return path
 
 
-def test_series_gives_each_panel_one_value_per_step():
+def test_a_column_gives_one_value_per_step_and_nan_where_a_row_lacks_the_key():
     rows = [row(0), row(1), {"step": 2, "reward/mean": 0.5, "time/step_s": 1.0}]  # an older row: no split
-    s = series(rows)
-    assert s.step.tolist() == [0, 1, 2] and s.curves["reward/mean"].tolist() == [0.0, 0.1, 0.5]
-    assert s.wall_s.tolist() == [2.0, 4.0, 5.0]  # the running sum of time/step_s
-    assert s.time_split["time/train_s"][:2].tolist() == [1.0, 1.0] and np.isnan(s.time_split["time/train_s"][2])
-    assert s.curves["tokens/generated_per_s"][:2].tolist() == [0.0, 100.0]
-    assert np.isnan(s.curves["generators/gated_frac"][2]) and np.isnan(s.curves["episodes/tool_use_frac"]).all()
+    assert column(rows, "step").tolist() == [0, 1, 2] and column(rows, "reward/mean").tolist() == [0.0, 0.1, 0.5]
+    assert column(rows, "time/train_s")[:2].tolist() == [1.0, 1.0] and np.isnan(column(rows, "time/train_s")[2])
+    assert np.isnan(column(rows, "generators/gated_frac")[2]) and np.isnan(column(rows, "episodes/tool_use_frac")).all()
 
 
 def test_staleness_shares_are_per_step_fractions_up_to_the_limit_or_the_largest_lag():

@@ -61,18 +61,6 @@ class Run:
     config: dict
 
 
-@dataclass
-class Series:
-    """What the panels draw for one run, one entry per logged step; NaN where a row lacks the key."""
-
-    step: np.ndarray
-    wall_s: np.ndarray  # training wall clock at the end of each step: the running sum of time/step_s
-    curves: dict[str, np.ndarray]  # each OVERLAYS metrics key -> its values
-    time_split: dict[str, np.ndarray]  # TIME_SPLIT key -> seconds; the three add up to time/step_s
-    staleness: np.ndarray  # (lag, step): share of the step's trajectories that were `lag` versions old
-    staleness_limit: int
-
-
 def read_run(run_dir: str) -> Run:
     """The run's metrics rows and its config.yaml as a plain nested dict (config.read_yaml, which reads every
     config file: a ConfigError naming the file when it is missing or not YAML)."""
@@ -131,15 +119,9 @@ def config_value(config: dict, key: str) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def series(rows: list[dict]) -> Series:
-    """The arrays every panel draws, from one run's metrics rows."""
-    def column(key: str) -> np.ndarray:
-        return np.array([float(row.get(key, np.nan)) for row in rows])
-
-    return Series(step=column("step"), wall_s=np.cumsum(column("time/step_s")),
-                  curves={key: column(key) for _, _, key, _ in OVERLAYS},
-                  time_split={key: column(key) for key in TIME_SPLIT}, staleness=staleness_shares(rows),
-                  staleness_limit=max(int(row.get("staleness/limit", 0)) for row in rows))
+def column(rows: list[dict], key: str) -> np.ndarray:
+    """One run's values of a metrics key, one per logged step; NaN where a row lacks the key."""
+    return np.array([float(row.get(key, np.nan)) for row in rows])
 
 
 def staleness_shares(rows: list[dict]) -> np.ndarray:
@@ -161,7 +143,6 @@ def draw(runs: list[Run]) -> Figure:
     """The figure: six overlaid panels on top, then one row per run (staleness heatmap, time split),
     unless there are more than MAX_RUN_ROWS runs (a sweep): then the overlays alone."""
     labels = run_labels([run.config for run in runs], [run.path.resolve().name for run in runs])
-    data = [series(run.rows) for run in runs]
     rows = len(runs) if len(runs) <= MAX_RUN_ROWS else 0
     top = len(OVERLAYS) // 2
     figure = Figure(figsize=(13, 3.4 * (top + rows)), layout="constrained")
@@ -170,44 +151,47 @@ def draw(runs: list[Run]) -> Figure:
     for ax in axes[top + 1:, 1]:
         ax.sharey(axes[top, 1])  # one seconds scale for every run's step time, so they compare by eye
     for ax, panel in zip(axes[:top].flat, OVERLAYS):
-        draw_overlay(ax, panel, data, labels)
+        draw_overlay(ax, panel, [run.rows for run in runs], labels)
     # one colour per run throughout: one legend, above the panels, as wide as the labels need
     figure.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside upper center", fontsize="small")
-    for index, (s, label) in enumerate(zip(data[:rows], labels)):
-        draw_staleness(figure, axes[top + index, 0], s, textwrap.fill(f"staleness: {label}", TITLE_CHARS), f"C{index}")
-        draw_time_split(axes[top + index, 1], s, textwrap.fill(f"step time: {label}", TITLE_CHARS), f"C{index}")
+    for index, (run, label) in enumerate(zip(runs[:rows], labels)):
+        draw_staleness(figure, axes[top + index, 0], run.rows, label, f"C{index}")
+        draw_time_split(axes[top + index, 1], run.rows, label, f"C{index}")
     if rows:
         axes[top, 1].legend(fontsize="small", loc="upper right")  # the same three colours in every run's row
     return figure
 
 
-def draw_overlay(ax, panel: tuple, data: list[Series], labels: list[str]) -> None:
+def draw_overlay(ax, panel: tuple, runs: list[list[dict]], labels: list[str]) -> None:
+    """One OVERLAYS panel: each run's metrics rows, one line each; x "wall_s" is the running sum of time/step_s."""
     title, x, key, x_label = panel
-    for index, (s, label) in enumerate(zip(data, labels)):
-        marker = "o" if len(s.step) <= 30 else None  # a short run's steps stay visible as points
-        ax.plot(getattr(s, x), s.curves[key], color=f"C{index}", marker=marker, markersize=3, label=label)
+    for index, (rows, label) in enumerate(zip(runs, labels)):
+        xs = np.cumsum(column(rows, "time/step_s")) if x == "wall_s" else column(rows, x)
+        marker = "o" if len(rows) <= 30 else None  # a short run's steps stay visible as points
+        ax.plot(xs, column(rows, key), color=f"C{index}", marker=marker, markersize=3, label=label)
     ax.set(title=title, xlabel=x_label, ylabel=key)
     ax.grid(alpha=0.3)
 
 
-def draw_staleness(figure: Figure, ax, s: Series, title: str, colour: str) -> None:
-    first, last = s.step[0], s.step[-1]
-    image = ax.imshow(s.staleness, origin="lower", aspect="auto", interpolation="nearest", cmap="viridis",
-                      vmin=0, vmax=1, extent=(first - 0.5, last + 0.5, -0.5, s.staleness.shape[0] - 0.5))
+def draw_staleness(figure: Figure, ax, rows: list[dict], label: str, colour: str) -> None:
+    shares, first, last = staleness_shares(rows), rows[0]["step"], rows[-1]["step"]
+    image = ax.imshow(shares, origin="lower", aspect="auto", interpolation="nearest", cmap="viridis",
+                      vmin=0, vmax=1, extent=(first - 0.5, last + 0.5, -0.5, shares.shape[0] - 0.5))
     figure.colorbar(image, ax=ax, label="share of the batch")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
-    ax.set_title(title, color=colour)
-    ax.set(xlabel="step", ylabel=f"lag in versions (limit {s.staleness_limit})")
+    ax.set_title(textwrap.fill(f"staleness: {label}", TITLE_CHARS), color=colour)
+    limit = max(int(row.get("staleness/limit", 0)) for row in rows)
+    ax.set(xlabel="step", ylabel=f"lag in versions (limit {limit})")
 
 
-def draw_time_split(ax, s: Series, title: str, colour: str) -> None:
-    bottom = np.zeros(len(s.step))
+def draw_time_split(ax, rows: list[dict], label: str, colour: str) -> None:
+    steps, bottom = column(rows, "step"), np.zeros(len(rows))
     for (key, name), bar_colour in zip(TIME_SPLIT.items(), TIME_COLOURS):
-        seconds = np.nan_to_num(s.time_split[key])  # a run logged before the split existed: empty bars
-        ax.bar(s.step, seconds, bottom=bottom, width=1.0, linewidth=0, color=bar_colour, label=name)
+        seconds = np.nan_to_num(column(rows, key))  # a run logged before the split existed: empty bars
+        ax.bar(steps, seconds, bottom=bottom, width=1.0, linewidth=0, color=bar_colour, label=name)
         bottom += seconds
-    ax.set_xlim(s.step[0] - 0.5, s.step[-1] + 0.5)  # the same steps as the heatmap beside it
-    ax.set_title(title, color=colour)
+    ax.set_xlim(steps[0] - 0.5, steps[-1] + 0.5)  # the same steps as the heatmap beside it
+    ax.set_title(textwrap.fill(f"step time: {label}", TITLE_CHARS), color=colour)
     ax.set(xlabel="step", ylabel="seconds")
     ax.margins(y=0.2)  # headroom for the legend
 
