@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Optional, get_type_hints
 
 import msgpack
 import numpy as np
@@ -75,11 +75,6 @@ class Trajectory:
         return int(self.loss_mask.sum())
 
 
-def _pack_array(array: np.ndarray, dtype: np.dtype) -> dict:
-    array = np.ascontiguousarray(array, dtype=dtype)
-    return {"dtype": dtype.str, "shape": list(array.shape), "data": array.tobytes()}
-
-
 def _unpack_array(name: str, packed: Any, dtype: np.dtype) -> np.ndarray:
     if not isinstance(packed, dict) or set(packed) != {"dtype", "shape", "data"}:
         raise WireError(f"field '{name}': expected an array record with dtype, shape and data")
@@ -96,13 +91,15 @@ def _unpack_array(name: str, packed: Any, dtype: np.dtype) -> np.ndarray:
 
 def encode(trajectory: Trajectory) -> bytes:
     record = {f.name: getattr(trajectory, f.name) for f in fields(Trajectory)}
-    record.update({name: _pack_array(record[name], dtype) for name, dtype in ARRAY_DTYPES.items()})
+    for name, dtype in ARRAY_DTYPES.items():
+        array = np.ascontiguousarray(record[name], dtype=dtype)
+        record[name] = {"dtype": dtype.str, "shape": list(array.shape), "data": array.tobytes()}
     return msgpack.packb(record, use_bin_type=True)
 
 
-_SCALAR_TYPES = {"id": str, "group_id": int, "prompt_index": int, "sample_index": int, "reward": (int, float),
-                 "num_turns": int, "tool_calls": int, "tool_errors": int, "finish_reason": str,
-                 "generator_id": int, "timings": dict, "info": dict, "spans": list}
+# the type of every other field, as Trajectory declares it (a float may arrive as an int)
+_SCALAR_TYPES = {name: (int, float) if kind is float else kind
+                 for name, kind in get_type_hints(Trajectory).items() if name not in ARRAY_DTYPES}
 
 
 def unpack_map(message: bytes) -> dict:
