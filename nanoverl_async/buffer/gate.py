@@ -109,18 +109,14 @@ class AdmissionGate:
 
     def release(self, group_id: int, reissue: bool = True) -> None:
         """Drop a live group (stale, filtered): slot back; its prompt is re-issued unless told not to."""
-        lease = self._get(group_id, "release")
-        del self.live[group_id]
-        self.counters["released"] += 1
-        self._requeue(lease, reissue)
+        self._get(group_id, "release")
+        self._free(group_id, "released", reissue)
 
     def expire(self, now: float) -> list[int]:
         """Free every incomplete lease whose deadline passed; returns their group ids."""
         expired = [g for g, lease in self.live.items() if not lease.complete and lease.deadline <= now]
         for group_id in expired:
-            lease = self.live.pop(group_id)
-            self.counters["expired"] += 1
-            self._requeue(lease, True)
+            self._free(group_id, "expired", reissue=True)
         return expired
 
     def frontier(self) -> dict:
@@ -149,7 +145,10 @@ class AdmissionGate:
                 self.release(group_id, reissue=True)
         return list(self.live)
 
-    def _requeue(self, lease: Lease, reissue: bool) -> None:
+    def _free(self, group_id: int, counter: str, reissue: bool) -> None:
+        """The live lease gives its slot back (`counter`: released or expired) and, if asked, its prompt."""
+        lease = self.live.pop(group_id)
+        self.counters[counter] += 1
         if reissue:
             self.reissue.append(lease.prompt_index)
             self.counters["reissued"] += 1
