@@ -162,7 +162,7 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
     positions = torch.zeros((len(rows), capacity), dtype=torch.long)
     blocks = torch.full((len(rows), capacity), -1, dtype=torch.long)  # the unit of each position (-1: the tail)
     branches = torch.zeros((len(rows), capacity), dtype=torch.long)  # 0: a whole sequence or a shared prompt
-    places: list[Tensor] = [torch.zeros(0, dtype=torch.long)] * len(lengths)  # flat position of each token
+    place = torch.zeros(input_ids.shape, dtype=torch.long)  # each token's flat position in [r * c]
     for r, members_of_row in enumerate(rows):
         offset = 0
         for unit in members_of_row:
@@ -177,17 +177,15 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
                 packed_ids[r, offset:end] = input_ids[sequence, shared:lengths[sequence]]
                 positions[r, offset:end] = torch.arange(shared, lengths[sequence])
                 blocks[r, offset:end], branches[r, offset:end] = unit, branch if shared else 0
-                places[sequence] = torch.cat([prompt, torch.arange(r * capacity + offset, r * capacity + end)])
+                place[sequence, :lengths[sequence]] = torch.cat([prompt, torch.arange(r * capacity + offset,
+                                                                                     r * capacity + end)])
                 offset = end
         positions[r, offset:] = torch.arange(capacity - offset)  # the tail: a block of its own, discarded
-    width = input_ids.shape[1]
-    none = [torch.zeros(0, dtype=torch.long)]
-    wanted = torch.ones_like(attention_mask, dtype=torch.bool) if wanted is None else wanted.bool()
-    read = torch.cat([wanted[s, 1:size] for s, size in enumerate(lengths)] or [torch.zeros(0, dtype=torch.bool)])
-    outputs, predictor = torch.unique(torch.cat([place[:-1] for place in places] or none)[read], return_inverse=True)
-    target = torch.cat([input_ids[s, 1:size] for s, size in enumerate(lengths)] or none)[read]
-    destination = torch.cat([torch.arange(s * width + 1, s * width + size) for s, size in enumerate(lengths)]
-                            or none)[read]
+    # the tokens read (real, wanted, j >= 1: nothing predicts token 0), each predicted where token j - 1 lies
+    read = attention_mask.bool() & (True if wanted is None else wanted.bool())
+    read[:, 0] = False
+    outputs, predictor = torch.unique(place[:, :-1][read[:, 1:]], return_inverse=True)
+    target, destination = input_ids[read], read.flatten().nonzero().squeeze(1)
     several = len(rows) < len(lengths)  # else each row is one sequence from position 0: no ids needed
     mask = _shared_prompt_mask(blocks, branches) if any(shared for shared, _ in units) else None
     return Packing(packed_ids, positions if several else None, mask, outputs, predictor, target, destination,
