@@ -84,13 +84,10 @@ class SGLangEngine:
         self._restart_locks: dict[int, asyncio.Lock] = {}
         atexit.register(self.close)  # never leave server processes behind a normal exit
         if start:
-            self.start()
-
-    def start(self) -> None:
-        for server in self.servers:  # launch all first: model loading overlaps
-            server.launch()
-        for server in self.servers:
-            server.wait_ready()
+            for server in servers:  # launch all first: model loading overlaps
+                server.launch()
+            for server in servers:
+                server.wait_ready()
 
     def close(self) -> None:
         for server in self.servers:
