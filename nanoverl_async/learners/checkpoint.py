@@ -31,10 +31,8 @@ from nanoverl_async.models.load import load_tokenizer
 
 def _modules(learner) -> dict:
     """name -> (model, optimizer) of everything a rank trains."""
-    pairs = {"policy": (learner.model, learner.optimizer)}
-    if learner.critic is not None:
-        pairs["critic"] = (learner.critic, learner.critic_optimizer)
-    return pairs
+    pairs = {"policy": (learner.model, learner.optimizer), "critic": (learner.critic, learner.critic_optimizer)}
+    return {name: pair for name, pair in pairs.items() if pair[0] is not None}
 
 
 def _state(learner) -> dict:

@@ -82,7 +82,8 @@ class LearnerRank:
         self.reference = None  # the frozen reference policy, only when KL is on
         if setup.kl.loss_coef > 0 or setup.kl.reward_coef > 0:
             self.reference = self._sharded_model(setup.reference.path or setup.model.path).requires_grad_(False)
-        self.critic = None  # the value model of advantage=gae: LM backbone + scalar head, its own optimizer
+        # the value model of advantage=gae: LM backbone + scalar head, its own optimizer
+        self.critic = self.critic_optimizer = None
         if self.algo.advantage == "gae":
             critic = setup.critic
             torch.manual_seed(setup.seed)  # the fresh head: the same initial values on every rank and world size
