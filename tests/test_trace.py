@@ -15,7 +15,7 @@ from nanoverl_async.agents import multiply_task
 from nanoverl_async.buffer.service import BufferService
 from nanoverl_async.config import AgentConfig, BufferConfig, GeneratorConfig
 from nanoverl_async.agents.agent_loop import run_episode
-from nanoverl_async.observe.trace import (Lanes, PipelineTrace, Span, SpanLog, TracedRole, estimate_offset,
+from nanoverl_async.observe.trace import (PipelineTrace, Span, SpanLog, TracedRole, estimate_offset, place,
                                   sequential)
 from nanoverl_async.wire.trajectory import decode, encode
 from test_agent_loop import ScriptedEngine
@@ -54,11 +54,11 @@ def test_offset_of_a_clock_ahead_is_found_within_its_uncertainty():
 
 def test_lanes_keep_every_lane_disjoint_whatever_the_arrival_order():
     rng = random.Random(0)
-    lanes, placed = Lanes(), {}
+    lanes, placed = [], {}
     for _ in range(300):
         start = rng.uniform(0, 100)
         end = start + rng.expovariate(0.2)
-        placed.setdefault(lanes.place(start, end), []).append((start, end, {}))
+        placed.setdefault(place(lanes, start, end), []).append((start, end, {}))
     assert len(placed) > 1
     assert all(not overlapping_pairs(spans) for spans in placed.values())
 

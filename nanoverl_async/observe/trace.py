@@ -18,7 +18,7 @@ role's offset with round trips (`estimate_offset`, NTP's rule) and writes every 
 the error is at most half the shortest round trip, written as each process's `clock_uncertainty_s`.
 
 Invariants of the file:
-  - on each track (pid, tid), spans nest or are disjoint: concurrent spans of one kind go to lanes (`Lanes`),
+  - on each track (pid, tid), spans nest or are disjoint: concurrent spans of one kind go to lanes (`place`),
     an episode's calls stay on its lane, inside it;
   - it is a JSON array written and flushed once a step; only `close` adds the closing `]`, which the format
     lets a crashed run's file lack (Perfetto and chrome://tracing open it all the same);
@@ -70,14 +70,13 @@ class SpanLog:
                 self._open.setdefault(key, Span(track, name, time.time(), 0.0, args))
 
     def end(self, key: Hashable, **args) -> None:
-        """Close the span open under `key` now, with `args` added; nothing if none is (a restored lease)."""
-        if self.enabled:
-            with self._lock:
-                span = self._open.pop(key, None)
-                if span is not None:
-                    span.end = time.time()
-                    span.args.update(args)
-                    self._done.append(span)
+        """Close the span open under `key` now, with `args` added; nothing if none is (a restored lease, or
+        run.trace off: nothing was opened)."""
+        with self._lock:
+            span = self._open.pop(key, None)
+        if span is not None:
+            span.args.update(args)
+            self.add(span.track, span.name, span.start, time.time(), **span.args)
 
     def add(self, track: str, name: str, start: float, end: float, **args) -> None:
         if self.enabled:
@@ -106,21 +105,17 @@ def estimate_offset(fetch: Callable[[], tuple[float, list]]) -> tuple[float, flo
     return best[0], best[1] / 2, spans
 
 
-class Lanes:
-    """The lanes of one track: a span goes to the first lane whose spans all ended by its start, so the
-    spans of a lane are disjoint. Spans may come out of order (an episode comes with the batch that trained
-    it); such a span may open a lane more than strictly needed, never overlap another."""
-
-    def __init__(self):
-        self.free_at: list[float] = []
-
-    def place(self, start: float, end: float) -> int:
-        for lane, free_at in enumerate(self.free_at):
-            if free_at <= start:
-                self.free_at[lane] = end
-                return lane
-        self.free_at.append(end)
-        return len(self.free_at) - 1
+def place(lanes: list[float], start: float, end: float) -> int:
+    """The lane of a span on a track whose lanes are free from `lanes` (each lane's last end, updated): the
+    first lane whose spans all ended by its start, so the spans of a lane are disjoint. Spans may come out of
+    order (an episode comes with the batch that trained it); such a span may open a lane more than strictly
+    needed, never overlap another."""
+    for lane, free_at in enumerate(lanes):
+        if free_at <= start:
+            lanes[lane] = end
+            return lane
+    lanes.append(end)
+    return len(lanes) - 1
 
 
 def sequential(spans: list[Span]) -> list[Span]:
@@ -173,7 +168,7 @@ class PipelineTrace:
         self.events = 0  # written so far
         self.roles = roles
         self.offsets: dict[str, tuple[float, float]] = {}  # role -> (offset, uncertainty), from the first step
-        # process -> pid; (process, track, lane) -> tid; (process, track) -> Lanes
+        # process -> pid; (process, track, lane) -> tid; (process, track) -> its lanes (`place`)
         self.pids, self.tids, self.lanes = {}, {}, {}
 
     def step(self, step: int, trajectories: list[Trajectory], marks: tuple[float, ...]) -> None:
@@ -213,9 +208,8 @@ class PipelineTrace:
     def _events(self, process: str, span: Span) -> list[dict]:
         """One span (and its children) of `process`, moved onto the controller's clock and placed on a lane."""
         offset = self.offsets.get(process, (0.0, 0.0))[0]
-        start, end = span.start - offset, span.end - offset
         pid, events = self._pid(process)
-        lane = self.lanes.setdefault((process, span.track), Lanes()).place(start, end)
+        lane = place(self.lanes.setdefault((process, span.track), []), span.start - offset, span.end - offset)
         if (process, span.track, lane) not in self.tids:
             tid = self.tids[(process, span.track, lane)] = len(self.tids) + 1
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
