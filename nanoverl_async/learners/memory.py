@@ -47,11 +47,9 @@ def learner_fit_error(trained: int, frozen: int, world_size: int, available: int
         return None
     counted = f"{trained / 1e9:.2f}B trained parameters x {TRAINED_BYTES} bytes (fp32 weights, gradients, AdamW's " \
               f"2 moments)" + (f" + {frozen / 1e9:.2f}B frozen x {FROZEN_BYTES}" if frozen else "")
-    if ranks_share_it:
-        remedy = "a smaller model, or learner.device=cuda"
-    else:
-        ranks = math.ceil((TRAINED_BYTES * trained + FROZEN_BYTES * frozen) / available)
-        remedy = f"learner.world_size >= {ranks} (one GPU each), or a smaller model"
+    ranks = math.ceil(learner_state_bytes(trained, frozen, 1) / max(available, 1))  # the fewest whose shares fit
+    remedy = "a smaller model, or learner.device=cuda" if ranks_share_it else \
+        f"learner.world_size >= {ranks} (one GPU each), or a smaller model"
     return (f"the learner cannot fit: {counted} / {world_size} rank{'s' if world_size > 1 else ''} = "
             f"{needed / GB:.1f} GB > {available / GB:.1f} GB of {where}, before activations; use {remedy}")
 
