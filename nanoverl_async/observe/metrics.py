@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Optional
 
@@ -162,9 +163,11 @@ class MetricsLogger:
                  print_sample_every: int = 0):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = _open_rows(self.path, start_step)
+        self.closing = ExitStack()  # what close() ends: the files, the bar, the wandb run
+        self.file = self.closing.enter_context(_open_rows(self.path, start_step))
         self.log_samples, self.print_sample_every = log_samples, print_sample_every
-        self.samples = _open_rows(Path(output_dir) / "samples.jsonl", start_step) if log_samples else None
+        samples = Path(output_dir) / "samples.jsonl"
+        self.samples = self.closing.enter_context(_open_rows(samples, start_step)) if log_samples else None
         self.total_steps, self.progress, self.started = total_steps, progress, time.monotonic()
         self.tied_steps, self.warned = 0, set()  # the warnings given: each at most once a run
         self.bar = self.wandb_run = None
@@ -172,11 +175,12 @@ class MetricsLogger:
             self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=20),
                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn())
             self.bar_task = self.bar.add_task("train", total=total_steps, completed=start_step, info="starting")
-            self.bar.start()
+            self.closing.enter_context(self.bar)  # started now, stopped by close()
         if wandb_config is not None:
             import wandb  # optional tracker, imported only when asked for
 
             self.wandb_run = wandb.init(project="nanoverl-async", config=wandb_config, dir=str(output_dir))
+            self.closing.callback(self.wandb_run.finish)
 
     def log(self, metrics: dict, trajectories: list = ()) -> None:
         """One step's metrics, and (run.log_samples) some of its episodes, spread over its groups."""
@@ -240,13 +244,7 @@ class MetricsLogger:
         return run_summary(rows, self.path.parent.resolve(), final.resolve(), self.log_samples)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-        self.file.close()
-        if self.samples is not None:
-            self.samples.close()
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
+        self.closing.close()
 
 
 def _open_rows(path: Path, start_step: int):
