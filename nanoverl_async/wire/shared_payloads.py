@@ -44,13 +44,10 @@ def shared_bytes(nbytes: int) -> np.ndarray:
     mapping = mmap.mmap(fd, nbytes)
     array = np.frombuffer(mapping, dtype=np.uint8)
     _PATHS[array.ctypes.data] = (f"/proc/{os.getpid()}/fd/{fd}", nbytes)
-    weakref.finalize(mapping, _forget, array.ctypes.data, fd)  # when the last view of it is gone
+    # when the last view of it is gone: its path is forgotten, its fd closed
+    weakref.finalize(mapping, _PATHS.pop, array.ctypes.data, None)
+    weakref.finalize(mapping, os.close, fd)
     return array
-
-
-def _forget(address: int, fd: int) -> None:
-    _PATHS.pop(address, None)
-    os.close(fd)
 
 
 def path_of(payload: np.ndarray) -> Optional[str]:
