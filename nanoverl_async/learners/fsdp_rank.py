@@ -69,8 +69,11 @@ class LearnerRank:
         self.setup, self.rank, self.world_size, self.cfg, self.algo = setup, rank, world_size, cfg, setup.algorithm
         self.dtype = DTYPES[setup.model.dtype]  # compute and published-weights dtype; master weights stay fp32
         self.version = 0  # batches trained (load_checkpoint sets it): the weights this rank holds are this version
-        self.device = _device(cfg.device, rank)
-        cuda = self.device.type == "cuda"
+        cuda = cfg.device == "cuda"  # else cpu (validation allows no other); one GPU per rank, rank % GPUs visible
+        assert not cuda or torch.cuda.is_available(), "learner.device=cuda, but no GPU is visible here"
+        self.device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(self.device)
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=rank, world_size=world_size, device_id=self.device if cuda else None,
                                 timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
@@ -352,15 +355,6 @@ class LearnerRank:
             self.publisher.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _device(kind: str, rank: int) -> torch.device:
-    if kind == "cpu":
-        return torch.device("cpu")
-    assert kind == "cuda" and torch.cuda.is_available(), f"learner device '{kind}' is not available here"
-    index = rank % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
 
 
 def _reduce(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
