@@ -289,20 +289,17 @@ def keeps_packed_sequences_apart(model: torch.nn.Module, device: torch.device) -
 
     def outputs(sequences: list[Tensor], prompts: Optional[Tensor] = None) -> Tensor:
         """The model's outputs (logits, or a critic's values) that predict each token, [n, l, V]."""
-        width = max(len(s) for s in sequences)
-        ids = torch.stack([torch.cat([s, s.new_zeros(width - len(s))]) for s in sequences])
-        attention = (torch.arange(width) < torch.tensor([[len(s)] for s in sequences])).long()
+        ids = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True)
+        attention = (torch.arange(ids.shape[1]) < torch.tensor([[len(s)] for s in sequences])).long()
         packing = pack(ids, attention, prompts=prompts).to(device)
         return packing.predicted(packing.forward(model).float())
-
-    def draw(size: int) -> Tensor:
-        return torch.randint(vocab, (size,), generator=generator)
 
     def bumped(tokens: Tensor) -> Tensor:
         return (tokens + 1) % vocab
 
     # Rows Z | X Y, kept apart by position ids; rows L | A B C, with A and B sharing a 4-token prompt.
-    x, y, z, prompt, a, b, c, longest = draw(4), draw(3), draw(7), draw(4), draw(3), draw(3), draw(2), draw(12)
+    x, y, z, prompt, a, b, c, longest = (torch.randint(vocab, (size,), generator=generator)
+                                         for size in (4, 3, 7, 4, 3, 3, 2, 12))
     shared = torch.tensor([4, 4, 0, 0])
     plain = outputs([x, y, z])
     grouped = outputs([torch.cat([prompt, a]), torch.cat([prompt, b]), c, longest], shared)
