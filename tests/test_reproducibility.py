@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from nanoverl_async.cli import main
 from nanoverl_async.config import ConfigError, load_config
 from nanoverl_async.launcher import launch
-from nanoverl_async.observe.record import compare_weights, read_batches, record_dir, write_batch
+from nanoverl_async.observe.record import compare_weights, read_batches, step_path, write_batch
 from tests.synthetic import episodes
 
 SMALL = ("data.prompts_per_step=4", "data.samples_per_prompt=4", "run.progress=false")
@@ -37,7 +37,7 @@ def test_recorded_batches_read_back_in_order(tmp_path):
                    for r, t in zip(recorded, batch))
     with pytest.raises(ConfigError, match="step_000002.msgpack: missing"):
         read_batches(tmp_path, 3)
-    (record_dir(tmp_path) / "step_000001.msgpack").write_bytes(msgpack.packb({"step": 7, "trajectories": []}))
+    step_path(tmp_path, 1).write_bytes(msgpack.packb({"step": 7, "trajectories": []}))
     with pytest.raises(ConfigError, match="step_000001.msgpack: not a recorded batch: holds step 7"):
         read_batches(tmp_path, 2)
 

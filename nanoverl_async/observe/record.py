@@ -29,15 +29,14 @@ from nanoverl_async.config import ConfigError
 from nanoverl_async.wire.trajectory import Trajectory, WireError, decode, encode
 
 
-def record_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "record"
+def step_path(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / "record" / f"step_{step:06d}.msgpack"
 
 
 def write_batch(output_dir: str | Path, step: int, trajectories: list[Trajectory]) -> None:
     """Step `step`'s batch, written to a temporary name and renamed, so a crash never leaves half a file."""
-    folder = record_dir(output_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"step_{step:06d}.msgpack"
+    path = step_path(output_dir, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
     partial.write_bytes(msgpack.packb({"step": step, "trajectories": [encode(t) for t in trajectories]}))
     partial.replace(path)
@@ -45,10 +44,9 @@ def write_batch(output_dir: str | Path, step: int, trajectories: list[Trajectory
 
 def read_batches(output_dir: str | Path, total_steps: int) -> list[list[Trajectory]]:
     """Steps 0..total_steps-1 as recorded; ConfigError naming the first missing or unreadable file."""
-    folder = record_dir(output_dir)
     batches = []
     for step in range(total_steps):
-        path = folder / f"step_{step:06d}.msgpack"
+        path = step_path(output_dir, step)
         if not path.is_file():
             raise ConfigError(f"{path}: missing; replay needs every step of a run launched with run.record=true")
         try:
