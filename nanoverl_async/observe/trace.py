@@ -178,22 +178,16 @@ class PipelineTrace:
         spans = [("learners", Span("steps", name, to_wall + a, to_wall + b, {"step": step}))
                  for name, a, b in zip(STEP_PHASES, marks, marks[1:])]
         spans += [(f"generator {t.generator_id}", episode_span(t, step)) for t in trajectories if t.spans]
-        if not self.pids:  # the first step: the offsets and the processes' names come first
-            spans += self._start()
+        if not self.pids:  # the first step: every role's offset, then the processes' names (learners first)
+            for role in self.roles:
+                offset, uncertainty, fetched = estimate_offset(role.fetch)
+                self.offsets[role.name] = (offset, uncertainty)
+                spans += [(role.name, span) for span in fetched]  # what the trips fetched
+            names = ["learners", *(role.name for role in self.roles)]
+            self._write([event for name in names for event in self._pid(name)[1]])
         for role in self.roles:
             spans += [(role.name, span) for span in role.fetch()[1]]
         self._write([event for process, span in spans for event in self._events(process, span)])
-
-    def _start(self) -> list[tuple[str, Span]]:
-        """Estimate every role's offset and name the processes (learners first) -> the spans the trips fetched."""
-        spans = []
-        for role in self.roles:
-            offset, uncertainty, fetched = estimate_offset(role.fetch)
-            self.offsets[role.name] = (offset, uncertainty)
-            spans += [(role.name, span) for span in fetched]
-        names = ["learners", *(role.name for role in self.roles)]
-        self._write([event for name in names for event in self._pid(name)[1]])
-        return spans
 
     def _write(self, events: Iterable[dict]) -> None:
         for event in events:
