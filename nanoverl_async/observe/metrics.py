@@ -185,12 +185,10 @@ class MetricsLogger:
     def log(self, metrics: dict, trajectories: list = ()) -> None:
         """One step's metrics, and (run.log_samples) some of its episodes, spread over its groups."""
         self.file.write(json.dumps(metrics) + "\n")
-        self.file.flush()
         if self.samples is not None and trajectories:
             chosen = trajectories[:: max(1, len(trajectories) // self.log_samples)][: self.log_samples]
             records = [sample_record(metrics["step"], t) for t in chosen]
             self.samples.write("".join(json.dumps(r) + "\n" for r in records))
-            self.samples.flush()
             if self.print_sample_every and (metrics["step"] + 1) % self.print_sample_every == 0:
                 print(sample_line(records[0]), flush=True)
         if self.wandb_run is not None:
@@ -248,12 +246,13 @@ class MetricsLogger:
 
 
 def _open_rows(path: Path, start_step: int):
-    """A .jsonl of per-step rows, opened for appending. A run resumed at `start_step` first drops the rows
-    of steps >= start_step that the earlier run wrote after its checkpoint, so every step appears once."""
+    """A .jsonl of per-step rows, opened for appending, line-buffered (each row is on disk once written: a
+    crashed run keeps its steps). A run resumed at `start_step` first drops the rows of steps >= start_step
+    that the earlier run wrote after its checkpoint, so every step appears once."""
     if start_step and path.is_file():
         rows = [line for line in path.read_text().splitlines() if _step_of(line) < start_step]
         path.write_text("".join(f"{row}\n" for row in rows))
-    return path.open("a" if start_step else "w")
+    return path.open("a" if start_step else "w", buffering=1)
 
 
 def _step_of(line: str) -> float:
