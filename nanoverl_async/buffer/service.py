@@ -260,13 +260,16 @@ class BufferService:
         poller.register(self._router, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(POLL_MS))
-                if self._pull in events:
-                    for message in _drain(self._pull, multipart=False):
-                        self._on_trajectory(message)
-                if self._router in events:
-                    for frames in _drain(self._router, multipart=True):
-                        self._router.send_multipart(frames[:-1] + [self._on_request(frames[-1])])
+                for socket, _ in poller.poll(POLL_MS):
+                    for _ in range(DRAIN_MAX):  # then the other socket: neither starves
+                        try:
+                            frames = socket.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        if socket is self._pull:  # a trajectory
+                            self._on_trajectory(frames[-1])
+                        else:  # a request, answered to the peer its routing frames name
+                            socket.send_multipart(frames[:-1] + [self._on_request(frames[-1])])
                 self._expire(time.monotonic())
         except BaseException as error:  # noqa: BLE001 - surfaced to next_batch, never swallowed
             log.exception("buffer service thread died")
@@ -354,11 +357,3 @@ class BufferService:
                 self.trace.end(group_id, outcome="expired")
         if expired:
             log.warning("buffer: expired %d leases (groups %s): prompts re-issued", len(expired), expired)
-
-
-def _drain(socket: zmq.Socket, multipart: bool):
-    for _ in range(DRAIN_MAX):
-        try:
-            yield socket.recv_multipart(zmq.NOBLOCK) if multipart else socket.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            return
