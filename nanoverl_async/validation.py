@@ -24,7 +24,6 @@ class ConfigError(ValueError):
     """A config problem, with the offending key named in the message."""
 
 
-MAX_SEED = 2**32 - 1
 MIN_LEASE_TIMEOUT_S = 1.0
 
 
@@ -99,8 +98,6 @@ def validate(cfg: Config) -> None:
         if getattr(cfg.ray, key) and not cfg.ray.address:
             raise ConfigError(f"config key 'ray.{key}': places roles on a cluster's nodes, so it needs ray.address "
                               "(a local run has one node)")
-    if not 0 < cfg.learner.gpus_per_rank <= 1:  # Ray's fractional GPUs: a share of one GPU, or one whole GPU
-        raise ConfigError(f"config key 'learner.gpus_per_rank': must be in (0, 1], got {cfg.learner.gpus_per_rank}")
     replica_gpus = cfg.generator.gpus_per_replica
     if not (0 < replica_gpus <= 1 or (replica_gpus > 1 and replica_gpus % 1 == 0)):
         raise ConfigError(f"config key 'generator.gpus_per_replica': must be in (0, 1] or a whole number, got {replica_gpus}")
@@ -140,14 +137,17 @@ POSITIVE = ("run.total_steps", "data.prompts_per_step", "data.samples_per_prompt
             "generator.replicas", "generator.max_groups_in_flight", "generator.torch_threads",
             "generator.kv_block_size", "learner.world_size", "learner.torch_threads", "learner.ppo_epochs",
             "learner.minibatches", "learner.lr", "critic.lr", "run.step_timeout_s", "weight_sync.timeout_s",
-            "buffer.lease_timeout_s", "generator.temperature", "algorithm.is_cap", "generator.sglang.servers",
+            "learner.gpus_per_rank", "generator.temperature", "algorithm.is_cap", "generator.sglang.servers",
             "generator.sglang.tp_size", "generator.sglang.mem_fraction_static", "generator.sglang.launch_timeout_s",
             "generator.sglang.request_timeout_s", "generator.sglang.control_timeout_s")
+# Upper bounds: numpy seeds are 32-bit; a discount and GAE's lambda weigh at most 1; a rank takes a share of
+# one GPU or one whole GPU (Ray's fractional GPUs).
+AT_MOST = {"run.seed": 2**32 - 1, "algorithm.gamma": 1, "algorithm.lam": 1, "learner.gpus_per_rank": 1}
 
 
 def _check_numbers(cfg: Config) -> None:
-    """Every number finite and >= 0 (none of the config's means anything below 0), the POSITIVE ones > 0, and
-    the bounds that have a reason of their own."""
+    """Every number finite and >= 0 (none of the config's means anything below 0), the POSITIVE ones > 0, none
+    above its AT_MOST, and the lease timeout's own bound."""
     for key, value in _numbers(cfg):
         if isinstance(value, float) and not math.isfinite(value):  # an inf lr used to pass, then kill the generator
             raise ConfigError(f"config key '{key}': must be a finite number, got {value}")
@@ -156,12 +156,9 @@ def _check_numbers(cfg: Config) -> None:
     for key in POSITIVE:
         if not get_key(cfg, key) > 0:
             raise ConfigError(f"config key '{key}': must be > 0, got {get_key(cfg, key)}")
-    if cfg.run.seed > MAX_SEED:
-        raise ConfigError(f"config key 'run.seed': must be at most {MAX_SEED} (numpy seeds are 32-bit), "
-                          f"got {cfg.run.seed}")
-    for key in ("algorithm.gamma", "algorithm.lam"):
-        if not 0 <= get_key(cfg, key) <= 1:
-            raise ConfigError(f"config key '{key}': must be in [0, 1], got {get_key(cfg, key)}")
+    for key, most in AT_MOST.items():
+        if get_key(cfg, key) > most:
+            raise ConfigError(f"config key '{key}': must be at most {most}, got {get_key(cfg, key)}")
     if cfg.buffer.lease_timeout_s < MIN_LEASE_TIMEOUT_S:
         raise ConfigError(f"config key 'buffer.lease_timeout_s': must be >= {MIN_LEASE_TIMEOUT_S} s (a lease must "
                           f"outlive an episode, or every group expires), got {cfg.buffer.lease_timeout_s}")
