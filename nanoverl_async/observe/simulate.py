@@ -80,13 +80,10 @@ class Prediction:
 
 
 def nearest(keys: np.ndarray, center: int, minimum: int) -> np.ndarray:
-    """Indices of the keys closest to `center`, whole keys at a time, until at least `minimum` (or all)."""
+    """Indices of the keys closest to `center`, whole keys at a time, until at least `minimum` (or all): those
+    within the `minimum`-th smallest distance."""
     distance = np.abs(keys - center)
-    for radius in np.unique(distance):
-        chosen = np.flatnonzero(distance <= radius)
-        if len(chosen) >= minimum:
-            return chosen
-    return np.arange(len(keys))
+    return np.flatnonzero(distance <= np.sort(distance)[min(minimum, len(keys)) - 1])
 
 
 def near_step(step: int, steps: int, rng: np.random.Generator) -> int:
@@ -186,11 +183,10 @@ class Simulation:
             self.replay.add(group_record(lease))
             self.gate.complete(lease.group_id)
             self.take()
-        if self.pending[g] is not None and not self.in_flight[g]:
-            self.version[g], self.pending[g] = self.pending[g], None  # drained: apply, and ask at once
-            self.request(g)
-        else:
-            self.request(g, slot_freed=True)
+        drained = self.pending[g] is not None and not self.in_flight[g]
+        if drained:  # apply the weights, and ask at once
+            self.version[g], self.pending[g] = self.pending[g], None
+        self.request(g, slot_freed=not drained)
 
     def ask(self, g: int) -> None:
         self.asking[g] = False
@@ -256,12 +252,12 @@ def resample(source: Source, rng: np.random.Generator) -> Source:
                    step_costs=source.step_costs[steps], weight_delays=[source.weight_delays[i] for i in steps])
 
 
-def predict(source: Source, staleness: int, generators: int, seed: int = 0, repeats: int = REPEATS) -> Prediction:
-    """`repeats` simulated runs of the run's length at one setting, run r on bootstrap replicate r (the same for
+def predict(source: Source, staleness: int, generators: int, seed: int = 0) -> Prediction:
+    """REPEATS simulated runs of the run's length at one setting, run r on bootstrap replicate r (the same for
     every setting, so settings compare run by run); the same seed, the same numbers."""
     runs = [Simulation(resample(source, np.random.default_rng([seed, r])), staleness, generators,
                        np.random.default_rng([seed, r, staleness, generators])).run(source.steps)
-            for r in range(repeats)]
+            for r in range(REPEATS)]
     return Prediction(np.concatenate([r.samples_per_s for r in runs]), sum((r.lags for r in runs), Counter()),
                       float(np.mean([r.gated_frac for r in runs])))
 
