@@ -72,14 +72,10 @@ class SegmentReader:
         inode = os.stat(path).st_ino
         cached = self._maps.get(path)
         if cached is None or cached[0] != inode:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                size = os.fstat(fd).st_size
-                self._maps.pop(path, None)
-                cached = self._maps[path] = (inode, np.frombuffer(mmap.mmap(fd, size, prot=mmap.PROT_READ),
-                                                                  dtype=np.uint8))
-            finally:
-                os.close(fd)  # the mapping stays valid
+            with open(path, "rb") as file:  # the mapping outlives the file: stays valid once it is closed
+                self._maps.pop(path, None)  # a new segment at this path: it becomes the newest mapped
+                mapping = mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ)  # 0: the whole segment
+                cached = self._maps[path] = (inode, np.frombuffer(mapping, dtype=np.uint8))
             while len(self._maps) > self.MAPPED:
                 del self._maps[next(iter(self._maps))]  # the least recently mapped
         if cached[1].nbytes != nbytes:
