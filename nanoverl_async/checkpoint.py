@@ -71,8 +71,7 @@ def find_checkpoint(run: RunConfig) -> Optional[Path]:
     if not run.resume:
         return None
     if run.resume == "auto":
-        root = checkpoints_dir(run.output_dir)
-        found = [p for p in root.iterdir() if is_checkpoint(p)] if root.is_dir() else []
+        found = [p for p in checkpoints_dir(run.output_dir).glob("step_*") if is_checkpoint(p)]  # none: no folder
         return max(found, key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)), default=None)
     path = Path(run.resume).resolve()
     if not is_checkpoint(path):

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Iterator, Optional
+from typing import Iterator
 
 import numpy as np
 import torch

@@ -226,8 +226,7 @@ def _rows(groups: dict[tuple, list[int]], lengths: list[int], capacity: int,
     """(capacity, units, unit numbers per row): `_units` placed first-fit decreasing in rows of `capacity`."""
     units = _units(groups, lengths, capacity)
     sizes = [shared + sum(lengths[s] - shared for s in members) for shared, members in units]
-    rows: list[list[int]] = []
-    room: list[int] = []
+    rows, room = [], []  # the units in each row, and its free positions
     for unit in sorted(range(len(units)), key=lambda u: -sizes[u]):
         row = next((r for r, free in enumerate(room) if several_per_row and free >= sizes[unit]), None)
         if row is None:

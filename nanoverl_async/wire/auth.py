@@ -55,9 +55,7 @@ def bind_host(host: str, node_ip: str) -> str:
 def run_keys() -> CurveKeys:
     """Fresh keys for one run: a server pair (the buffer's and the publisher's sockets) and a client pair
     (every generator), each made by libsodium from the OS's random source."""
-    server_public, server_secret = zmq.curve_keypair()
-    client_public, client_secret = zmq.curve_keypair()
-    return CurveKeys(server_public, server_secret, client_public, client_secret)
+    return CurveKeys(*zmq.curve_keypair(), *zmq.curve_keypair())  # (public, secret) of the server, of the client
 
 
 def serve(context: zmq.Context, keys: Optional[CurveKeys],
