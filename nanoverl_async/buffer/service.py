@@ -159,7 +159,7 @@ class BufferService:
         self._context = zmq.Context()
         self._pull = self._context.socket(zmq.PULL)
         self._router = self._context.socket(zmq.ROUTER)
-        self._authenticator = serve(self._context, curve, self._pull, self._router)
+        self._stop_authenticator = serve(self._context, curve, self._pull, self._router)
         self.endpoints = {name: f"tcp://{host}:{socket.bind_to_random_port(f'tcp://{host}')}"
                           for name, socket in (("trajectories", self._pull), ("leases", self._router))}
         self._stop = threading.Event()
@@ -248,8 +248,7 @@ class BufferService:
         self._thread.join(timeout=5.0)
         with self._cond:
             self._cond.notify_all()
-        if self._authenticator is not None:
-            self._authenticator.stop()
+        self._stop_authenticator()
         if not self._thread.is_alive() and not self._context.closed:
             self._context.term()
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Optional
+from typing import Callable, Optional
 
 import zmq
 import zmq.auth.thread
@@ -58,13 +58,12 @@ def run_keys() -> CurveKeys:
     return CurveKeys(*zmq.curve_keypair(), *zmq.curve_keypair())  # (public, secret) of the server, of the client
 
 
-def serve(context: zmq.Context, keys: Optional[CurveKeys],
-          *sockets: zmq.Socket) -> Optional[zmq.auth.thread.ThreadAuthenticator]:
+def serve(context: zmq.Context, keys: Optional[CurveKeys], *sockets: zmq.Socket) -> Callable[[], None]:
     """Make `sockets` (of `context`, before they bind) CURVE servers, and start the ZAP handler of `context`,
-    which admits only clients presenting the run's client key: stop it before the context ends. Nothing
-    (None) without keys."""
+    which admits only clients presenting the run's client key. Returns what stops that handler: call it before
+    the context ends. Without keys nothing is set up, and it does nothing."""
     if keys is None:
-        return None
+        return lambda: None
     for socket in sockets:
         socket.curve_secretkey = keys.server_secret
         socket.curve_publickey = keys.server_public
@@ -74,7 +73,7 @@ def serve(context: zmq.Context, keys: Optional[CurveKeys],
     # the ZAP credentials check: the run's client key, and no other (pyzmq passes the client's key z85-encoded)
     run_clients = SimpleNamespace(callback=lambda domain, key: key == keys.client_public)
     authenticator.configure_curve_callback(domain="*", credentials_provider=run_clients)
-    return authenticator
+    return authenticator.stop
 
 
 def connect(socket: zmq.Socket, keys: Optional[CurveKeys]) -> None:

@@ -238,7 +238,7 @@ class WeightPublisher:
     def _run(self, host: str, curve: Optional[CurveKeys]) -> None:
         context = zmq.Context()
         socket = context.socket(zmq.XPUB)
-        authenticator = serve(context, curve, socket)  # only the run's generators may subscribe
+        stop_authenticator = serve(context, curve, socket)  # only the run's generators may subscribe
         socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
         socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # see every subscription, not only the first per topic
         latest: Optional[tuple[list, np.ndarray | torch.Tensor]] = None  # newest version sent (frames, payload)
@@ -275,8 +275,7 @@ class WeightPublisher:
         finally:
             self._bound.set()
             socket.close(linger=1000)  # give the last version a moment to leave
-            if authenticator is not None:
-                authenticator.stop()
+            stop_authenticator()
             context.term()
 
 
