@@ -63,7 +63,7 @@ NOISY = 0.15  # the learner's step-to-step noise (run_costs.py `learner_steps`) 
 CROWDED = 0.7  # interference (run_costs.py `fit_interference`) under which another job took cores: alone on a
 #               machine, roles that fit its cores barely slow each other (each runs learner/generator.torch_threads)
 WIDE = 0.15  # an interval wider than +-15% of its median, or a miss of the run's own samples/s by more: cannot tell
-GENERATING, LEARNING = 0, 1  # the two virtual clocks: generators' groups, the learner's compute
+GENERATING, LEARNING, REAL = 0, 1, 2  # the virtual clocks of generators' groups and the learner's compute; timers
 HEADER = (f"{'setting':<26}{'samples/s':>10}{'80% of runs':>13}{'mean':>6}{'max':>5}{'gated':>7}"
           "  staleness: lag:% of samples")
 
@@ -112,8 +112,7 @@ class Simulation:
         self.replay = ReplayBuffer(1)  # one record per group: the G episodes of a group share its version here
         self.gated = GatedClock(0.0)
         self.now, self.virtual = 0.0, [0.0, 0.0]  # the real clock; GENERATING's and LEARNING's virtual clocks
-        self.jobs: list = [[], []]  # per virtual clock, a heap of (virtual end, seq, handler, args)
-        self.timers: list = []  # heap of (time, seq, handler, args)
+        self.heaps: list = [[], [], []]  # per clock, a heap of (its time at the end, seq, handler, args)
         self.seq = 0
         self.version, self.pending = [0] * generators, [None] * generators  # pending: drain mode's next version
         self.in_flight, self.asking = [0] * generators, [False] * generators  # asking: a request is on its way
@@ -126,7 +125,7 @@ class Simulation:
 
     def run(self, steps: int) -> Prediction:
         for g, start in enumerate(self.starts):
-            self.at(self.timers, start, self.request, g)
+            self.at(REAL, start, self.request, g)
         while self.step < steps:
             self.advance()
         return Prediction(np.array([self.source.batch * self.source.group * steps / sum(self.step_seconds)]),
@@ -138,19 +137,21 @@ class Simulation:
         rates = [float(r) for r in speeds(sum(n > 0 for n in self.in_flight), learning, self.source.cores,
                                            self.source.interference)]
         ends = [self.now + (jobs[0][0] - virtual) / rate if jobs else math.inf
-                for jobs, virtual, rate in zip(self.jobs, self.virtual, rates)]
-        ends.append(self.timers[0][0] if self.timers else math.inf)
+                for jobs, virtual, rate in zip(self.heaps, self.virtual, rates)]  # the two virtual clocks
+        ends.append(self.heaps[REAL][0][0] if self.heaps[REAL] else math.inf)
         first = int(np.argmin(ends))
         assert ends[first] < math.inf, f"simulation stalled at step {self.step}"
         self.virtual = [virtual + (ends[first] - self.now) * rate for virtual, rate in zip(self.virtual, rates)]
-        self.now, (at, _, handler, args) = ends[first], heapq.heappop((*self.jobs, self.timers)[first])
-        if first < len(self.jobs):
+        self.now, (at, _, handler, args) = ends[first], heapq.heappop(self.heaps[first])
+        if first != REAL:
             self.virtual[first] = at  # exact, whatever the rounding of the line above
         handler(*args)
 
-    def at(self, heap: list, when: float, handler, *args) -> None:
+    def at(self, clock: int, delay: float, handler, *args) -> None:
+        """Call handler(*args) once `clock` has advanced by `delay` (work at speed 1, or seconds on REAL)."""
         self.seq += 1  # ties resolve in scheduling order, never by comparing handlers
-        heapq.heappush(heap, (when, self.seq, handler, args))
+        when = (self.now if clock == REAL else self.virtual[clock]) + delay
+        heapq.heappush(self.heaps[clock], (when, self.seq, handler, args))
 
     def request(self, g: int, slot_freed: bool = False) -> None:
         """Generator g asks for as many groups as it has free slots (worker.py `_lease_loop`). It notices a slot
@@ -163,7 +164,7 @@ class Simulation:
         if not leases and slot_freed:
             if not self.asking[g]:
                 self.asking[g] = True
-                self.at(self.timers, self.now + self.rng.choice(self.source.request_lags), self.ask, g)
+                self.at(REAL, self.rng.choice(self.source.request_lags), self.ask, g)
             return
         self.gated.observe(g, refused=not leases, now=self.now)
         for lease in leases:
@@ -172,7 +173,7 @@ class Simulation:
             if lease.version not in self.pools:
                 self.pools[lease.version] = nearest(self.source.lease_versions, lease.version, self.source.batch)
             work = self.source.lease_work[self.rng.choice(self.pools[lease.version])]
-            self.at(self.jobs[GENERATING], self.virtual[GENERATING] + work, self.group_done, g, lease)
+            self.at(GENERATING, work, self.group_done, g, lease)
 
     def group_done(self, g: int, lease) -> None:
         self.in_flight[g] -= 1
@@ -200,9 +201,9 @@ class Simulation:
             return
         self.version[g] = version
         if self.in_flight[g] and self.source.swap_work:  # its running rows are computed again: each group is later
-            self.jobs[GENERATING] = [(end + self.source.swap_work if args[0] == g else end, seq, handler, args)
-                                     for end, seq, handler, args in self.jobs[GENERATING]]
-            heapq.heapify(self.jobs[GENERATING])
+            self.heaps[GENERATING] = [(end + self.source.swap_work if args[0] == g else end, seq, handler, args)
+                                      for end, seq, handler, args in self.heaps[GENERATING]]
+            heapq.heapify(self.heaps[GENERATING])
         self.request(g)
 
     def take(self) -> None:
@@ -225,17 +226,14 @@ class Simulation:
 
     def start_phase(self, phase: int) -> None:
         self.phase = phase
-        if STEP_COSTS[phase] in COMPUTE:
-            self.at(self.jobs[LEARNING], self.virtual[LEARNING] + self.costs[phase], self.phase_done)
-        else:
-            self.at(self.timers, self.now + self.costs[phase], self.phase_done)
+        self.at(LEARNING if STEP_COSTS[phase] in COMPUTE else REAL, self.costs[phase], self.phase_done)
 
     def phase_done(self) -> None:
         if STEP_COSTS[self.phase] == "publish":  # the step's time ends here, as time/step_s does
             self.step_seconds.append(self.now - self.step_start)
             self.step += 1
             for g in range(self.generators):
-                self.at(self.timers, self.now + self.rng.choice(self.delays), self.weights, g, self.step)
+                self.at(REAL, self.rng.choice(self.delays), self.weights, g, self.step)
         if self.phase + 1 < len(STEP_COSTS):
             self.start_phase(self.phase + 1)
         else:
