@@ -331,14 +331,13 @@ def row(label: str, samples_per_s: float, lags: Counter, gated_frac: float, with
 
 def model_notes(source: Source) -> str:
     """What the predictions assume, in the words the table is printed with."""
-    def measured(value: float | None, fallback: str) -> str:
-        return fallback if value is None else f"{value:.2f}x"
-    (generator, learner), noise = source.slowdowns, source.noise
-    return (f"Model: generation beside the learner ran at {measured(generator, 'not measured: taken as the learner')}"
-            f" its speed alone, the learner beside generation at {measured(learner, 'not measured: taken as generation')}"
-            f" (simulated as {source.interference[0]:.2f}x, {source.interference[1]:.2f}x); a weight swap added "
-            f"{source.swap_work:.3f} s to each group in flight on its generator; the learner's step-to-step "
-            f"noise {'not measured' if noise is None else f'+-{noise:.0%}'} (alone on a machine: under {NOISY:.0%}). "
+    generator, learner = (f"{value:.2f}x" if value is not None else f"not measured: taken as {other}"
+                          for value, other in zip(source.slowdowns, ("the learner", "generation")))
+    noise = "not measured" if source.noise is None else f"+-{source.noise:.0%}"
+    return (f"Model: generation beside the learner ran at {generator} its speed alone, the learner beside generation"
+            f" at {learner} (simulated as {source.interference[0]:.2f}x, {source.interference[1]:.2f}x); a weight "
+            f"swap added {source.swap_work:.3f} s to each group in flight on its generator; the learner's "
+            f"step-to-step noise {noise} (alone on a machine: under {NOISY:.0%}). "
             f"Each setting: {REPEATS} simulated runs of {source.steps} steps, each on a bootstrap replicate of this "
             f"run's leases and steps; intervals hold {INTERVAL[1] - INTERVAL[0]}% of them. Every setting trains the "
             f"same samples per step: the same reward at a step only if staleness does not slow learning (compare "
