@@ -161,8 +161,7 @@ class MetricsLogger:
     def __init__(self, output_dir: Path, total_steps: int, progress: bool = True,
                  wandb_config: Optional[dict] = None, start_step: int = 0, log_samples: int = 0,
                  print_sample_every: int = 0):
-        self.path = Path(output_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = Path(output_dir) / "metrics.jsonl"  # the folder exists: launch wrote config.yaml there first
         self.closing = ExitStack()  # what close() ends: the files, the bar, the wandb run
         self.file = self.closing.enter_context(_open_rows(self.path, start_step))
         self.log_samples, self.print_sample_every = log_samples, print_sample_every
