@@ -257,7 +257,6 @@ class WeightPublisher:
                         self._retire(sends, latest[1])
                 if pending is not None:
                     version, payload = pending
-                    del pending
                     latest = (self._frames(version, payload), payload)
                     sends = [socket.send_multipart(latest[0], copy=False, track=True)]
                     self.sent_version = version
