@@ -20,6 +20,7 @@ and no step reads a value back from its tensors (HostWaits).
 import asyncio
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -585,6 +586,28 @@ def test_every_checkpoint_layout_loads_the_same_weights(model_dir, tmp_path, lay
     save_checkpoint(tiny_qwen2(), tmp_path, layout)
     loaded, reference = TransformersEngine(str(tmp_path)).model, TransformersEngine(model_dir).model
     assert loaded.state_dict().keys() == reference.state_dict().keys()
+    assert all(torch.equal(loaded.state_dict()[k], reference.state_dict()[k]) for k in reference.state_dict())
+
+
+def test_a_hub_id_with_only_pytorch_pickles_downloads_them(model_dir, tmp_path, monkeypatch):
+    """A Hub repository that ships pytorch_model.bin and no safetensors: the first download (safetensors) finds
+    none, the second fetches the pickles (a fake hub: a folder, each download copying the patterns asked for)."""
+    hub = tmp_path / "hub"
+    save_checkpoint(tiny_qwen2(), hub, "bin")
+    asked = []
+
+    def download(repo_id, allow_patterns):
+        asked.append(allow_patterns)
+        local = tmp_path / f"snapshot{len(asked)}"
+        local.mkdir()
+        for file in hub.iterdir():
+            if any(file.match(pattern) for pattern in allow_patterns):
+                shutil.copy(file, local / file.name)
+        return str(local)
+
+    monkeypatch.setattr(llama_forward, "snapshot_download", download)
+    loaded, reference = TransformersEngine("someone/tiny-bin-only").model, TransformersEngine(model_dir).model
+    assert asked == [["*.json", "*.safetensors"], ["*.json", "*.bin"]]
     assert all(torch.equal(loaded.state_dict()[k], reference.state_dict()[k]) for k in reference.state_dict())
 
 

@@ -177,8 +177,10 @@ class LlamaWeights(torch.nn.Module):
     def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype):
         super().__init__()
         directory = Path(model_path).expanduser()
-        if not directory.is_dir():  # a Hugging Face Hub id (model.path)
+        if not directory.is_dir():  # a Hugging Face Hub id (model.path): its safetensors, else its PyTorch pickles
             directory = Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"]))
+            if not any(directory.glob("*.safetensors")):
+                directory = Path(snapshot_download(model_path, allow_patterns=["*.json", "*.bin"]))
         self.config = config = AutoConfig.from_pretrained(directory)
         _check_supported(config, model_path)
         layer = ("input_layernorm", "post_attention_layernorm", *(f"self_attn.{p}_proj" for p in "qkvo"),
