@@ -130,22 +130,24 @@ def integral(points: np.ndarray, values: np.ndarray) -> Callable[[float, float],
 
 
 def read_events(events: list[dict], path: Path) -> dict:
-    """The spans the model reads, as (start, end, args) in seconds, by kind, and each generator's leases as
-    (start, end) under "leases of" (its generator_id); errors name what is missing."""
+    """The spans the model reads, as (start, end, args) in seconds, by kind; the generate calls as (start, end)
+    per track (pid, tid) and per generator process ("calls of" its pid), and each generator's leases under
+    "leases of" its generator_id; errors name what is missing."""
     names = {e.get("pid"): e["args"].get("name", "") for e in events if e.get("name") == "process_name"}
-    spans: dict = {"steps": {}, "lease": [], "episode": [], "generate": {}, "weights": [], "gate closed": []}
+    spans: dict = {"steps": {}, "lease": [], "episode": [], "generate": {}, "calls of": {}, "weights": [],
+                   "gate closed": []}
     for e in events:
         if e.get("ph") != "X":
             continue
         start, end, args = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e.get("args", {})
+        kind = "weights" if e["name"].startswith("weights v") else e["name"]
         if names.get(e.get("pid")) == "learners":
-            spans["steps"].setdefault(args["step"], {})[e["name"]] = (start, end)
-        elif e["name"] in ("lease", "episode", "gate closed"):
-            spans[e["name"]].append((start, end, {**args, "pid": e["pid"], "tid": e["tid"]}))
-        elif e["name"] == "generate":
+            spans["steps"].setdefault(args["step"], {})[kind] = (start, end)
+        elif kind in ("lease", "episode", "gate closed", "weights"):
+            spans[kind].append((start, end, {**args, "pid": e["pid"], "tid": e["tid"]}))
+        elif kind == "generate":
             spans["generate"].setdefault((e["pid"], e["tid"]), []).append((start, end))
-        elif e["name"].startswith("weights v"):
-            spans["weights"].append((start, end, {**args, "pid": e["pid"]}))
+            spans["calls of"].setdefault(e["pid"], []).append((start, end))
     spans["steps"] = [(s, phases) for s, phases in sorted(spans["steps"].items())
                       if {"wait batch", *COMPUTE} <= set(phases)]  # (step, {phase: (start, end)})
     spans["leases of"] = {}
@@ -164,10 +166,7 @@ def one_call_episodes(spans: dict) -> np.ndarray:
     generator: a half-empty batch generates each token faster, whatever the learner does): rows (start, end,
     generated tokens, its generator's pid)."""
     warm = spans["steps"][0][1]["prepare"][0]
-    by_generator: dict = {}
-    for (pid, _), calls in spans["generate"].items():
-        by_generator.setdefault(pid, []).extend(calls)
-    flight = {pid: in_progress(calls) for pid, calls in by_generator.items()}
+    flight = {pid: in_progress(calls) for pid, calls in spans["calls of"].items()}
     rows = []
     for start, end, args in spans["episode"]:  # an episode's calls are on its own track, inside it
         track = spans["generate"].get((args["pid"], args["tid"]), ())
