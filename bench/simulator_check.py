@@ -7,7 +7,7 @@ one after the other), predicts every eta from the eta 2 run and prints predicted
 
 The issue's bar (issue 34): on a machine of its own the prediction lands within 15% of each measured run; on a
 machine loaded by another job within 25%, or the answer says it cannot tell. --keep writes each run's compact
-copy (run_costs.py `compact`: what simulate reads, ~100 kB) and machine.json (date, load average before and
+copy (`compact`: what simulate reads, ~100 kB) and machine.json (date, load average before and
 after, cores, --machine) into the directory tests/test_simulate.py checks every recorded set of; --runs
 reads runs already recorded (RUNS/eta<E>) instead of launching. Extra key=value arguments apply to every run.
 Run it with the machine to itself: another job's load makes its measured runs disagree with each other.
@@ -16,6 +16,7 @@ Run it with the machine to itself: another job's load makes its measured runs di
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import time
@@ -24,9 +25,13 @@ from pathlib import Path
 from nanoverl_async.config import load_config
 from nanoverl_async.launcher import launch
 from nanoverl_async.observe.plot import read_rows
-from nanoverl_async.observe.run_costs import compact, measured
+from nanoverl_async.observe.run_costs import TRACE, load_trace, measured, trace_path
 from nanoverl_async.observe.simulate import report
 
+# what `compact` keeps: the metrics keys run_costs.py and this script read, the trace args run_costs.read_events reads
+READ_KEYS = {"step", "time/step_s", "staleness/histogram", "generators/gated_frac", "episodes/length_mean",
+             "reward/mean"}
+TRACE_ARGS = {"name", "step", "group_id", "generator_id", "version", "outcome", "generated_tokens", "trained_step"}
 CONFIG = "configs/agent_grpo.yaml"
 TRACED, ETAS = 2, (2, 0, 4)  # the run simulate reads; the order the runs are launched in
 
@@ -53,6 +58,22 @@ def compare(runs: Path) -> list[str]:
         out.append(f"{eta:>4}{truth:>10.1f}{float(predicted[3]):>11.1f}{predicted[4]:>13}"
                    f"{float(predicted[3]) / truth - 1:>+8.0%}")
     return out
+
+
+def compact(run_dir: str, into: str) -> Path:
+    """Copy of RUN_DIR that run_costs.read_source reads as it reads RUN_DIR, a tenth of its size or less: config.yaml,
+    metrics.jsonl's READ_KEYS, and trace.json.gz holding only the events and args `read_events` reads."""
+    source, target = Path(run_dir), Path(into)
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.yaml").write_text((source / "config.yaml").read_text())
+    rows = [{k: v for k, v in row.items() if k in READ_KEYS} for row in read_rows(source / "metrics.jsonl")]
+    (target / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if trace_path(source).is_file():
+        kept = [{**e, "args": {k: v for k, v in e.get("args", {}).items() if k in TRACE_ARGS}}
+                for e in load_trace(trace_path(source)) if e.get("name") == "process_name"
+                or e.get("ph") == "X" and e["name"] != "tool"]
+        (target / f"{TRACE}.gz").write_bytes(gzip.compress(json.dumps(kept, separators=(",", ":")).encode(), mtime=0))
+    return target
 
 
 def keep(runs: Path, into: Path, machine: str, load: tuple) -> None:

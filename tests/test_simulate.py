@@ -3,6 +3,7 @@ reproducibility on hand-made traces (fast); bad input (one line, status 2); and 
 run's own setting (slow). Run alone: `python -m pytest tests/test_simulate.py -q`.
 """
 
+import importlib.util
 import json
 from collections import Counter
 from dataclasses import replace
@@ -14,7 +15,7 @@ import pytest
 from nanoverl_async.cli import main
 from nanoverl_async.config import load_config, to_yaml
 from nanoverl_async.observe.plot import read_rows
-from nanoverl_async.observe.run_costs import (MIN_CALLS, compact, fit_interference, load_trace, measured, read_source,
+from nanoverl_async.observe.run_costs import (MIN_CALLS, fit_interference, load_trace, measured, read_source,
                                               speeds, swap_cost, swaps_inside)
 from nanoverl_async.observe.simulate import (CROWDED, NOISY, WIDE, WITHIN, Prediction, decide, parse_list, predict, report,
                                              resample)
@@ -255,8 +256,12 @@ def test_a_swap_delays_the_groups_in_flight_so_async_loses_what_sync_does_not(tm
 
 
 def test_a_compact_copy_reads_as_the_run(tmp_path):
+    """bench/simulator_check.py --keep records tests/data/recorded_runs/ as these copies."""
+    spec = importlib.util.spec_from_file_location("simulator_check", Path(__file__).parents[1] / "bench" / "simulator_check.py")
+    simulator_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(simulator_check)
     run = write_run(tmp_path / "run")
-    kept = compact(str(run), str(tmp_path / "kept"))
+    kept = simulator_check.compact(str(run), str(tmp_path / "kept"))
     assert sorted(p.name for p in kept.iterdir()) == ["config.yaml", "metrics.jsonl", "trace.json.gz"]
     assert report(str(kept), "0,2", seed=1) == report(str(run), "0,2", seed=1)
 

@@ -49,10 +49,6 @@ MIN_CALLS = 20  # one-call episodes needed in each class (busy / idle learner) t
 MIN_STEPS = 5  # steps (after the first) needed to fit the learner's slowdown
 IDLE, BUSY = 0.2, 0.8  # a call is "idle" when the learner computed <= 20% of it, "busy" when >= 80%
 TRACE = "trace.json"
-# what `compact` keeps: the metrics keys this module and bench/simulator_check.py read, the trace args read_events reads
-READ_KEYS = {"step", "time/step_s", "staleness/histogram", "generators/gated_frac", "episodes/length_mean",
-             "reward/mean"}
-TRACE_ARGS = {"name", "step", "group_id", "generator_id", "version", "outcome", "generated_tokens", "trained_step"}
 
 
 @dataclass
@@ -81,7 +77,7 @@ class Source:
 
 
 def trace_path(run_dir: Path) -> Path:
-    """RUN_DIR's trace: trace.json as the run wrote it, else trace.json.gz as `compact` keeps it."""
+    """RUN_DIR's trace: trace.json as the run wrote it, else trace.json.gz as bench/simulator_check.py keeps it."""
     whole = run_dir / TRACE
     return whole if whole.is_file() or not (run_dir / f"{TRACE}.gz").is_file() else run_dir / f"{TRACE}.gz"
 
@@ -99,22 +95,6 @@ def load_trace(path: Path) -> list[dict]:
     if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
         raise ConfigError(f"{path}: not a Chrome trace (a JSON array of events)")
     return events
-
-
-def compact(run_dir: str, into: str) -> Path:
-    """Copy of RUN_DIR that `read_source` reads as it reads RUN_DIR, a tenth of its size or less: config.yaml,
-    metrics.jsonl's READ_KEYS, and trace.json.gz holding only the events and args `read_events` reads."""
-    source, target = Path(run_dir), Path(into)
-    target.mkdir(parents=True, exist_ok=True)
-    (target / "config.yaml").write_text((source / "config.yaml").read_text())
-    rows = [{k: v for k, v in row.items() if k in READ_KEYS} for row in read_rows(source / "metrics.jsonl")]
-    (target / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    if trace_path(source).is_file():
-        kept = [{**e, "args": {k: v for k, v in e.get("args", {}).items() if k in TRACE_ARGS}}
-                for e in load_trace(trace_path(source)) if e.get("name") == "process_name"
-                or e.get("ph") == "X" and e["name"] != "tool"]
-        (target / f"{TRACE}.gz").write_bytes(gzip.compress(json.dumps(kept, separators=(",", ":")).encode(), mtime=0))
-    return target
 
 
 def in_progress(intervals: list[tuple[float, float]]):
