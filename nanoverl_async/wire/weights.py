@@ -47,6 +47,7 @@ import json
 import logging
 import math
 import threading
+from collections import deque
 from typing import Optional
 
 import msgpack
@@ -121,15 +122,14 @@ def serialise(state_dict: dict[str, torch.Tensor]) -> np.ndarray:
 
 def deserialise(payload: memoryview | np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
     """`serialise`'s bytes (or `empty_payload`'s uint8 tensor on a GPU) -> tensors that view `payload` (and
-    keep it alive); ValueError for a header that does not fit the payload."""
-    on_device = isinstance(payload, torch.Tensor)
-    read = (lambda start, stop: payload[start:stop].cpu().numpy().tobytes()) if on_device else \
-        (lambda start, stop: bytes(payload[start:stop]))
-    size = int.from_bytes(read(0, 8), "little")
-    if not 0 < size <= len(payload) - 8:
-        raise ValueError(f"header of {size} bytes in a payload of {len(payload)}")
-    header = json.loads(read(8, 8 + size))
-    data = payload[8 + size:]
+    keep it alive); ValueError for a header that does not fit the payload, RuntimeError for a slot not aligned
+    to its element size (neither `empty_payload` nor safetensors writes one)."""
+    data = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(payload, dtype=torch.uint8)
+    size = int.from_bytes(data[:8].cpu().numpy().tobytes(), "little")
+    if not 0 < size <= len(data) - 8:
+        raise ValueError(f"header of {size} bytes in a payload of {len(data)}")
+    header = json.loads(data[8:8 + size].cpu().numpy().tobytes())
+    data = data[8 + size:]
     tensors = {}
     for name, entry in header.items():
         dtype, shape, (start, stop) = SAFETENSORS_DTYPES.get(entry["dtype"]), entry["shape"], entry["data_offsets"]
@@ -138,12 +138,7 @@ def deserialise(payload: memoryview | np.ndarray | torch.Tensor) -> dict[str, to
         count = math.prod(shape)
         if not 0 <= start <= stop <= len(data) or stop - start != count * dtype.itemsize:
             raise ValueError(f"tensor {name!r}: bytes {start}-{stop} of {len(data)} for {count} x {dtype}")
-        if not count:
-            tensors[name] = torch.empty(shape, dtype=dtype, device=payload.device if on_device else "cpu")
-        elif on_device:  # our own payloads only: every slot is aligned (empty_payload)
-            tensors[name] = data[start:stop].view(dtype).view(shape)
-        else:
-            tensors[name] = torch.frombuffer(data, dtype=dtype, count=count, offset=start).view(shape)
+        tensors[name] = data[start:stop].view(dtype).view(shape)
     return tensors
 
 
@@ -165,12 +160,13 @@ class WeightPublisher:
         self._wake = threading.Event()
         self._bound = threading.Event()
         self._pending: Optional[tuple[int, np.ndarray]] = None
-        self._retired: list[tuple[list[zmq.MessageTracker], np.ndarray]] = []  # for `take_spare`
+        # payloads no longer the newest version, each with its sends (none if superseded): `take_spare`'s
+        self._retired: deque[tuple[list[zmq.MessageTracker], np.ndarray]] = deque(maxlen=SPARE_PAYLOADS)
         self._closing = False
         self.endpoint = ""
         self.error: Optional[BaseException] = None
         self.sent_version = -1  # newest version sent so far
-        self.counts = {"published": 0, "sent": 0, "superseded": 0, "resent_to_new_subscribers": 0}
+        self.counts = {"published": 0, "sent": 0, "superseded": 0}
         self._thread = threading.Thread(target=self._run, args=(host, curve), name="weight-publisher", daemon=True)
         self._thread.start()
         if not self._bound.wait(timeout=30) or not self.endpoint:
@@ -184,7 +180,7 @@ class WeightPublisher:
         with self._lock:
             if self._pending is not None:
                 self.counts["superseded"] += 1
-                self._retire([], self._pending[1])
+                self._retired.append(([], self._pending[1]))
             self._pending = (version, payload)
             self.counts["published"] += 1
         self._wake.set()
@@ -213,10 +209,6 @@ class WeightPublisher:
                     return payload
         return None
 
-    def _retire(self, sends: list[zmq.MessageTracker], payload: np.ndarray) -> None:
-        """Under the lock: `payload` (`sends`: its sends) is no longer the newest version: keep a few spares."""
-        self._retired = [*self._retired, (sends, payload)][-SPARE_PAYLOADS:]
-
     def close(self, timeout_s: float = 30.0) -> None:
         """Send what is pending, then stop the thread (never waits longer than timeout_s)."""
         self._closing = True
@@ -229,11 +221,10 @@ class WeightPublisher:
         """A version's message: its notice, and its payload unless the notice names where it lies."""
         notice = {"version": version, "nbytes": len(payload), "checksum": checksum(payload)}
         if isinstance(payload, torch.Tensor):  # on the GPU: only ever with device_handles
-            return [msgpack.packb({**notice, "segment": {"cuda": shared_payloads.device_handle(payload)}}), b""]
-        path = shared_payloads.path_of(payload) if self.shared_memory else None
-        if path is None:
-            return [msgpack.packb(notice), payload]
-        return [msgpack.packb({**notice, "segment": {"path": path}}), b""]
+            notice["segment"] = {"cuda": shared_payloads.device_handle(payload)}
+        elif self.shared_memory and (path := shared_payloads.path_of(payload)) is not None:
+            notice["segment"] = {"path": path}
+        return [msgpack.packb(notice), b"" if "segment" in notice else payload]
 
     def _run(self, host: str, curve: Optional[CurveKeys]) -> None:
         context = zmq.Context()
@@ -254,7 +245,7 @@ class WeightPublisher:
                 with self._lock:
                     pending, self._pending = self._pending, None
                     if pending is not None and latest is not None:  # the version sent last becomes a spare
-                        self._retire(sends, latest[1])
+                        self._retired.append((sends, latest[1]))
                 if pending is not None:
                     version, payload = pending
                     latest = (self._frames(version, payload), payload)
@@ -263,7 +254,6 @@ class WeightPublisher:
                     self.counts["sent"] += 1
                 elif new_subscriber and latest is not None:
                     sends.append(socket.send_multipart(latest[0], copy=False, track=True))
-                    self.counts["resent_to_new_subscribers"] += 1
                 if self._closing and self._pending is None:
                     break
                 self._wake.wait(timeout=POLL_INTERVAL_S)
@@ -291,15 +281,14 @@ class WeightSubscriber:
         self._socket.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self._socket.connect(endpoint)
-        self.counts = {"received": 0, "dropped": 0, "stale": 0, "from_shared_memory": 0}
+        self.counts = {"received": 0, "dropped": 0, "from_shared_memory": 0}
         self._segments = shared_payloads.SegmentReader()
-        self._copies: list = [None, None]  # this process's copies of shared payloads; [_next_copy] is free
-        self._next_copy = 0
+        self._copies: list = [None, None]  # this process's copies of shared payloads; [0] is free
 
     def poll_newest(self, current_version: int) -> Optional[tuple[int, dict[str, torch.Tensor]]]:
         """(version, state_dict) of the newest valid queued version > current_version, else None. Never blocks
         on the socket; a payload in shared memory is copied (only the newest) and checked first."""
-        best: Optional[tuple[int, Optional[memoryview], dict]] = None
+        newest: tuple[int, Optional[memoryview], Optional[dict]] = (current_version, None, None)  # as `_check`'s
         while True:
             try:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -309,19 +298,17 @@ class WeightSubscriber:
             if checked is None:
                 continue
             self.counts["received"] += 1
-            if checked[0] <= current_version or (best is not None and checked[0] <= best[0]):
-                self.counts["stale"] += 1
-                continue
-            best = checked
-        if best is None:
-            return None
-        payload = best[1] if best[1] is not None else self._copy_segment(best[0], best[2])
+            if checked[0] > newest[0]:
+                newest = checked
+        version, payload, notice = newest
+        if payload is None and notice is not None:
+            payload = self._copy_segment(version, notice)
         if payload is None:
             return None
         try:
-            return best[0], deserialise(payload)
+            return version, deserialise(payload)
         except Exception as error:  # a checksummed payload that is not safetensors: a sender bug
-            return self._drop(f"version {best[0]}: not safetensors ({error})")
+            return self._drop(f"version {version}: not safetensors ({error})")
 
     def _copy_segment(self, version: int, notice: dict) -> Optional[np.ndarray | torch.Tensor]:
         """Our copy of the payload a notice names, if its checksum matches (else None: dropped, counted, logged).
@@ -337,16 +324,15 @@ class WeightSubscriber:
         except (OSError, RuntimeError) as error:
             raise RuntimeError(f"weights version {version}: cannot map the learner's payload ({error}); learner "
                                f"rank 0 must share this machine (and, for CUDA IPC, this GPU)") from error
-        copy = self._copies[self._next_copy]  # host or device memory, as the source
+        copy = self._copies[0]  # host or device memory, as the source
         if copy is None or type(copy) is not type(source) or len(copy) != nbytes or \
                 isinstance(copy, torch.Tensor) and copy.device != source.device:
-            copy = torch.empty_like(source) if "cuda" in segment else np.empty_like(source)
-            self._copies[self._next_copy] = copy
+            copy = self._copies[0] = torch.empty_like(source) if "cuda" in segment else np.empty_like(source)
         copy[:] = source
         del source  # the learner may free or reuse it once no reader maps it
         if checksum(copy) != notice["checksum"]:
             return self._drop(f"version {version}: checksum mismatch (rewritten while it was read)")
-        self._next_copy ^= 1
+        self._copies.reverse()  # the other copy is written next: this one stays valid until a newer version
         self.counts["from_shared_memory"] += 1
         return copy
 
