@@ -161,7 +161,7 @@ def main() -> None:
             engine = TransformersEngine(scratch, args.device, "bfloat16" if args.device == "cuda" else "float32",
                                         seed=0, max_batch_size=max(requests), kv_cache_memory=args.kv_cache_memory,
                                         block_size=args.block_size, num_blocks=args.kv_blocks or None)
-            block_bytes = engine.forward.block_bytes(args.block_size)
+            block_bytes = engine.model.block_bytes(args.block_size)
             for cell in cells:
                 result = run_engine(engine, workload(*cell, args.new_tokens, args.group, vocab, salt=1),
                                     workload(*cell, args.new_tokens, args.group, vocab), args.new_tokens, args.device)

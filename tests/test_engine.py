@@ -194,13 +194,13 @@ def test_a_failing_step_fails_its_callers_and_later_requests_are_served(model_di
     engine = TransformersEngine(model_dir)
     with pytest.raises(ValueError, match=r"token ids 101\.\.101 are not all in the model's vocabulary \[0, 96\)"):
         asyncio.run(engine.generate([VOCAB + 5], SamplingParams(3)))  # refused before it can fail a step
-    logits = engine.forward.logits
+    logits = engine.model.logits
 
     def broken(hidden):
-        engine.forward.logits = logits  # fails once
+        engine.model.logits = logits  # fails once
         raise RuntimeError("the forward failed")
 
-    engine.forward.logits = broken
+    engine.model.logits = broken
 
     async def main():
         return await asyncio.gather(engine.generate([1, 2], SamplingParams(3)), engine.generate([3], SamplingParams(3)),
@@ -478,7 +478,7 @@ def emulate_decode_graphs(engine: TransformersEngine, monkeypatch) -> list[Emula
     """The engine's CUDA path on the CPU: its decode steps go through DecodeGraphs, with EmulatedGraphs (all
     it captures, returned), and blocks of queries through CUDA's attention (kv heads repeated)."""
     monkeypatch.setattr(llama_forward, "_gqa_sdpa", llama_forward._expanded_sdpa)
-    graphs, captured = DecodeGraphs(engine.forward, engine._next, engine._lens), []
+    graphs, captured = DecodeGraphs(engine.model, engine._next, engine._lens), []
 
     def capture(step, pool):
         captured.append(EmulatedGraph(step, lambda: [engine._next, engine._lens, engine.cache.table, engine.cache.kv,

@@ -1,7 +1,7 @@
 """The decode step of `TransformersEngine` on CUDA, captured as CUDA graphs and replayed.
 
-    graphs = DecodeGraphs(forward, tokens, lens)      # the engine's fixed-address buffers
-    logits = graphs.decode(kv, table, count, length)   # = forward(kv, table, *Tokens(decoding=(tokens[:count],
+    graphs = DecodeGraphs(model, tokens, lens)        # the engine's fixed-address buffers
+    logits = graphs.decode(kv, table, count, length)   # = model.paged(kv, table, *Tokens(decoding=(tokens[:count],
                                                        #   lens[:count], length)).tensors(device)), replayed
 
 Why: a decode step of a small model launches ~25 kernels per layer, each costing more on the host (Python
@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from nanoverl_async.generators.kv_blocks import NULL_BLOCK
-from nanoverl_async.generators.llama_forward import LlamaForward, Tokens
+from nanoverl_async.generators.llama_forward import LlamaModel, Tokens
 
 
 def bucket(n: int, limit: int) -> int:
@@ -40,8 +40,8 @@ def bucket(n: int, limit: int) -> int:
 class DecodeGraphs:
     """Decode steps (Q = 1) replayed from CUDA graphs, one per (rows, length) bucket of the current table."""
 
-    def __init__(self, forward: LlamaForward, tokens: torch.Tensor, lens: torch.Tensor):
-        self.forward, self.tokens, self.lens = forward, tokens, lens  # the engine's _next and _lens
+    def __init__(self, model: LlamaModel, tokens: torch.Tensor, lens: torch.Tensor):
+        self.model, self.tokens, self.lens = model, tokens, lens  # the engine's _next and _lens
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # one memory pool shared by the graphs of one table
         self.inputs = None  # the cache and block table the graphs were captured on
@@ -58,13 +58,13 @@ class DecodeGraphs:
             self.graphs[key] = capture(lambda: self.step(kv, table, *key), self.pool)
         graph, hidden = self.graphs[key]
         graph.replay()
-        return self.forward.logits(hidden[:count])
+        return self.model.logits(hidden[:count])
 
     def step(self, kv: torch.Tensor, table: torch.Tensor, rows: int, length: int) -> torch.Tensor:
         """What a graph replays: the engine's eager decode of rows 0..rows-1 over `length` positions, up to the
         head (hidden states [rows, hidden])."""
         decoding = Tokens(decoding=(self.tokens[:rows], self.lens[:rows], length))
-        return self.forward(kv, table, *decoding.tensors(kv.device), head=False)
+        return self.model.paged(kv, table, *decoding.tensors(kv.device), head=False)
 
 
 def capture(step: Callable[[], torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -69,7 +69,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from nanoverl_async.generators.decode_graphs import DecodeGraphs
 from nanoverl_async.generators.engine import Completion, SamplingParams
 from nanoverl_async.generators.kv_blocks import PagedCache, pool_blocks, version_seed
-from nanoverl_async.generators.llama_forward import LlamaForward, LlamaWeights, Tokens
+from nanoverl_async.generators.llama_forward import LlamaModel, Tokens
 from nanoverl_async.models.load import DTYPES, on_device
 
 LOCKSTEP_POLL_S = 0.001  # how often a lockstep engine checks whether every episode is waiting
@@ -127,8 +127,7 @@ class TransformersEngine:
         `prefill_tokens` bounds the tokens a step computes for the requests it admits (a longer context is
         admitted alone): the activations of 256 8k-token prompts in one forward would not fit a GPU."""
         self.device = torch.device(device)
-        self.model = LlamaWeights(model_path, self.device, DTYPES[dtype])
-        self.forward = LlamaForward(self.model)
+        self.model = LlamaModel(model_path, self.device, DTYPES[dtype])
         self.version, self.max_batch_size, self.prefill_tokens = 0, max_batch_size, prefill_tokens
         self._generator, self.seed = torch.Generator(device=self.device).manual_seed(seed), seed
         self.lockstep: Optional[Callable[[], int]] = None  # run.deterministic: see "Lockstep" above
@@ -139,12 +138,12 @@ class TransformersEngine:
             budget = kv_cache_memory or DEFAULT_KV_MEMORY[self.device.type]
             free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else \
                 psutil.virtual_memory().available  # bytes free once the model is loaded
-            num_blocks = pool_blocks(budget, free, self.forward.block_bytes(block_size))
-        self.cache = PagedCache(self.forward, num_blocks, block_size, max_batch_size, self.device)
+            num_blocks = pool_blocks(budget, free, self.model.block_bytes(block_size))
+        self.cache = PagedCache(self.model, num_blocks, block_size, max_batch_size, self.device)
         self._lens = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # cached tokens per row
         self._next = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # last sampled, not cached
         self._temps = torch.ones(max_batch_size, 1, dtype=torch.float32, device=self.device)
-        self._graphs = DecodeGraphs(self.forward, self._next, self._lens) if (
+        self._graphs = DecodeGraphs(self.model, self._next, self._lens) if (
             cuda_graphs and self.device.type == "cuda") else None  # decode replayed from CUDA graphs
         # Counters, for tests and benchmarks: steps (one forward each, a replayed graph's included); prefill tokens
         # served from cached blocks and computed (prompts, later turns' new tokens, recomputed rows); rows put back
@@ -157,7 +156,7 @@ class TransformersEngine:
         """See engine.Engine.generate (`episode_id` orders a lockstep wave; prefixes are found by hash)."""
         if len(input_ids) == 0:
             raise ValueError("generate needs at least one input token")
-        vocabulary = self.forward.embed.shape[0]
+        vocabulary = self.model.config.vocab_size
         if not 0 <= min(input_ids) <= max(input_ids) < vocabulary:  # one bad id would fail the whole step
             raise ValueError(f"token ids {min(input_ids)}..{max(input_ids)} are not all in the model's "
                              f"vocabulary [0, {vocabulary})")
@@ -252,7 +251,7 @@ class TransformersEngine:
             self._temps[rows, 0] = on_device(torch.tensor([r.params.temperature for r in new], dtype=torch.float32),
                                             self.device)
         if tokens.spans:
-            logits.append(self.forward(self.cache.kv, self.cache.table, *tokens.tensors(self.device)))
+            logits.append(self.model.paged(self.cache.kv, self.cache.table, *tokens.tensors(self.device)))
         if running:
             self._lens[:running] += 1
         logits = torch.cat(logits) if len(logits) > 1 else logits[0]

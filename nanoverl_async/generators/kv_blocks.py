@@ -8,7 +8,7 @@ device: the pool of keys and values and the running rows' block table (`PagedCac
     if pool.fits(hits, 4):
         blocks = pool.take(hits) + pool.allocate(4)            # shared (refcounted) + own blocks
     pool.release(blocks)                                        # full blocks stay cached under their hash
-    cache = PagedCache(forward, num_blocks, block_size, rows, device)   # cache.pool, cache.kv, cache.table
+    cache = PagedCache(model, num_blocks, block_size, rows, device)   # cache.pool, cache.kv, cache.table
 
 Each block holds `block_size` consecutive positions of one context. A block is in use (held by at least one
 row: its refcount), cached (held by none, its keys and values reusable by a request whose prefix hashes
@@ -143,14 +143,14 @@ class BlockPool:
 
 
 class PagedCache:
-    """The pool's keys and values [layers, k|v, kv_heads, blocks, block_size, head_dim] (`LlamaForward.cache`) and
+    """The pool's keys and values [layers, k|v, kv_heads, blocks, block_size, head_dim] (`LlamaModel.cache`) and
     the block table [rows, columns] of the running rows on the device, with the `BlockPool` that hands out their
     blocks. A row is the engine's request: `blocks`, `hashes` (of its context's full blocks), `seed` (theirs),
     `length()` (its tokens; all but the last sampled one are cached), `context()`, `tokens(begin, end)`."""
 
-    def __init__(self, forward, num_blocks: int, block_size: int, rows: int, device: torch.device):
+    def __init__(self, model, num_blocks: int, block_size: int, rows: int, device: torch.device):
         self.pool = BlockPool(num_blocks, block_size)
-        self.kv = forward.cache(num_blocks, block_size)
+        self.kv = model.cache(num_blocks, block_size)
         self.table = torch.full((rows, max(1, 256 // block_size)), NULL_BLOCK, dtype=torch.long, device=device)
         self.zeroed = 0  # blocks 0..zeroed-1 are zeroed or written: garbage could be NaN, and 0 x NaN = NaN
         self._zero_fresh()

@@ -1,14 +1,13 @@
 """The forward of `hf_engine.TransformersEngine`: the Llama family (llama, mistral, qwen2, qwen3) on a
 checkpoint's own tensors, read without transformers' model classes, over flat tokens, with a paged KV cache.
 
-    weights = LlamaWeights(model_dir, device, torch.float32)   # refuses other model types in one line
-    forward = LlamaForward(weights)
-    kv = forward.cache(blocks, block_size)              # [layers, k|v, kv_heads, blocks, block_size, head_dim]
+    model = LlamaModel(model_dir, device, torch.float32)   # refuses other model types in one line
+    kv = model.cache(blocks, block_size)                # [layers, k|v, kv_heads, blocks, block_size, head_dim]
     table = ...                                         # [rows, columns]: row r's position p is in block
                                                         #   table[r, p // block_size] (kv_blocks.py hands them out)
     tokens = Tokens()
     tokens.add(first=3, offsets=[0, 40], new=[prompt, next_turn])   # rows 3, 4 after their cached positions
-    logits = forward(kv, table, *tokens.tensors(device))   # [rows, V]: each row's last new token
+    logits = model.paged(kv, table, *tokens.tensors(device))   # [rows, V]: each row's last new token
 
 One forward serves every row that needs one, however many new tokens each has: a decoding row's one
 token, a new prompt, an episode's next turn after its cached ones, a whole context to recompute. The
@@ -20,7 +19,7 @@ matmuls with no further copy; its queries padded to its longest row. Each op fol
 float32, rotary embeddings with HF's frequencies, grouped-query attention); tests compare the logits with
 HF's forward per model type.
 
-Why `LlamaWeights` and not transformers' model class: importing the model classes costs a generator ~2 s of
+Why `LlamaModel` and not transformers' model class: importing the model classes costs a generator ~2 s of
 CPU at start-up (a thousand modules), and the engine runs only this forward. The tensors keep transformers'
 names, so a learner's state dict loads into them in place (`load_state_dict`), and this forward reads them.
 
@@ -151,7 +150,7 @@ class Tokens:
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[Span],
                                                       Optional[torch.Tensor]]:
-        """(ids, positions, rows, spans, last) on `device`: the arguments of `LlamaForward.__call__` after the
+        """(ids, positions, rows, spans, last) on `device`: the arguments of `LlamaModel.paged` after the
         cache and the table."""
         spans = [dataclasses.replace(span, padded=on_device(span.padded, device),
                                      unpadded=on_device(span.unpadded, device)) for span in self.spans]
@@ -166,54 +165,6 @@ class Tokens:
             return decoded, at, decoding, spans, None  # every token is a row's last
         return (torch.cat([decoded, ids]), torch.cat([at, positions]), torch.cat([decoding, rows]), spans,
                 torch.cat([decoding, last]))
-
-
-class LlamaWeights(torch.nn.Module):
-    """A checkpoint's tensors under their transformers names (model.layers.0.self_attn.q_proj.weight, ...), read
-    from its safetensors in `dtype` on `device`; a tied LM head is the embedding's own tensor, as in transformers.
-    `config` is the checkpoint's. Called on input_ids [B, T] it returns `.logits` [B, T, V] of one full forward, as
-    a transformers model would (tests compare the engine's logprobs with it)."""
-
-    def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype):
-        super().__init__()
-        directory = Path(model_path).expanduser()
-        if not directory.is_dir():  # a Hugging Face Hub id (model.path): its safetensors, else its PyTorch pickles
-            directory = Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"]))
-            if not any(directory.glob("*.safetensors")):
-                directory = Path(snapshot_download(model_path, allow_patterns=["*.json", "*.bin"]))
-        self.config = config = AutoConfig.from_pretrained(directory)
-        _check_supported(config, model_path)
-        layer = ("input_layernorm", "post_attention_layernorm", *(f"self_attn.{p}_proj" for p in "qkvo"),
-                 *(f"mlp.{p}_proj" for p in ("gate", "up", "down")), *(("self_attn.q_norm", "self_attn.k_norm")
-                                                                       if config.model_type == "qwen3" else ()))
-        modules = ["model.embed_tokens", "model.norm", "lm_head",
-                   *(f"model.layers.{i}.{part}" for i in range(config.num_hidden_layers) for part in layer)]
-        # the tensors this forward reads; a checkpoint's others (none in these families) stay out
-        wanted = {f"{module}.{kind}" for module in modules for kind in ("weight", "bias")}
-        params = {}
-        for file in checkpoint_files(directory, model_path):
-            tensors = load_file(file) if file.suffix == ".safetensors" else torch.load(file, "cpu", weights_only=True)
-            params.update({name: torch.nn.Parameter(tensor.to(device, dtype), requires_grad=False)
-                           for name, tensor in tensors.items() if name in wanted})
-        if config.tie_word_embeddings:  # the head is the embedding, whatever the file holds
-            params["lm_head.weight"] = params.get("model.embed_tokens.weight")
-        missing = [module for module in modules if params.get(f"{module}.weight") is None]
-        if missing:
-            raise ValueError(f"model.path={model_path!r}: the checkpoint in {directory} has no {missing[:3]}")
-        for name, parameter in params.items():  # each under its dotted name: model.layers.0.mlp.up_proj.weight
-            *path, leaf = name.split(".")
-            module = self
-            for part in path:
-                module = module._modules.setdefault(part, torch.nn.Module())
-            module.register_parameter(leaf, parameter)
-
-    def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
-        rows, length = input_ids.shape
-        forward, tokens = LlamaForward(self), Tokens()
-        tokens.add(0, [0] * rows, input_ids.tolist())
-        table = torch.arange(rows, device=input_ids.device)[:, None]  # a block of `length` positions per row
-        logits = forward(forward.cache(rows, length), table, *tokens.tensors(input_ids.device)[:4])  # all, not `last`
-        return SimpleNamespace(logits=logits.view(rows, length, -1))
 
 
 def checkpoint_files(directory: Path, model_path: str) -> list[Path]:
@@ -253,36 +204,77 @@ def rope_frequencies(config, dim: int) -> tuple[torch.Tensor, float]:
     return 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 
-class LlamaForward:
-    """The forward of the Llama family on a checkpoint's tensors (`LlamaWeights`), flat tokens and a paged KV cache."""
+class LlamaModel(torch.nn.Module):
+    """The forward of the Llama family on a checkpoint's tensors, flat tokens and a paged KV cache (`paged`).
+    The tensors keep their transformers names (model.layers.0.self_attn.q_proj.weight, ...), read from the
+    checkpoint in `dtype` on `device`; a tied LM head is the embedding's own tensor, as in transformers. `config`
+    is the checkpoint's. Called on input_ids [B, T] it returns `.logits` [B, T, V] of one full forward, as a
+    transformers model would (tests compare the engine's logprobs with it)."""
 
-    def __init__(self, weights: LlamaWeights):
-        config = self.config = weights.config
-        self.weights, self.eps = weights, config.rms_norm_eps
-        self.layers = [getattr(weights.model.layers, str(i)) for i in range(config.num_hidden_layers)]
-        self.embed = weights.model.embed_tokens.weight  # [V, hidden]: its dtype and device are the model's
+    def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        directory = Path(model_path).expanduser()
+        if not directory.is_dir():  # a Hugging Face Hub id (model.path): its safetensors, else its PyTorch pickles
+            directory = Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"]))
+            if not any(directory.glob("*.safetensors")):
+                directory = Path(snapshot_download(model_path, allow_patterns=["*.json", "*.bin"]))
+        self.config = config = AutoConfig.from_pretrained(directory)
+        _check_supported(config, model_path)
+        layer = ("input_layernorm", "post_attention_layernorm", *(f"self_attn.{p}_proj" for p in "qkvo"),
+                 *(f"mlp.{p}_proj" for p in ("gate", "up", "down")), *(("self_attn.q_norm", "self_attn.k_norm")
+                                                                       if config.model_type == "qwen3" else ()))
+        modules = ["model.embed_tokens", "model.norm", "lm_head",
+                   *(f"model.layers.{i}.{part}" for i in range(config.num_hidden_layers) for part in layer)]
+        # the tensors this forward reads; a checkpoint's others (none in these families) stay out
+        wanted = {f"{module}.{kind}" for module in modules for kind in ("weight", "bias")}
+        params = {}
+        for file in checkpoint_files(directory, model_path):
+            tensors = load_file(file) if file.suffix == ".safetensors" else torch.load(file, "cpu", weights_only=True)
+            params.update({name: torch.nn.Parameter(tensor.to(device, dtype), requires_grad=False)
+                           for name, tensor in tensors.items() if name in wanted})
+        if config.tie_word_embeddings:  # the head is the embedding, whatever the file holds
+            params["lm_head.weight"] = params.get("model.embed_tokens.weight")
+        missing = [module for module in modules if params.get(f"{module}.weight") is None]
+        if missing:
+            raise ValueError(f"model.path={model_path!r}: the checkpoint in {directory} has no {missing[:3]}")
+        for name, parameter in params.items():  # each under its dotted name: model.layers.0.mlp.up_proj.weight
+            *path, leaf = name.split(".")
+            module = self
+            for part in path:
+                module = module._modules.setdefault(part, torch.nn.Module())
+            module.register_parameter(leaf, parameter)
+        self.eps, self.dtype, self.device = config.rms_norm_eps, dtype, device
+        self.layers = [getattr(self.model.layers, str(i)) for i in range(config.num_hidden_layers)]
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         inv_freq, self.rope_scale = rope_frequencies(config, self.head_dim)
-        self.inv_freq = inv_freq.float().to(self.embed.device)
+        self.inv_freq = inv_freq.float().to(device)
         sliding = getattr(config, "sliding_window", None)
         types = getattr(config, "layer_types", None) or ["sliding_attention" if sliding else "full_attention"] * len(
             self.layers)
         self.windows = [sliding if kind == "sliding_attention" else None for kind in types]
 
+    def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
+        rows, length = input_ids.shape
+        tokens = Tokens()
+        tokens.add(0, [0] * rows, input_ids.tolist())
+        table = torch.arange(rows, device=input_ids.device)[:, None]  # a block of `length` positions per row
+        logits = self.paged(self.cache(rows, length), table, *tokens.tensors(input_ids.device)[:4])  # all, not `last`
+        return SimpleNamespace(logits=logits.view(rows, length, -1))
+
     def block_bytes(self, block_size: int) -> int:
         """The memory of one KV block: keys and values of `block_size` positions in every layer."""
-        return len(self.layers) * 2 * self.kv_heads * block_size * self.head_dim * self.embed.element_size()
+        return len(self.layers) * 2 * self.kv_heads * block_size * self.head_dim * self.dtype.itemsize
 
     def cache(self, blocks: int, block_size: int) -> torch.Tensor:
         """The pool, uninitialised: the engine zeroes each block before its first use (on the CPU a page of
         memory is taken only when written, so an unused budget costs nothing)."""
         return torch.empty((len(self.layers), 2, self.kv_heads, blocks, block_size, self.head_dim),
-                           dtype=self.embed.dtype, device=self.embed.device)
+                           dtype=self.dtype, device=self.device)
 
-    def __call__(self, kv: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-                 rows: torch.Tensor, spans: Sequence[Span], last: Optional[torch.Tensor] = None,
-                 head: bool = True) -> torch.Tensor:
+    def paged(self, kv: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+              rows: torch.Tensor, spans: Sequence[Span], last: Optional[torch.Tensor] = None,
+              head: bool = True) -> torch.Tensor:
         """Flat new tokens: ids, positions, rows of the block table [T] (`Tokens`), in `spans` -> the logits
         [n, V] float32 of the tokens `last` [n] (None: of every token); head=False returns their final hidden
         states [n, hidden] instead (decode_graphs.py captures the layers and runs the head on the live rows
@@ -302,7 +294,7 @@ class LlamaForward:
             masks.append({w: torch.where(seen & (keys > at - w) if w else seen, 0.0, float("-inf"))
                           .to(cos.dtype)[:, None] for w in set(self.windows)})
 
-        x = F.embedding(ids, self.embed)
+        x = F.embedding(ids, self.model.embed_tokens.weight)
         for index, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = _rms_norm(x, layer.input_layernorm.weight, self.eps)
@@ -344,9 +336,8 @@ class LlamaForward:
         """positions [T] -> cos, sin [T, 1, head_dim] in the model dtype (HF's formula)."""
         freqs = positions[:, None].float() * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]
-        dtype = self.embed.dtype
-        return (angles.cos() * self.rope_scale).to(dtype), (angles.sin() * self.rope_scale).to(dtype)
+        return (angles.cos() * self.rope_scale).to(self.dtype), (angles.sin() * self.rope_scale).to(self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [n, hidden] -> float32 logits [n, V] (final norm, then the LM head)."""
-        return F.linear(_rms_norm(hidden, self.weights.model.norm.weight, self.eps), self.weights.lm_head.weight).float()
+        return F.linear(_rms_norm(hidden, self.model.norm.weight, self.eps), self.lm_head.weight).float()
