@@ -30,7 +30,6 @@ import ray
 from nanoverl_async import checkpoint
 
 from nanoverl_async.observe import record
-from nanoverl_async.buffer.service import Batch
 from nanoverl_async.config import Config, ConfigError, RayConfig, load_config, to_dict, to_yaml
 from nanoverl_async.agents.data import load_samples
 from nanoverl_async.learners.pool import LearnerPool
@@ -104,7 +103,7 @@ def train(cfg: Config, roles: "Roles", logger: MetricsLogger, start: int = 0,
         if started is not None and step == start:
             phase(started, f"first batch ready; training step {step}")
         with roles.failures("learner pool"):
-            train_batch = roles.learners.prepare(batch)  # proximal logprobs (version `step`), advantages
+            train_batch = roles.learners.prepare(batch.trajectories)  # proximal logprobs (version `step`), advantages
             prepared = time.monotonic()
             learner_metrics = roles.learners.update(train_batch)  # ppo_epochs x minibatches FSDP2 steps
             trained = time.monotonic()
@@ -164,8 +163,8 @@ def replay(run_dir: str) -> dict:
     try:
         with role_failures("learner pool"):
             learners = LearnerPool(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir), run_keys())
-            for step, trajectories in enumerate(batches):
-                learners.update(learners.prepare(Batch(step, trajectories, {})))
+            for trajectories in batches:
+                learners.update(learners.prepare(trajectories))
             learners.save_pretrained(str(Path(run_dir) / "replay" / "final"))
     finally:
         if learners is not None:

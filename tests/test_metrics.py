@@ -23,7 +23,7 @@ def trajectory(version: int, reward: float, tool_calls: int) -> Trajectory:
 def make_batch(step: int, trajectories: list[Trajectory], **counters) -> Batch:
     """What BufferService._hand_out builds: batch_stats over the groups plus the service counters."""
     groups = [Group(group_id=i, prompt_index=i, lease_version=0, samples={0: t}) for i, t in enumerate(trajectories)]
-    return Batch(step, trajectories, {**batch_stats(step, groups), **counters})
+    return Batch(trajectories, {**batch_stats(step, groups), **counters})
 
 
 def test_step_metrics_keys_and_values(tmp_path):

@@ -66,7 +66,6 @@ class OversizedLease(ValueError):
 
 @dataclass
 class Batch:
-    step: int
     trajectories: list[Trajectory]  # B groups of G, group-contiguous, each group ordered by sample_index
     stats: dict  # batch_stats(...) plus the service counters at hand-out time
 
@@ -151,7 +150,6 @@ class BufferService:
         self._cond = threading.Condition()  # guards gate, replay and the counters below (re-entrant: an RLock)
         self._counters = Counter(malformed=0, malformed_requests=0, too_long=0, oversized_leases=0)
         self._generator_versions: dict[int, int] = {}
-        self._generator_tokens: Counter = Counter()
         self._tokens_since_batch = 0
         self._gated = GatedClock(time.monotonic())
         self.trace = SpanLog(trace)
@@ -190,7 +188,7 @@ class BufferService:
                     stats = {**batch_stats(step, groups), **self.stats(), "wait_s": time.monotonic() - start,
                              "generators_gated_frac": self._gated.fraction(time.monotonic(), self.generators.replicas)}
                     self._tokens_since_batch = 0
-                    return Batch(step, [t for g in groups for t in g.trajectories], stats)
+                    return Batch([t for g in groups for t in g.trajectories], stats)
                 if self._stop.is_set():
                     raise RuntimeError(f"buffer service closed while step {step} waited for a batch")
                 remaining = deadline - time.monotonic()
@@ -213,7 +211,6 @@ class BufferService:
                 "groups_ready": len(self.replay.ready),
                 "groups_started": self.gate.groups_started,
                 "generator_versions": dict(self._generator_versions),
-                "generator_tokens": dict(self._generator_tokens),
                 "tokens_generated": self._tokens_since_batch,
             }
 
@@ -290,7 +287,6 @@ class BufferService:
             log.warning("buffer: dropped a malformed trajectory message (%d bytes): %s", len(message), error)
             return
         with self._cond:
-            self._generator_tokens[trajectory.generator_id] += trajectory.num_generated
             self._tokens_since_batch += trajectory.num_generated
             outcome = self.replay.add(trajectory)
             if outcome == COMPLETED:

@@ -74,21 +74,20 @@ class LearnerPool:
             ray.get(ready)  # raises the rank's own error
         return ray.get(refs)
 
-    def prepare(self, batch) -> TrainBatch:
-        """The buffer's Batch -> a TrainBatch ready for `update`: overlong-shaped rewards, the proximal
+    def prepare(self, trajectories: list) -> TrainBatch:
+        """A batch's trajectories (the buffer's Batch.trajectories, group-contiguous) -> a TrainBatch ready for `update`: overlong-shaped rewards, the proximal
         logprobs of the current weights when the update takes several optimizer steps, the reference
         logprobs when KL is on, the critic's values for gae (each gathered from every rank's shard), and
         the advantages of `algorithm.advantage`. With one optimizer step per batch the update's own forward
         runs on exactly the weights of version `step`: its detached logprobs ARE the proximal logprobs,
         so that forward is not run twice (and, with no KL and no critic, nothing runs here at all)."""
-        train_batch, group_size = collate(batch.trajectories), group_size_of(batch.trajectories)
+        train_batch, group_size = collate(trajectories), group_size_of(trajectories)
         shared = ray.put(train_batch) if self.forwards else None  # one copy in Ray's object store for every rank
         # each field [N, L]: every rank's [shard rows, L], concatenated in rank order
         gathered = {field: torch.from_numpy(np.concatenate(self._all("compute", shared, field)))
                     for field in self.forwards}
-        setup = self.setup
-        return with_advantages(dataclasses.replace(train_batch, **gathered), group_size, setup.algorithm, setup.kl,
-                               setup.max_total_tokens)
+        return with_advantages(dataclasses.replace(train_batch, **gathered), group_size, self.setup.algorithm,
+                               self.setup.kl, self.setup.max_total_tokens)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """learner.ppo_epochs x learner.minibatches optimizer steps on the batch, one new version;
