@@ -92,7 +92,7 @@ def qwen_body_with_tiny_tokenizer(cache_dir: str = "", size: str = "0.5b") -> st
         return "random weights"
 
     name = "qwen-body-tiny-tokenizer" if size == "0.5b" else f"qwen{size}-body-tiny-tokenizer"
-    return build_once(name, "v1", write, cache_dir)
+    return build_once(name, {"size": size, "version": 1}, write, cache_dir)
 
 
 def qwen_1_5b_body_with_tiny_tokenizer(cache_dir: str = "") -> str:

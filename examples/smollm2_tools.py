@@ -24,7 +24,6 @@ demos, made by the real agent loop with a scripted engine (`Teacher`) so their t
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import random
 from pathlib import Path
@@ -144,8 +143,7 @@ def warm_started(cache_dir: str = "") -> str:
     base = resolve_model_path("builtin:smollm2-135m", cache_dir)
     recipe = {**WARM_START, "base": Path(base).name, "system": describe_tools(WordProblemEnv.tools), "stories": STORIES,
               "demo": DEMO_TURNS}
-    digest = hashlib.blake2b(json.dumps(recipe, sort_keys=True).encode(), digest_size=8).hexdigest()
     with torch.random.fork_rng(devices=[]):  # seeded, and the caller's RNG stream stays untouched
         torch.manual_seed(0)
-        return build_once("smollm2-135m-calc", digest, lambda directory: warm_start(base, directory), cache_dir,
+        return build_once("smollm2-135m-calc", recipe, lambda directory: warm_start(base, directory), cache_dir,
                           note="one-time warm start on 16 tool demos, ~45 s")

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoverl_async.agents import multiply_task
-from nanoverl_async.models.cache import default_cache_dir
+from nanoverl_async.models.cache import default_cache_dir, recipe_digest
 from nanoverl_async.models.load import load_tokenizer, resolve_model_path
 from nanoverl_async.models.tiny import (
     TinyRecipe,
@@ -227,7 +227,8 @@ def test_cache_reused_and_recipe_keyed(built):
     assert build_tiny(cache, FAST) == path
     assert time.perf_counter() - start < 0.5
     other = TinyRecipe(steps=2, batch_size=4, warmup_steps=1, seed=1)
-    assert other.digest() != FAST.digest() and TinyRecipe().digest() == TinyRecipe().digest()
+    assert recipe_digest(other.contents()) != recipe_digest(FAST.contents())
+    assert recipe_digest(TinyRecipe().contents()) == recipe_digest(TinyRecipe().contents())
     leftovers = [n for n in os.listdir(cache) if n.startswith(".tiny-build-")]
     assert not leftovers  # the temp dir was renamed, nothing half-built remains
 
@@ -267,7 +268,7 @@ def test_resolve_model_path(tmp_path, monkeypatch):
 
 def test_default_builtin_if_already_built():
     """The real default recipe, only if it is already in the cache (building it takes ~a minute)."""
-    final = default_cache_dir() / f"tiny-{TinyRecipe().digest()}"
+    final = default_cache_dir() / f"tiny-{recipe_digest(TinyRecipe().contents())}"
     if not final.is_dir():
         pytest.skip("builtin:tiny not built yet (python -m nanoverl_async.models.tiny builds it)")
     start = time.perf_counter()

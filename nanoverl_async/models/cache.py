@@ -1,12 +1,12 @@
 """The cache of built-in models: each is a directory built once, then found.
 
-    path = build_once("tiny", recipe.digest(), write, cache_dir, note="one-time warm start, ~70 s")
+    path = build_once("tiny", recipe.contents(), write, cache_dir, note="one-time warm start, ~70 s")
 
 `write(directory)` fills an empty directory with a Hugging Face model (config, weights, tokenizer) and
 returns a short summary for the log line. Used by every `builtin:` model (nanoverl_async/models/load.py).
 
 Invariants:
-- the directory is `<root>/<kind>-<digest>`, where the digest names everything that determines the
+- the directory is `<root>/<kind>-<digest>`, the digest a hash of `recipe`: everything that determines the
   contents, so a changed recipe never reuses a stale model;
 - it is built in a temporary directory and renamed into place under an fcntl lock: it exists only when
   complete, and two processes (every role resolves `model.path`) never build it twice; a failed build
@@ -39,14 +39,14 @@ def recipe_digest(recipe: dict) -> str:
     return hashlib.blake2b(json.dumps(recipe, sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
-def build_once(kind: str, digest: str, write: Callable[[Path], str], cache_dir: str = "", note: str = "") -> str:
-    """The directory of built-in model `kind` at `digest`, made by `write` (under a lock) if missing."""
+def build_once(kind: str, recipe: dict, write: Callable[[Path], str], cache_dir: str = "", note: str = "") -> str:
+    """The directory of built-in model `kind` for `recipe` (JSON-able), made by `write` (under a lock) if missing."""
     root = default_cache_dir(cache_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{kind}-{digest}"
+    final = root / f"{kind}-{recipe_digest(recipe)}"
     if final.is_dir():  # complete by construction: it only ever appears through the rename below
         return str(final)
-    with open(root / f".{kind}-{digest}.lock", "w") as lock:
+    with open(root / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if we crash
         if final.is_dir():  # another process built it while we waited
             return str(final)

