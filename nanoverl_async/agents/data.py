@@ -35,6 +35,10 @@ from nanoverl_async.agents.user_code import load_object, user_error
 
 def read_rows(path: str) -> list[dict]:
     """All rows of one .parquet (pyarrow) or .jsonl file, as plain Python values (never numpy)."""
+    if not path.endswith((".parquet", ".jsonl", ".json")):
+        raise ValueError(f"'{path}' is not a .parquet or .jsonl file")
+    if not Path(path).is_file():
+        raise ValueError(f"file '{path}' does not exist")
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
