@@ -50,7 +50,7 @@ def test_stage_weights_takes_version_notices(server, tmp_path):
                           servers=[handle])
     server.weight_version = "2"  # rank 0 loaded version 2 (update_weights_from_distributed)
     engine.stage_weights({}, 2)
-    assert engine.version == 2 and engine.counts["weight_updates"] == 1
+    assert engine.version == 2
     assert not any(tmp_path.iterdir()) and "/update_weights_from_disk" not in server.calls
     completion = asyncio.run(engine.generate(PROMPT, SamplingParams(3, 1.0)))
     assert completion.versions == [2, 2, 2]

@@ -78,7 +78,6 @@ class SGLangEngine:
         self.servers = servers
         self.outstanding = [0] * len(servers)
         self.latest_path = model_path  # the weights a restarted server loads
-        self.counts = {"resumed": 0, "restarts": 0, "weight_updates": 0}
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._clients: dict[int, httpx.AsyncClient] = {}  # one per event loop
         self._restart_locks: dict[int, asyncio.Lock] = {}
@@ -142,7 +141,6 @@ class SGLangEngine:
                 if finish != "abort":
                     completion.finish_reason = finish
                     return completion
-                self.counts["resumed"] += 1
                 empty = 0 if tokens else empty + 1
                 if empty > MAX_EMPTY_RESUMES:
                     raise SGLangError(f"{self.servers[index].url}: request {rid} aborted {empty} times without a "
@@ -193,7 +191,6 @@ class SGLangEngine:
                                   "rank 0's weight-update group and would serve stale weights. Restart the run, or use "
                                   "generator.sglang.weight_transport=disk (servers restart with the newest weights)")
             await asyncio.to_thread(server.restart, self.latest_path)
-            self.counts["restarts"] += 1
             return True
 
     # --- weights -----------------------------------------------------------------------------------
@@ -214,7 +211,6 @@ class SGLangEngine:
             raise SGLangError(f"{self.servers[0].url} holds weights version {held!r}, but learner rank 0 announced "
                               f"version {version} as loaded (weight_transport=nccl)")
         self.version = version
-        self.counts["weight_updates"] += 1
 
     def update_from_disk(self, path: str, version: int) -> None:
         """pause (cfg.pause_mode) -> /update_weights_from_disk -> continue, on every server."""
@@ -222,7 +218,6 @@ class SGLangEngine:
             for server in self.servers:
                 server.update_from_disk(path, version)
         old, self.latest_path, self.version = self.latest_path, path, version
-        self.counts["weight_updates"] += 1
         if old != self.base_model_path and Path(old).parent == self.weights_dir:
             shutil.rmtree(old, ignore_errors=True)  # keep only the newest written version
 
