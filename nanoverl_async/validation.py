@@ -15,7 +15,7 @@ import dataclasses
 import math
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 # `Config` in the annotations below is config.py's, not imported: config.py imports this module.
 
@@ -90,47 +90,69 @@ def validate(cfg: Config) -> None:
         value = get_key(cfg, key)
         if value not in allowed:
             raise ConfigError(f"config key '{key}': '{value}' is not one of {', '.join(allowed)}")
-    if cfg.algorithm.clip.low >= 1:
-        raise ConfigError(f"config key 'algorithm.clip.low': must be < 1, got {cfg.algorithm.clip.low}")
-    if len(cfg.learner.betas) != 2 or not all(0 <= b < 1 for b in cfg.learner.betas):
-        raise ConfigError(f"config key 'learner.betas': must be two numbers in [0, 1), got {cfg.learner.betas}")
+    for key, wrong, why in _rules(cfg):
+        if wrong:
+            raise ConfigError(f"config key '{key}': {why}")
+
+
+def _rules(cfg: Config) -> Iterator[tuple[str, bool, str]]:
+    """(key, whether its value is wrong, why) of every check beyond one number or choice: one key's bounds and
+    the combinations that cannot work together, in order; lazily, so a check may rely on those before it."""
+    algo, kl, learner, run, agent = cfg.algorithm, cfg.kl, cfg.learner, cfg.run, cfg.agent
+    yield "algorithm.clip.low", algo.clip.low >= 1, f"must be < 1, got {algo.clip.low}"
+    yield "learner.betas", len(learner.betas) != 2 or not all(0 <= b < 1 for b in learner.betas), \
+        f"must be two numbers in [0, 1), got {learner.betas}"
     for key in (f.name for f in dataclasses.fields(cfg.ray) if f.name.endswith("_resource")):
-        if getattr(cfg.ray, key) and not cfg.ray.address:
-            raise ConfigError(f"config key 'ray.{key}': places roles on a cluster's nodes, so it needs ray.address "
-                              "(a local run has one node)")
-    replica_gpus = cfg.generator.gpus_per_replica
-    if not (0 < replica_gpus <= 1 or (replica_gpus > 1 and replica_gpus % 1 == 0)):
-        raise ConfigError(f"config key 'generator.gpus_per_replica': must be in (0, 1] or a whole number, got {replica_gpus}")
-    if cfg.agent.max_new_tokens >= cfg.agent.max_total_tokens:
-        raise ConfigError("config key 'agent.max_new_tokens': must be smaller than agent.max_total_tokens")
-    if not cfg.model.path:
-        raise ConfigError("config key 'model.path': must not be empty")
-    if cfg.generator.engine == "sglang" and cfg.generator.sglang.weight_transport == "nccl" \
-            and cfg.weight_sync.mode != "interrupt":  # rank 0 loads weights into the servers whenever it publishes
-        raise ConfigError(f"config key 'weight_sync.mode': '{cfg.weight_sync.mode}' cannot be honoured with "
-                          "generator.sglang.weight_transport=nccl (learner rank 0 loads each version into the "
-                          "servers when it publishes, mid-episode); use weight_sync.mode=interrupt or "
-                          "generator.sglang.weight_transport=disk")
-    _check_run(cfg)
-    validate_algorithm(cfg)
-
-
-def _check_run(cfg: Config) -> None:
-    if cfg.run.overwrite and cfg.run.resume:
-        raise ConfigError("config key 'run.overwrite': clears run.output_dir for a fresh run, so it cannot be "
-                          f"combined with run.resume={cfg.run.resume!r}")
-    if cfg.run.print_sample_every and not cfg.run.log_samples:
-        raise ConfigError("config key 'run.print_sample_every': prints one of the logged samples, so it needs "
-                          "run.log_samples >= 1")
-    if cfg.run.eval_every and not cfg.data.val_files:
-        raise ConfigError("config key 'run.eval_every': needs data.val_files (the evaluation prompts)")
+        yield f"ray.{key}", getattr(cfg.ray, key) != "" and not cfg.ray.address, \
+            "places roles on a cluster's nodes, so it needs ray.address (a local run has one node)"
+    gpus = cfg.generator.gpus_per_replica
+    yield "generator.gpus_per_replica", not (0 < gpus <= 1 or (gpus > 1 and gpus % 1 == 0)), \
+        f"must be in (0, 1] or a whole number, got {gpus}"
+    yield "agent.max_new_tokens", agent.max_new_tokens >= agent.max_total_tokens, \
+        "must be smaller than agent.max_total_tokens"
+    yield "model.path", not cfg.model.path, "must not be empty"
+    nccl = cfg.generator.engine == "sglang" and cfg.generator.sglang.weight_transport == "nccl"
+    yield "weight_sync.mode", nccl and cfg.weight_sync.mode != "interrupt", \
+        (f"'{cfg.weight_sync.mode}' cannot be honoured with generator.sglang.weight_transport=nccl (learner rank 0 "
+         "loads each version into the servers when it publishes, mid-episode); use weight_sync.mode=interrupt or "
+         "generator.sglang.weight_transport=disk")
+    yield "run.overwrite", run.overwrite and run.resume != "", \
+        f"clears run.output_dir for a fresh run, so it cannot be combined with run.resume={run.resume!r}"
+    yield "run.print_sample_every", run.print_sample_every > 0 and run.log_samples == 0, \
+        "prints one of the logged samples, so it needs run.log_samples >= 1"
+    yield "run.eval_every", run.eval_every > 0 and not cfg.data.val_files, \
+        "needs data.val_files (the evaluation prompts)"
     # Asynchronous batches depend on how fast each role runs, and so does which replica samples a group.
     for key, needed in {"staleness.max": 0, "generator.replicas": 1, "generator.engine": "transformers"}.items():
-        if cfg.run.deterministic and get_key(cfg, key) != needed:
-            raise ConfigError(f"config key 'run.deterministic': needs {key}={needed} (got {get_key(cfg, key)}); "
-                              f"for an asynchronous run, run.record=true and `nanoverl-async replay` reproduce the "
-                              f"learner")
-
+        yield "run.deterministic", run.deterministic and get_key(cfg, key) != needed, \
+            (f"needs {key}={needed} (got {get_key(cfg, key)}); for an asynchronous run, run.record=true and "
+             f"`nanoverl-async replay` reproduce the learner")
+    # the algorithm, KL and the update schedule
+    samples = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
+    yield "learner.world_size" if samples % learner.world_size else "learner.minibatches", \
+        samples % (learner.minibatches * learner.world_size) != 0, \
+        (f"{learner.minibatches} minibatches x {learner.world_size} ranks do not divide the {samples} samples per "
+         f"step evenly")
+    yield "algorithm.clip.ratio_c", algo.clip.ratio_c != 0 and algo.clip.ratio_c <= 1, \
+        f"must be 0 (off) or > 1, got {algo.clip.ratio_c}"
+    yield "algorithm.is_low", algo.is_low >= algo.is_cap, f"must be below algorithm.is_cap ({algo.is_cap})"
+    weighted = algo.correction in ("tis", "mis")  # the corrections with an IS level and a lower bound
+    yield "algorithm.is_level", not weighted and (algo.is_level != "token" or algo.is_low != 0), \
+        f"is_level and is_low apply to correction tis or mis only, not '{algo.correction}'"
+    yield "algorithm.is_level", algo.loss == "gspo" and weighted and algo.is_level == "token", \
+        (f"loss gspo takes one ratio per sequence, so its {algo.correction} correction must be sequence-level too "
+         f"(algorithm.is_level=sequence)")
+    yield "critic", algo.advantage != "gae" and cfg.critic != type(cfg.critic)(), \
+        f"set, but only algorithm.advantage=gae trains a critic (advantage is '{algo.advantage}')"
+    yield "kl.reward_coef", kl.reward_coef > 0 and algo.advantage not in ("reinforce++", "gae"), \
+        (f"a per-token KL reward needs a token-level advantage (reinforce++ or gae), not '{algo.advantage}'; use "
+         f"kl.loss_coef instead")
+    yield "reference.path", cfg.reference.path != "" and kl.loss_coef == 0 and kl.reward_coef == 0, \
+        "set, but KL is off (kl.loss_coef = kl.reward_coef = 0), so the reference would never be used"
+    yield "algorithm.group_filter", algo.group_filter and cfg.data.samples_per_prompt < 2, \
+        "needs data.samples_per_prompt >= 2 (a single-sample group always ties and would be dropped)"
+    yield "algorithm.overlong.buffer", algo.overlong.buffer >= agent.max_total_tokens, \
+        f"must be below agent.max_total_tokens ({agent.max_total_tokens})"
 
 POSITIVE = ("run.total_steps", "data.prompts_per_step", "data.samples_per_prompt", "agent.max_turns",
             "agent.max_new_tokens", "agent.max_total_tokens", "agent.tool_timeout_s", "agent.max_tool_calls",
@@ -163,37 +185,3 @@ def _check_numbers(cfg: Config) -> None:
         raise ConfigError(f"config key 'buffer.lease_timeout_s': must be >= {MIN_LEASE_TIMEOUT_S} s (a lease must "
                           f"outlive an episode, or every group expires), got {cfg.buffer.lease_timeout_s}")
 
-
-def validate_algorithm(cfg: Config) -> None:
-    """Algorithm, KL and update-schedule values, and the combinations that cannot work together."""
-    algo, kl, learner = cfg.algorithm, cfg.kl, cfg.learner
-    samples = cfg.data.prompts_per_step * cfg.data.samples_per_prompt  # data.prompts_per_step x samples_per_prompt
-    if samples % (learner.minibatches * learner.world_size):
-        key = "learner.world_size" if samples % learner.world_size else "learner.minibatches"
-        raise ConfigError(f"config key '{key}': {learner.minibatches} minibatches x {learner.world_size} ranks do "
-                          f"not divide the {samples} samples per step evenly")
-    if algo.clip.ratio_c != 0 and algo.clip.ratio_c <= 1:
-        raise ConfigError(f"config key 'algorithm.clip.ratio_c': must be 0 (off) or > 1, got {algo.clip.ratio_c}")
-    if algo.is_low >= algo.is_cap:
-        raise ConfigError(f"config key 'algorithm.is_low': must be below algorithm.is_cap ({algo.is_cap})")
-    if algo.correction not in ("tis", "mis") and (algo.is_level != "token" or algo.is_low != 0):
-        raise ConfigError("config key 'algorithm.is_level': is_level and is_low apply to correction tis or mis "
-                          f"only, not '{algo.correction}'")
-    if algo.loss == "gspo" and algo.correction in ("tis", "mis") and algo.is_level == "token":
-        raise ConfigError(f"config key 'algorithm.is_level': loss gspo takes one ratio per sequence, so its "
-                          f"{algo.correction} correction must be sequence-level too (algorithm.is_level=sequence)")
-    if algo.advantage != "gae" and cfg.critic != type(cfg.critic)():
-        raise ConfigError(f"config key 'critic': set, but only algorithm.advantage=gae trains a critic "
-                          f"(advantage is '{algo.advantage}')")
-    if kl.reward_coef > 0 and algo.advantage not in ("reinforce++", "gae"):
-        raise ConfigError(f"config key 'kl.reward_coef': a per-token KL reward needs a token-level advantage "
-                          f"(reinforce++ or gae), not '{algo.advantage}'; use kl.loss_coef instead")
-    if cfg.reference.path and kl.loss_coef == 0 and kl.reward_coef == 0:
-        raise ConfigError("config key 'reference.path': set, but KL is off (kl.loss_coef = kl.reward_coef = 0), "
-                          "so the reference would never be used")
-    if algo.group_filter and cfg.data.samples_per_prompt < 2:
-        raise ConfigError("config key 'algorithm.group_filter': needs data.samples_per_prompt >= 2 "
-                          "(a single-sample group always ties and would be dropped)")
-    if algo.overlong.buffer >= cfg.agent.max_total_tokens:
-        raise ConfigError(f"config key 'algorithm.overlong.buffer': must be below agent.max_total_tokens "
-                          f"({cfg.agent.max_total_tokens})")
