@@ -238,9 +238,8 @@ def commit(tmp: Path, meta: dict, keep: int) -> Path:
 
 
 def make_meta(cfg: Config, step: int, buffer_counters: dict, written_on: Optional[dict] = None) -> dict:
-    config = trained_config(cfg)
     return {"step": step, "version": step, "seed": cfg.run.seed, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "config": config, "buffer": buffer_counters, "written_on": written_on or {}}
+            "config": trained_config(cfg), "buffer": buffer_counters, "written_on": written_on or {}}
 
 
 def trained_config(cfg: Config) -> dict:

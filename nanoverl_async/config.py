@@ -52,7 +52,9 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = "builtin:tiny"  # a Hugging Face directory, or a builtin: name (models.BUILTIN_MODELS), no download
+    # a Hugging Face directory, a builtin: name (agents/user_code.BUILTINS["model.path"]: built locally, no
+    # download) or a builder fn(cache_dir) -> directory (file.py:fn)
+    path: str = "builtin:tiny"
     dtype: str = "float32"  # float32 | bfloat16
     cache_dir: str = ""  # where builtin models are built; "" = $NANOVERL_CACHE or ~/.cache/nanoverl_async
 

@@ -301,10 +301,9 @@ class LearnerRank:
         copies do not block, and the host waits once for all of them (into pageable memory each would wait)."""
         state = self.model.state_dict()
         if self.nccl_transport:
-            gathered = dict(self._full_tensors(state))
+            gathered = list(self._full_tensors(state))  # collective: every rank gathers, rank 0 keeps them
             if self.sender is not None:
-                self.sender.send(gathered.items(), version)
-                del gathered
+                self.sender.send(gathered, version)
                 self.publisher.publish(version, serialise({}))
             return
         cuda, payload, slots = self.device.type == "cuda", None, {}
