@@ -97,7 +97,7 @@ def run_engine(engine: TransformersEngine, warm_up: list[list[int]], prompts: li
         return await asyncio.gather(*(engine.generate(p, SamplingParams(tokens, 1.0)) for p in batch))
 
     asyncio.run(one_pass(warm_up, 4))
-    engine.cache.pool.peak, preempted = engine.cache.pool.in_use(), engine.preemptions
+    engine.cache.pool.peak = engine.cache.pool.in_use()
     sync(device)
     started = time.perf_counter()
     completions = asyncio.run(one_pass(prompts, new_tokens))
@@ -108,7 +108,7 @@ def run_engine(engine: TransformersEngine, warm_up: list[list[int]], prompts: li
     # the per-request counts (engine.Completion), as the agent loop sums them for metrics.jsonl
     prefilled = sum(c.prefill_tokens for c in completions)
     return {"tok/s": tokens / wall, "peak blocks": engine.cache.pool.peak,
-            "preemptions": engine.preemptions - preempted,
+            "preemptions": sum(c.preemptions for c in completions),
             "prefix hit": sum(c.cached_tokens for c in completions) / max(1, prefilled)}
 
 

@@ -95,7 +95,7 @@ def test_a_groups_shared_prompt_is_computed_once_and_its_samples_differ(model_di
         return await asyncio.gather(*(engine.generate(p, SamplingParams(8, 1.0)) for p in [group, other] + [group] * 5))
 
     completions = asyncio.run(main())
-    assert engine.reused_tokens == 5 * len(group)  # 5 copies of the first sample's prompt cache
+    assert sum(c.cached_tokens for c in completions) == 5 * len(group)  # 5 copies of the first sample's prompt cache
     for prompt, completion in zip([group, other] + [group] * 5, completions):
         assert completion.logprobs == pytest.approx(reference_logprobs(reference, prompt, completion.token_ids, 1.0),
                                                     abs=TOL)
@@ -110,7 +110,7 @@ def test_a_group_joining_running_rows_shares_its_prompt_and_matches_a_full_forwa
     group = [9, 8, 7, 6, 5, 4, 3]
     requests = [(0, [1, 2, 3], 20), (0, [40] * 12, 15)] + [(3, group, 6)] * 4 + [(3, [30, 31], 6)]
     completions = staggered(engine, requests, temperature=1.0)
-    assert engine.reused_tokens == 3 * len(group)
+    assert sum(c.cached_tokens for c in completions) == 3 * len(group)
     for (_, prompt, limit), completion in zip(requests, completions):
         assert len(completion.token_ids) == limit
         assert completion.logprobs == pytest.approx(reference_logprobs(reference, prompt, completion.token_ids, 1.0),
@@ -270,7 +270,7 @@ def test_rows_joining_at_different_steps_match_a_full_forward(model_dir):
         assert len(completion.token_ids) == limit and completion.finish_reason == "length"
         expected = reference_logprobs(reference, prompt, completion.token_ids, 0.9)
         assert completion.logprobs == pytest.approx(expected, abs=TOL)
-    assert engine.in_flight() == 0 and engine.tokens_generated == sum(limit for *_, limit in STAGGERED)
+    assert engine.in_flight() == 0
 
 
 def test_swap_mid_decode_recomputes_every_running_row(model_dir):
@@ -279,7 +279,7 @@ def test_swap_mid_decode_recomputes_every_running_row(model_dir):
     new = tiny_qwen2(seed=2)
     state_dict = {k: v for k, v in new.state_dict().items() if k != "lm_head.weight"}
     completions = staggered(engine, STAGGERED, swap=(8, state_dict, 1))
-    assert engine.version == 1 and engine.weight_swaps == 1
+    assert engine.version == 1
     swapped_mid_row = 0
     for (_, prompt, _), completion in zip(STAGGERED, completions):
         cut = completion.versions.count(0)
@@ -377,8 +377,8 @@ def test_later_turns_reuse_the_episodes_cache_and_match_a_full_forward(name, tmp
     assert len(continued) == 2 * len(prompts) - 1  # every later turn but e5's rewritten one
     # a later turn's context = the previous context + completion + 2 tool tokens; the cache held all of it
     # but the last sampled token, its full blocks by hash
-    assert engine.reused_tokens == sum(4 * ((len(context) - 3) // 4) for context in continued)
-    assert engine.computed_tokens == sum(len(context) for _, context, _ in turns) - engine.reused_tokens
+    assert sum(c.cached_tokens for *_, c in turns) == sum(4 * ((len(context) - 3) // 4) for context in continued)
+    assert [c.prefill_tokens for *_, c in turns] == [len(context) for _, context, _ in turns]
 
 
 def test_a_later_turn_admitted_beside_a_longer_prompt_fits_the_cache(model_dir):
@@ -395,7 +395,7 @@ def test_a_later_turn_admitted_beside_a_longer_prompt_fits_the_cache(model_dir):
                                     engine.generate(fresh, SamplingParams(4, 1.0)))
 
     later, other = asyncio.run(together())
-    assert engine.reused_tokens == 56 and len(context) == 60
+    assert later.cached_tokens == 56 and len(context) == 60
     for ids, completion in ((context, later), (fresh, other)):
         assert completion.logprobs == pytest.approx(reference_logprobs(reference, ids, completion.token_ids, 1.0),
                                                     abs=TOL)
@@ -408,11 +408,11 @@ def test_a_weight_swap_between_turns_drops_the_cached_blocks(model_dir):
     engine.stage_weights({k: v for k, v in new.state_dict().items() if k != "lm_head.weight"}, 1)
     context = [4, 5, 6] + first.token_ids + [2]
     second = asyncio.run(engine.generate(context, SamplingParams(5, 1.0), episode_id="e"))
-    assert engine.reused_tokens == 0 and second.versions == [1] * 5
+    assert second.cached_tokens == 0 and second.versions == [1] * 5
     assert second.logprobs == pytest.approx(reference_logprobs(new, context, second.token_ids, 1.0), abs=TOL)
     third = asyncio.run(engine.generate(context + second.token_ids + [2], SamplingParams(2, 1.0), episode_id="e"))
     # same weights: the 3 full blocks of the 13 positions the second turn cached are reused
-    assert engine.reused_tokens == 12 and len(context) + 4 == 13 and len(third.token_ids) == 2
+    assert third.cached_tokens == 12 and len(context) + 4 == 13 and len(third.token_ids) == 2
 
 
 def test_unsupported_models_are_refused_in_one_line(tmp_path):
@@ -548,8 +548,8 @@ def test_random_workloads_match_a_full_forward_under_their_versions(seed, graphs
         return await asyncio.gather(cancelled(), swap(), *(episode(f"e{i}") for i in range(14)))
 
     assert isinstance(asyncio.run(main())[0], asyncio.CancelledError)
-    assert engine.in_flight() == 0 and engine.weight_swaps == 1 and engine.cache.pool.in_use() == 0
-    assert not (tight and rows > 3) or engine.preemptions > 0
+    assert engine.in_flight() == 0 and engine.version == 1 and engine.cache.pool.in_use() == 0
+    assert not (tight and rows > 3) or sum(c.preemptions for *_, c in turns) > 0
     assert not graphs or sum(graph.replays for graph in captured) > engine.decode_steps / 2
     assert waits.ops == []  # on a GPU, each would stall the host before the next step's kernels
     for context, params, completion in turns:

@@ -33,8 +33,9 @@ always computed, for its logits) and computes the rest. That serves an episode's
 blocks, released to an LRU queue, stay until evicted), another group with the same system prompt, and rows
 recomputed after a preemption. Requests admitted together with the same context (the G samples of a group) compute
 it once: the copies hold the same blocks (refcounts) and sample from the same logits; a row about to write into a
-block other rows hold copies it first (copy on write). Counters: `reused_tokens` (prefill tokens served from
-cache), `computed_tokens`, `preemptions`, `cow_copies`, `cache.pool.peak` (tests and benchmarks read them).
+block other rows hold copies it first (copy on write). Each `Completion` counts its prefill tokens, those served
+from cache and its preemptions; `cow_copies` and `cache.pool.peak` count the engine's (tests and benchmarks read
+them).
 
 Sampling (the behaviour policy mu of the loss): p = softmax(logits / temperature), one draw from p with a
 `torch.Generator` seeded from the config seed; logprob = log p[token], in float32.
@@ -145,11 +146,9 @@ class TransformersEngine:
         self._temps = torch.ones(max_batch_size, 1, dtype=torch.float32, device=self.device)
         self._graphs = DecodeGraphs(self.model, self._next, self._lens) if (
             cuda_graphs and self.device.type == "cuda") else None  # decode replayed from CUDA graphs
-        # Counters, for tests and benchmarks: steps (one forward each, a replayed graph's included); prefill tokens
-        # served from cached blocks and computed (prompts, later turns' new tokens, recomputed rows); rows put back
-        # in the queue because the pool was short; shared blocks copied before a row wrote into them.
-        self.decode_steps = self.reused_tokens = self.computed_tokens = self.preemptions = self.cow_copies = 0
-        self.tokens_generated = self.weight_swaps = 0
+        # Counters, for tests and benchmarks: steps (one forward each, a replayed graph's included); shared blocks
+        # copied before a row wrote into them (the per-request counts are each Completion's).
+        self.decode_steps = self.cow_copies = 0
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *,
                        episode_id: Optional[str] = None) -> Completion:
@@ -194,7 +193,6 @@ class TransformersEngine:
                            f"unexpected {unexpected[:5]}, wrong shape {shapes[:5]}")
         self.model.load_state_dict(state_dict, strict=False)  # in place: the forward reads the same tensors
         self.version = version
-        self.weight_swaps += 1
         self.cache.pool.forget()  # their hashes name the old version: none could match again
         self._requeue(len(self._rows))  # computed again under the new weights, from the queue's front
 
@@ -267,7 +265,6 @@ class TransformersEngine:
         self._release(rows)
         self._pending[:0] = [r for r in rows if not r.future.done()]  # a cancelled one is dropped
         if preempted:
-            self.preemptions += count
             for request in rows:
                 request.completion.preemptions += 1
 
@@ -311,8 +308,6 @@ class TransformersEngine:
                     index_of[tuple(context)] = len(firsts)
                     firsts.append(request)
                     offsets.append(offset)
-                self.reused_tokens += offset
-                self.computed_tokens += len(context) - offset
                 request.completion.prefill_tokens += len(context)
                 request.completion.cached_tokens += offset
             taken += 1
@@ -327,7 +322,6 @@ class TransformersEngine:
         tokens, logprobs = sample_tokens(logits, self._temps[:rows], self._generator)
         self._next[:rows] = tokens
         self.decode_steps += 1
-        self.tokens_generated += rows
         sampled, logps = torch.stack((tokens.double(), logprobs.double())).tolist()  # the step's one host sync
         done = []
         for row, (token, logprob) in enumerate(zip(sampled, logps)):
