@@ -135,8 +135,8 @@ def maybe_checkpoint(cfg: Config, roles: "Roles", version: int) -> None:
     with checkpoint.writing(f"checkpoint step_{version}", folder):
         with roles.failures("learner pool"):
             roles.learners.save_checkpoint(str(folder / "learner"))
-        with roles.failures("buffer"):  # generators keep streaming: the buffer's state is a cut taken under its lock
-            state, counters = ray.get(roles.buffer.state.remote(version), timeout=cfg.run.step_timeout_s)
+        # generators keep streaming: the buffer's state is a cut taken under its lock
+        state, counters = roles.get("buffer", roles.buffer.state.remote(version), cfg.run.step_timeout_s)
         (folder / "buffer.msgpack").write_bytes(state)  # here, not on the buffer's node: no shared disk assumed
         written_on = {"learner": roles.learners.nodes, "buffer and meta": ray.util.get_node_ip_address()}
         checkpoint.commit(folder, checkpoint.make_meta(cfg, version, counters, written_on), cfg.run.keep_checkpoints)
@@ -181,7 +181,7 @@ class Roles:
     generator connects, and the restored weights are published before the constructor returns."""
 
     def __init__(self, cfg: Config, model_path: str, resume_from: Optional[Path] = None, start: int = 0):
-        self.cfg = cfg
+        self.cfg, self.nodes = cfg, {}  # role -> node, known on a cluster once every role is up (_placement)
         check_placement(cfg.ray)
         # Every socket, loopback included, admits only processes holding this run's keys (kept in memory only)
         curve = self.curve = run_keys()
@@ -205,22 +205,20 @@ class Roles:
             if resume_from:
                 self.learners.load_checkpoint(str(resume_from / "learner"), start)
         if cfg.learner.device == cfg.generator.device == "cuda" and cfg.generator.engine == "transformers":
-            with role_failures("generators"):  # on one GPU with learner rank 0: weights by CUDA IPC handles
-                gpus = ray.get([gen.gpu.remote() for gen in self.generators], timeout=cfg.run.step_timeout_s)
+            # on one GPU with learner rank 0: weights by CUDA IPC handles
+            gpus = self.get("generators", [gen.gpu.remote() for gen in self.generators], cfg.run.step_timeout_s)
             with role_failures("learner pool"):
                 self.learners.share_gpu_with(gpus)
-        with role_failures("buffer"):
-            buffer_endpoints = ray.get(self.buffer.endpoints.remote(), timeout=60)
-        self.nodes = self._placement(buffer_endpoints) if cfg.ray.address else {}  # role -> node
+        buffer_endpoints = self.get("buffer", self.buffer.bound_endpoints.remote(), 60)
+        self.nodes = self._placement(buffer_endpoints) if cfg.ray.address else {}
         self.generator_runs = {gen.run.remote(buffer_endpoints, self.learners.weights_endpoint, curve):
                                f"generator {i}" for i, gen in enumerate(self.generators)}
         sglang = cfg.generator.sglang
         if cfg.generator.engine == "sglang" and sglang.weight_transport == "nccl":
             # Learner rank 0 loads every version into every server itself, so it joins one group with all
             # of them before the first publish. A generator's constructor returns once its servers are up.
-            with role_failures("generators (SGLang endpoints)"):
-                endpoints = ray.get([gen.sglang_endpoints.remote() for gen in self.generators],
-                                    timeout=sglang.launch_timeout_s + 60)
+            servers = [gen.sglang_endpoints.remote() for gen in self.generators]
+            endpoints = self.get("generators (SGLang endpoints)", servers, sglang.launch_timeout_s + 60)
             with role_failures("learner pool"):
                 self.learners.connect_sglang([e for per_generator in endpoints for e in per_generator], sglang)
         if resume_from:  # generators start on the base weights; the restored buffer leases only to `start`
@@ -229,13 +227,12 @@ class Roles:
     def _placement(self, buffer_endpoints: dict) -> dict[str, str]:
         """On a cluster: the node each role runs on (every failure names it), printed once with the
         endpoints the roles bound there."""
-        with role_failures("generators"):  # each answers once its constructor is done
-            generator_nodes = ray.get([gen.node.remote() for gen in self.generators],
-                                      timeout=self.cfg.generator.sglang.launch_timeout_s + 60)
-        with role_failures("buffer"):
-            nodes = {"learner pool": ", ".join(dict.fromkeys(self.learners.nodes)),
-                     "buffer": ray.get(self.buffer.node.remote(), timeout=60),
-                     **{f"generator {i}": node for i, node in enumerate(generator_nodes)}}
+        # each generator answers once its constructor is done (an SGLang one's, once its servers are up)
+        generator_nodes = self.get("generators", [gen.node.remote() for gen in self.generators],
+                                   self.cfg.generator.sglang.launch_timeout_s + 60)
+        nodes = {"learner pool": ", ".join(dict.fromkeys(self.learners.nodes)),
+                 "buffer": self.get("buffer", self.buffer.node.remote(), 60),
+                 **{f"generator {i}": node for i, node in enumerate(generator_nodes)}}
         print(f"placed: {'; '.join(f'{role} on {node}' for role, node in nodes.items())}. wire: buffer "
               f"{buffer_endpoints['leases']}, weights {self.learners.weights_endpoint} (CURVE)",
               file=sys.stderr)
@@ -245,46 +242,48 @@ class Roles:
         """role_failures naming the node `name` runs on too, on a cluster (which machine to look at)."""
         return role_failures(f"{name} on node {self.nodes[name]}" if name in self.nodes else name)
 
+    def get(self, name: str, refs, timeout_s: float):
+        """ray.get of what role `name` answers, within `timeout_s`; its death or a timeout: RunFailed naming it."""
+        with self.failures(name):
+            return ray.get(refs, timeout=timeout_s)
+
     def publish_weights(self, version: int) -> None:
         """The buffer learns of `version` first (it refuses tokens and requests from versions never
         published), then learner rank 0 publishes it."""
-        with self.failures("buffer"):
-            ray.get(self.buffer.publishing.remote(version), timeout=60)
+        self.get("buffer", self.buffer.publishing.remote(version), 60)
         with self.failures("learner pool"):
             self.learners.publish_weights(version)
 
     def evaluate(self, version: int) -> dict:
         """Near-greedy episodes on data.val_files by generator 0 once it holds weights `version` or newer
         (worker.evaluate) -> eval/* metrics."""
-        with self.failures("generator 0"):
-            return ray.get(self.generators[0].evaluate.remote(self.val_samples, version),
-                           timeout=self.cfg.run.step_timeout_s)
+        return self.get("generator 0", self.generators[0].evaluate.remote(self.val_samples, version),
+                        self.cfg.run.step_timeout_s)
 
     def next_batch(self, step: int):
         """The buffer's batch for `step`, while watching every generator: a dead one fails the run,
         even when the batch is ready at the same moment (checked before the batch is returned)."""
         batch_ref = self.buffer.next_batch.remote(step, self.cfg.run.step_timeout_s)
+        runs = list(self.generator_runs)
         while True:
-            ready, _ = ray.wait([batch_ref, *self.generator_runs], num_returns=1)
-            self._check_generators(step)
+            ready, _ = ray.wait([batch_ref, *runs], num_returns=1)
+            ended, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
+            for run_ref in ended:  # a generator's `run` only returns when it failed (or was stopped)
+                name = self.generator_runs[run_ref]
+                with self.failures(name):
+                    ray.get(run_ref)
+                raise RunFailed(f"{name} stopped unexpectedly during step {step}")
             if batch_ref in ready:
                 with self.failures("buffer"):
                     return ray.get(batch_ref)
 
-    def _check_generators(self, step: int) -> None:
-        """A generator's `run` only returns when it failed (or was stopped): raise naming it."""
-        runs = list(self.generator_runs)
-        ended, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
-        for run_ref in ended:
-            name = self.generator_runs[run_ref]
-            with self.failures(name):
-                ray.get(run_ref)
-            raise RunFailed(f"{name} stopped unexpectedly during step {step}")
-
     def traced(self) -> list[TracedRole]:
         """The buffer and each generator as run.trace reaches them: their `trace_events` (trace.py)."""
         named = [("buffer", self.buffer), *((f"generator {i}", gen) for i, gen in enumerate(self.generators))]
-        return [TracedRole(name, partial(_trace_events, name, actor)) for name, actor in named]
+        return [TracedRole(name, partial(self._trace_events, name, actor)) for name, actor in named]
+
+    def _trace_events(self, name: str, actor) -> tuple[float, list]:
+        return self.get(name, actor.trace_events.remote(), 60)
 
     def shutdown(self) -> None:
         """Stop generators first (they talk to the others), then learners and buffer; never hangs."""
@@ -303,11 +302,6 @@ def generator_gpus(cfg: Config) -> float:
         return 0
     sglang = cfg.generator.sglang
     return sglang.servers * sglang.tp_size if cfg.generator.engine == "sglang" else cfg.generator.gpus_per_replica
-
-
-def _trace_events(name: str, actor) -> tuple[float, list]:
-    with role_failures(name):
-        return ray.get(actor.trace_events.remote(), timeout=60)
 
 
 @contextmanager

@@ -89,7 +89,7 @@ def test_a_hostile_lease_request_during_a_run_is_refused_and_the_run_goes_on(ray
     context = zmq.Context()
     try:
         batch = roles.next_batch(0)  # the run is up and streaming
-        endpoint = ray.get(roles.buffer.endpoints.remote())["leases"]
+        endpoint = ray.get(roles.buffer.bound_endpoints.remote())["leases"]
         outsider = context.socket(zmq.DEALER)
         outsider.connect(endpoint)
         outsider.send(msgpack.packb({"op": "lease", "generator_id": 0, "version": 0, "max_groups": 1}))

@@ -25,42 +25,42 @@ from nanoverl_async.runtime.startup import collecting_later
 from nanoverl_async.wire.auth import CurveKeys, bind_host
 
 
-class BufferRole:
-    """The buffer service in its own process (methods, not properties, so Ray can call them)."""
+class Role:
+    """What the controller asks of every role's process besides its work (Ray runs a plain method of an
+    async actor, a generator's, on its event loop)."""
+
+    def node(self) -> str:
+        """This process's node address: on a cluster every failure names it."""
+        return ray.util.get_node_ip_address()
+
+
+class BufferRole(BufferService, Role):
+    """The buffer service in its own process: Ray calls its methods (next_batch, publishing) and these."""
 
     def __init__(self, cfg: Config, vocab_size: int, curve: Optional[CurveKeys] = None, state: bytes = b""):
         host = bind_host(cfg.wire.host, ray.util.get_node_ip_address())  # this node's address on a cluster
-        self.service = BufferService(cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max,
-                                     cfg.buffer, host, cfg.generator, vocab_size,
-                                     prompt_source(cfg.data, cfg.run.seed), cfg.algorithm.group_filter, curve,
-                                     trace=cfg.run.trace, max_tokens=cfg.agent.max_total_tokens)
+        super().__init__(cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max, cfg.buffer,
+                         host, cfg.generator, vocab_size, prompt_source(cfg.data, cfg.run.seed),
+                         cfg.algorithm.group_filter, curve, trace=cfg.run.trace, max_tokens=cfg.agent.max_total_tokens)
         if state:  # a checkpoint's buffer.msgpack, before any generator connects (Roles starts them afterwards)
-            self.service.restore(state)
+            self.restore(state)
 
     def state(self, version: int) -> tuple[bytes, dict]:
         """buffer.msgpack's bytes for the controller to write, and the gate's counters for meta.json."""
-        state, stats = self.service.state_bytes(version), self.service.stats()
+        state, stats = self.state_bytes(version), self.stats()
         return state, {key: stats[key] for key in ("leased", "consumed", "released", "expired", "reissued",
                                                    "groups_in_flight", "groups_ready")}
 
-    def endpoints(self) -> dict:
-        return self.service.endpoints
-
-    def node(self) -> str:
-        return ray.util.get_node_ip_address()
-
-    def next_batch(self, step: int, timeout_s: float):
-        return self.service.next_batch(step, timeout_s)
-
-    def publishing(self, version: int) -> None:
-        self.service.publishing(version)
+    def bound_endpoints(self) -> dict:
+        """`endpoints` (an attribute, which Ray cannot call): the addresses generators connect to."""
+        return self.endpoints
 
     def trace_events(self) -> tuple[float, list]:
         """run.trace: this process's clock (for the controller's offset) and the spans closed since the last call."""
-        return time.time(), self.service.trace.take()
+        return time.time(), self.trace.take()
 
 
-class GeneratorRole:
+class GeneratorRole(Role):
     """A generator worker in its own process; `run` lives until `stop` (or dies, which Roles sees)."""
 
     def __init__(self, **kwargs):
@@ -81,9 +81,6 @@ class GeneratorRole:
     async def stop(self) -> None:
         self.worker.stop()
 
-    async def node(self) -> str:
-        return ray.util.get_node_ip_address()
-
     async def trace_events(self) -> tuple[float, list]:
         """run.trace: this process's clock (for the controller's offset) and the spans closed since the last call."""
         return time.time(), self.worker.trace.take()
@@ -92,13 +89,11 @@ class GeneratorRole:
         return await self.worker.evaluate(samples, min_version)
 
     async def gpu(self) -> str:
-        """The UUID of the GPU this generator's engine computes on ("" on CPU), for LearnerPool.share_gpu_with."""
+        """The UUID of the GPU this generator's transformers engine computes on (Roles asks only when it is on
+        cuda), for LearnerPool.share_gpu_with."""
         import torch
 
-        engine_device = getattr(self.worker.engine, "device", None)
-        if engine_device is None or torch.device(engine_device).type != "cuda":
-            return ""
-        return str(torch.cuda.get_device_properties(torch.device(engine_device)).uuid)
+        return str(torch.cuda.get_device_properties(self.worker.engine.device).uuid)
 
     async def sglang_endpoints(self) -> list[dict]:
         """This generator's SGLang servers (url, tp_size, server_version, legacy_protocol), for learner rank 0
@@ -106,7 +101,7 @@ class GeneratorRole:
         return self.worker.engine.endpoints(node_ip=ray.util.get_node_ip_address())
 
 
-class LearnerRankRole:
+class LearnerRankRole(Role):
     """One learner rank's process. It starts empty, so that rank 0 can first pick where the ranks meet;
     `start` then builds the LearnerRank, imported only there, in the rank's own process (the controller
     needs none of FSDP or a model class), and `call` runs one of its methods."""
@@ -115,9 +110,6 @@ class LearnerRankRole:
         with socket.socket() as probe:
             probe.bind(("", 0))
             return ray.util.get_node_ip_address(), probe.getsockname()[1]
-
-    def node(self) -> str:
-        return ray.util.get_node_ip_address()
 
     def start(self, setup: LearnerSetup, rank: int, rendezvous: tuple[str, int]) -> None:
         with collecting_later():  # imports and a model: seconds of CPU, less without the collector (startup.py)
@@ -133,13 +125,10 @@ class LearnerRankRole:
         return getattr(self.rank, method)(*args)
 
     def share_gpu_with(self, generator_gpus: list[str]) -> bool:
-        """Rank 0: publish weights by CUDA IPC handles (weights.py) if every generator is on this rank's GPU
-        (their UUIDs) and on this machine (a publisher on loopback); whether it will."""
+        """Rank 0, on cuda (Roles asks only then): publish weights by CUDA IPC handles (weights.py) if every
+        generator is on this rank's GPU (their UUIDs) and on this machine (a publisher on loopback); whether it will."""
         import torch
 
-        publisher, device = self.rank.publisher, self.rank.device
-        if device.type != "cuda" or not publisher.shared_memory or not generator_gpus:
-            return False
-        own = str(torch.cuda.get_device_properties(device).uuid)
-        publisher.device_handles = all(gpu == own for gpu in generator_gpus)
+        publisher, own = self.rank.publisher, str(torch.cuda.get_device_properties(self.rank.device).uuid)
+        publisher.device_handles = publisher.shared_memory and all(gpu == own for gpu in generator_gpus)
         return publisher.device_handles
