@@ -145,7 +145,8 @@ class Episode:
             text, self.tool_format, first.name if first else "", first.parameters[0] if first and first.parameters else "")
         message = {"role": "assistant", "content": content}
         if calls:
-            message["tool_calls"] = [c.message_entry() for c in calls]
+            message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                     for c in calls]
         self.messages.append(message)
         return {**message, "parsed_calls": calls} if calls else dict(message)  # a copy: the history stays as is
 

@@ -37,10 +37,6 @@ class ParsedCall:
     arguments: dict = field(default_factory=dict)
     error: Optional[str] = None  # set for a malformed call: the observation says why
 
-    def message_entry(self) -> dict:
-        """The entry of the assistant message's `tool_calls` for this call."""
-        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
 
 def stop_strings(tool_format: str) -> tuple[str, ...]:
     """Token texts (besides eos) that end a turn for this format."""
