@@ -1,6 +1,6 @@
-"""The processes Ray runs the buffer, each generator and each learner rank in: thin classes around
-BufferService, GeneratorWorker and LearnerRank, whose methods the controller calls (launcher.py; the ranks
-through learners/pool.py).
+"""The processes Ray runs the buffer, each generator and each learner rank in: BufferService itself plus
+what Ray needs, and thin classes around GeneratorWorker and LearnerRank, whose methods the controller calls
+(launcher.py; the ranks through learners/pool.py).
 
 Ray imports an actor's class from its module in the actor's process, so this module imports nothing heavy:
 the buffer's process starts without torch (seconds of start-up on a small machine, beside the roles that
