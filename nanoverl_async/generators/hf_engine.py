@@ -242,7 +242,7 @@ class TransformersEngine:
                 tokens = Tokens(decoding=(self._next[:running], self._lens[:running], length))
         if new:  # their tokens past their cached prefix; their block tables, lengths and temperatures (set after
             # a graph's replay has read the free rows)
-            tokens.add(running, offsets, [r.context()[offset:] for r, offset in zip(new, offsets)])
+            tokens.add(running, offsets, [r.context()[offset:] for r, offset in zip(new, offsets)], sources)
             self.cache.seat(running, new)
             rows = slice(running, running + len(new))
             self._lens[rows] = on_device(torch.tensor([r.length() for r in new]), self.device)
@@ -252,10 +252,7 @@ class TransformersEngine:
             logits.append(self.model.paged(self.cache.kv, self.cache.table, *tokens.tensors(self.device)))
         if running:
             self._lens[:running] += 1
-        logits = torch.cat(logits) if len(logits) > 1 else logits[0]
-        if sources:  # the copies sample from the logits of the rows whose context they repeat
-            logits = torch.cat([logits, logits[on_device(torch.tensor(sources) + running, self.device)]])
-        self._emit(logits)
+        self._emit(torch.cat(logits) if len(logits) > 1 else logits[0])
 
     def _requeue(self, count: int, preempted: bool = False) -> None:
         """Put the last `count` running rows back at the front of the queue, in order: their blocks are released

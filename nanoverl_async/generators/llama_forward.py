@@ -122,16 +122,18 @@ class Tokens:
         self.ids, self.positions, self.rows, self.last = [], [], [], []
         self.spans = [Span(0, self.begin, 0, self.begin, decoding[2])] if decoding is not None else []
 
-    def add(self, first: int, offsets: Sequence[int], new: Sequence[Sequence[int]]) -> None:
+    def add(self, first: int, offsets: Sequence[int], new: Sequence[Sequence[int]], copies: Sequence[int] = ()) -> None:
         """Rows first.. of the block table, row r holding positions [0, offsets[r]), get the tokens new[r] (at
         least one each): in spans of consecutive rows whose queries, padded to their longest row, are at most
-        twice their tokens (a 4k-token prompt beside short ones would pad each of them to 4k)."""
+        twice their tokens (a 4k-token prompt beside short ones would pad each of them to 4k). The rows after
+        them repeat the contexts of rows first + copies[i]: they get those rows' logits, computing nothing."""
         start = 0
         for end in range(1, len(new) + 1):
             lengths = [len(tokens) for tokens in new[start:end + 1]]
             if end == len(new) or max(lengths) * len(lengths) > 2 * sum(lengths):
                 self._add_span(first + start, offsets[start:end], new[start:end])
                 start = end
+        self.last += [self.last[-len(new) + source] for source in copies]
 
     def _add_span(self, first: int, offsets: Sequence[int], new: Sequence[Sequence[int]]) -> None:
         begin, width = self.begin + len(self.ids), max(map(len, new))
