@@ -31,6 +31,7 @@ from nanoverl_async.agents.rewards import load_reward
 from nanoverl_async.agents.user_code import absolute_spec
 from nanoverl_async.wire.auth import placed_host
 
+
 def prepare(cfg: Config) -> Config:
     """`cfg` with user paths made absolute, after checking every file and piece of user code it names."""
     for key in ("data.train_files", "data.val_files"):
