@@ -105,11 +105,7 @@ def empty_payload(entries: dict[str, tuple[torch.dtype, tuple[int, ...]]], pin_m
     else:
         payload = torch.from_numpy(shared_payloads.shared_bytes(size))
     payload[:len(prefix)] = torch.frombuffer(prefix, dtype=torch.uint8).to(payload.device)
-    data, slots = payload[len(prefix):], {}
-    for name, (dtype, shape) in entries.items():
-        start, stop = header[name]["data_offsets"]
-        slots[name] = data[start:stop].view(dtype).view(shape)
-    return (payload if payload.is_cuda else payload.numpy()), slots
+    return (payload if payload.is_cuda else payload.numpy()), deserialise(payload)  # the slots: views, as received
 
 
 def serialise(state_dict: dict[str, torch.Tensor]) -> np.ndarray:
