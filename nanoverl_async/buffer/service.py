@@ -282,8 +282,7 @@ class BufferService:
             wire.check_bounds(trajectory, self.vocab_size, self._published, self.max_tokens)
         except Exception as error:  # noqa: BLE001 - no input may kill the service
             with self._cond:
-                self._counters["malformed"] += 1
-                self._counters["too_long"] += isinstance(error, wire.TooLong)
+                self._counters.update(malformed=1, too_long=isinstance(error, wire.TooLong))
             log.warning("buffer: dropped a malformed trajectory message (%d bytes): %s", len(message), error)
             return
         with self._cond:
@@ -305,8 +304,7 @@ class BufferService:
             self._check_claims(request)
         except ValueError as error:
             with self._cond:
-                self._counters["malformed_requests"] += 1
-                self._counters["oversized_leases"] += isinstance(error, OversizedLease)
+                self._counters.update(malformed_requests=1, oversized_leases=isinstance(error, OversizedLease))
             log.warning("buffer: malformed lease request: %s", error)
             return msgpack.packb({"error": str(error)}, use_bin_type=True)
         with self._cond:
