@@ -51,8 +51,6 @@ FINAL, FINAL_TMP, FINAL_OLD = "final", ".final.tmp", ".final.old"
 RUN_ENTRIES = {"config.yaml", "metrics.jsonl", "samples.jsonl", "trace.json", "plot.png", "checkpoints", "record",
                "replay", "wandb", FINAL, FINAL_TMP, FINAL_OLD}
 LOW_DISK_BYTES = 256 << 20  # a write that failed with less free space than this is blamed on the disk
-# run.* keys a resumed run may change freely; every other key of the config is compared on resume
-RESUME_FREE_KEYS = ("run",)
 # keys that make a run another run: resuming a checkpoint written with other values is refused
 LINEAGE_KEYS = ("run.seed", "model.path", "data.task", "data.train_files", "agent.env")
 
@@ -243,8 +241,9 @@ def make_meta(cfg: Config, step: int, buffer_counters: dict, written_on: Optiona
 
 
 def trained_config(cfg: Config) -> dict:
-    """The config without the keys a resumed run may change (run.*: steps, output, resume, ...)."""
-    return {k: v for k, v in to_dict(cfg).items() if k not in RESUME_FREE_KEYS}
+    """The config without the keys a resumed run may change freely (run.*: steps, output, resume, ...); every
+    other key is compared on resume."""
+    return {section: keys for section, keys in to_dict(cfg).items() if section != "run"}
 
 
 def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
