@@ -65,15 +65,16 @@ COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 
 class SGLangEngine:
     def __init__(self, model_path: str, cfg: SGLangConfig, *, generator_id: int = 0, seed: int = 0, dtype: str = "auto",
-                 servers: Optional[list[SGLangServer]] = None, command: Optional[list[str]] = None, start: bool = True):
+                 servers: Optional[list[SGLangServer]] = None, start: bool = True):
         self.cfg, self.base_model_path, self.version = cfg, model_path, 0
         # The servers are this process's children, on this node: a local directory is enough.
         root = cfg.weights_dir or os.path.join(tempfile.gettempdir(), f"nanoverl_sglang_{os.getpid()}")
         self.weights_dir = Path(root) / f"generator_{generator_id}"
         if servers is None:
-            if command is None and importlib.util.find_spec("sglang") is None:  # an optional extra, never imported
+            # sglang is an optional extra, never imported (a server_command launches something else)
+            if not cfg.server_command and importlib.util.find_spec("sglang") is None:
                 raise SGLangError("generator.engine=sglang needs `pip install -e '.[sglang]'` on a GPU machine")
-            servers = [SGLangServer(model_path, cfg.port_base + generator_id * cfg.servers + i, cfg, command=command,
+            servers = [SGLangServer(model_path, cfg.port_base + generator_id * cfg.servers + i, cfg,
                                     seed=seed * 1_000 + i, dtype=dtype) for i in range(cfg.servers)]
         self.servers = servers
         self.outstanding = [0] * len(servers)
@@ -148,19 +149,15 @@ class SGLangEngine:
         finally:
             self.outstanding[index] -= 1
 
-    def _client(self) -> httpx.AsyncClient:
-        loop_id = id(asyncio.get_running_loop())
-        if loop_id not in self._clients:
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-            self._clients[loop_id] = httpx.AsyncClient(timeout=self.cfg.request_timeout_s, limits=limits)
-        return self._clients[loop_id]
-
     async def _post_generate(self, index: int, body: dict) -> Optional[dict]:
         """The parsed reply, or None after restarting a server that died under the request."""
         server = self.servers[index]
-        restarts = server.restarts
+        restarts, loop_id = server.restarts, id(asyncio.get_running_loop())
+        if loop_id not in self._clients:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+            self._clients[loop_id] = httpx.AsyncClient(timeout=self.cfg.request_timeout_s, limits=limits)
         try:
-            response = await self._client().post(server.url + "/generate", json=body)
+            response = await self._clients[loop_id].post(server.url + "/generate", json=body)
         except httpx.TimeoutException as error:
             raise SGLangError(f"{server.url}/generate: no reply within {self.cfg.request_timeout_s:.0f} s "
                               f"(rid {body['rid']})") from error

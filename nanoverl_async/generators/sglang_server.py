@@ -19,8 +19,9 @@ Invariants:
     SIGKILLs it after a grace period, when the launcher is gone; which thread launched the server does not
     matter. Linux/POSIX only (setsid, killpg).
 
-`command` is the launcher prefix (default `python -m sglang.launch_server`); the contract tests point it at
-tests/fake_sglang_server.py, which takes the same flags. Run alone: tests/test_sglang_contract.py.
+`command` is the launcher prefix (default generator.sglang.server_command, else `python -m sglang.launch_server`);
+the contract tests point it at tests/fake_sglang_server.py, which takes the same flags.
+Run alone: tests/test_sglang_contract.py.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class SGLangServer(SGLangClient):
         super().__init__(url or f"http://{cfg.host}:{port}", cfg.control_timeout_s, tp_size=cfg.tp_size)
         self.model_path, self.port, self.cfg = model_path, port, cfg
         self.version = 0  # the weights version this server holds
-        default = [] if url else [sys.executable, "-m", "sglang.launch_server"]  # a given url: not ours to launch
+        # generator.sglang.server_command, else SGLang's own launcher; a given url is not ours to launch
+        default = [] if url else list(cfg.server_command) or [sys.executable, "-m", "sglang.launch_server"]
         self.command = command if command is not None else default
         self.seed, self.dtype = seed, dtype
         self.process: Optional[subprocess.Popen] = None

@@ -204,9 +204,8 @@ class GeneratorWorker:
         try:
             done, running = await asyncio.wait(episodes, timeout=GROUP_TIMEOUT_S,
                                                return_when=asyncio.FIRST_EXCEPTION)
-            errors = [e.exception() for e in done if not e.cancelled() and e.exception() is not None]
-            if errors:
-                raise errors[0]
+            for episode in done:
+                episode.result()  # raises a failed episode's error
             if running:
                 raise TimeoutError(f"generator {self.generator_id}: group {lease['group_id']} did not finish "
                                    f"within {GROUP_TIMEOUT_S:.0f} s")
@@ -282,8 +281,7 @@ def make_engine(generator: GeneratorConfig, model_path: str, *, generator_id: in
     if generator.engine == "sglang":
         from nanoverl_async.generators.sglang_engine import SGLangEngine
 
-        return SGLangEngine(model_path, generator.sglang, generator_id=generator_id, seed=seed, dtype=dtype,
-                            command=list(generator.sglang.server_command) or None)
+        return SGLangEngine(model_path, generator.sglang, generator_id=generator_id, seed=seed, dtype=dtype)
     from nanoverl_async.generators.hf_engine import TransformersEngine
 
     return TransformersEngine(model_path, generator.device, dtype, seed=seed, kv_cache_memory=generator.kv_cache_memory,
