@@ -178,9 +178,8 @@ class TransformersEngine:
         return len(self._pending) + sum(not r.future.done() for r in self._rows)
 
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Load `state_dict` as weights `version` now (a safe point: see the module docstring)."""
-        if version < 0:
-            raise ValueError(f"weight versions are >= 0, got {version}")
+        """Load `state_dict` as weights `version` now (a safe point: see the module docstring). The worker stages
+        only versions newer than the engine's (WeightSubscriber.poll_newest), so they are >= 0."""
         # Checked before loading: a refused version leaves the model intact.
         params = dict(self.model.named_parameters(remove_duplicate=False))
         given = {params[k].data_ptr() for k in state_dict if k in params}

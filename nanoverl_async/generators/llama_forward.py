@@ -251,9 +251,8 @@ class LlamaModel(torch.nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         inv_freq, self.rope_scale = rope_frequencies(config, self.head_dim)
         self.inv_freq = inv_freq.float().to(device)
-        sliding = getattr(config, "sliding_window", None)
-        types = getattr(config, "layer_types", None) or ["sliding_attention" if sliding else "full_attention"] * len(
-            self.layers)
+        sliding = getattr(config, "sliding_window", None)  # without layer_types, every layer slides if any does
+        types = getattr(config, "layer_types", None) or ["sliding_attention"] * len(self.layers)
         self.windows = [sliding if kind == "sliding_attention" else None for kind in types]
 
     def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
