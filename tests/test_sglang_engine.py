@@ -193,9 +193,7 @@ def test_nccl_sender_both_protocols(model_dirs, fake_version):
     fakes = [FakeSGLangServer(model_dirs[0], weight_version="0", fake_version=fake_version).start() for _ in range(2)]
     try:
         servers = [SGLangServer(f.model_path, f.port, SGLangConfig(), url=f.url) for f in fakes]
-        for s in servers:
-            s.start()
-        engine = SGLangEngine(model_dirs[0], SGLangConfig(), servers=servers, start=False)
+        engine = SGLangEngine(model_dirs[0], SGLangConfig(), servers=servers)  # waits until each is ready
         clients = server_handles(engine.endpoints(), SGLangConfig())  # what rank 0 holds: clients, not servers
         sender = SGLangWeightSender(clients, "127.0.0.1", 29600, bucket_bytes=40_000,
                                     broadcast=lambda t: [f.nccl.put(t.clone()) for f in fakes])

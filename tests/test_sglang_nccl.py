@@ -115,7 +115,8 @@ def test_sender_loads_a_fake_server_process_over_a_real_group(model_dirs, tmp_pa
     events = tmp_path / "events.jsonl"
     cfg = SGLangConfig(launch_timeout_s=120, control_timeout_s=60, server_args=["--fake-events", str(events)])
     process = SGLangServer(model_dirs[0], free_port(), cfg, command=[sys.executable, FAKE])
-    process.start()
+    process.launch()
+    process.wait_ready()
     try:
         servers = server_handles(SGLangEngine(model_dirs[0], cfg, servers=[process], start=False).endpoints(), cfg)
         sender = SGLangWeightSender(servers, "127.0.0.1", free_port(), bucket_bytes=40_000, timeout_s=60)

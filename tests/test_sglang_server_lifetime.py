@@ -40,7 +40,15 @@ from nanoverl_async.config import SGLangConfig
 from nanoverl_async.generators.sglang_server import SGLangServer
 model_path, port, start, command = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "start", sys.argv[4:]
 server = SGLangServer(model_path, port, SGLangConfig(launch_timeout_s=120), command=command)
-launcher = threading.Thread(target=server.start if start else server.launch)
+
+
+def launch():
+    server.launch()
+    if start:
+        server.wait_ready()
+
+
+launcher = threading.Thread(target=launch)
 launcher.start()
 launcher.join()
 print("server-pid", server.process.pid, flush=True)
@@ -189,7 +197,7 @@ def test_restart_after_the_server_was_killed_clears_its_whole_group(tmp_path):
         server.process.kill()  # the server dies, its child lives on (as a crashed sglang's scheduler might)
         wait_until(lambda: not server.alive(), 5, "the server is dead")
         assert len(set(carrying(token) + watcher(first)) & old) == 2  # the orphaned grandchild and the watcher
-        server.start = server.launch  # restart without waiting for /health (the stand-in serves none)
+        server.wait_ready = lambda: None  # restart without waiting for /health (the stand-in serves none)
         thread = threading.Thread(target=server.restart, args=(token,))
         thread.start()
         thread.join()

@@ -1,7 +1,7 @@
 """One SGLang server process: launch, health, restart, stop (docs/sglang.md "Launching and health").
 
     server = SGLangServer(model_path, port=30000, cfg=SGLangConfig())
-    server.start()                    # python -m sglang.launch_server ..., waits for GET /health == 200
+    server.launch(); server.wait_ready()   # python -m sglang.launch_server ..., then GET /health == 200
     server.pause("abort"); server.update_from_disk("/ckpt/v3", 3); server.resume()
 
 Invariants:
@@ -69,11 +69,6 @@ class SGLangServer(SGLangClient):
                 "--weight-version", str(self.version), "--random-seed", str(self.seed), "--dtype", self.dtype,
                 "--skip-server-warmup", *cfg.server_args]
 
-    def start(self) -> None:
-        """Launch the process (unless this wraps an external `url`) and wait until it is healthy."""
-        self.launch()
-        self.wait_ready()
-
     def launch(self) -> None:
         """Start the server process (if ours to start), watched (runtime/reaper.py)."""
         if self.process is None and self.command:
@@ -108,7 +103,8 @@ class SGLangServer(SGLangClient):
         self.restarts += 1
         log.warning("restarting SGLang server %s (restart %d) with %s, version %d",
                     self.url, self.restarts, model_path, self.version)
-        self.start()
+        self.launch()
+        self.wait_ready()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the server's process group, SIGKILL it after `timeout_s`, then SIGKILL what is left of
