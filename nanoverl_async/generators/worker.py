@@ -42,7 +42,7 @@ import zmq.asyncio
 from nanoverl_async.agents import sandbox
 from nanoverl_async.config import Config, GeneratorConfig
 from nanoverl_async.agents.env import env_factory
-from nanoverl_async.models.load import load_tokenizer, resolve_model_path
+from nanoverl_async.models.load import load_tokenizer
 from nanoverl_async.agents.rewards import load_reward
 from nanoverl_async.observe.trace import SpanLog
 from nanoverl_async.agents.agent_loop import run_episode
@@ -63,7 +63,7 @@ EVAL_TEMPERATURE = 1e-3  # evaluation is (near-)greedy: engines sample with temp
 
 class GeneratorWorker:
     def __init__(self, generator_id: int, cfg: Config, model_path: str, *, env: Optional[Callable] = None):
-        model_path = resolve_model_path(model_path)
+        """`model_path`: model.path as the launcher resolved it (models/load.py: a directory, or a Hub id)."""
         torch.set_num_threads(cfg.generator.torch_threads)  # this process is the generator's own
         self.generator_id = generator_id
         self.generator, self.agent, self.weight_sync = cfg.generator, cfg.agent, cfg.weight_sync
@@ -177,13 +177,10 @@ class GeneratorWorker:
                                    and not (self.lockstep and self._live),
                                    GROUP_TIMEOUT_S + self.weight_sync.timeout_s, "a free group slot")
             version = self.engine.version
-            self._live += 1
-            try:
-                reply = await self._request({"op": "lease", "generator_id": self.generator_id, "version": version,
-                                             "max_groups": limit - len(self._groups)})
-            finally:
-                self._live -= 1
-            self._live += self.group_size * len(reply["leases"])
+            self._live += 1  # the request in flight (see __init__); a failed one ends the worker
+            reply = await self._request({"op": "lease", "generator_id": self.generator_id, "version": version,
+                                         "max_groups": limit - len(self._groups)})
+            self._live += self.group_size * len(reply["leases"]) - 1
             for lease in reply["leases"]:
                 self._groups.add(self._spawn(self._run_group(lease), f"group-{lease['group_id']}"))
             if reply["leases"]:
