@@ -55,8 +55,8 @@ def build_once(kind: str, recipe: dict, write: Callable[[Path], str], cache_dir:
         tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-build-", dir=root))
         try:
             summary = write(tmp)
-            tmp.chmod(0o755)  # mkdtemp makes it private (and transformers writes weights 0600); the cache may be shared
-            for file in tmp.rglob("*"):
+            # mkdtemp makes the directory private (and transformers writes weights 0600); the cache may be shared
+            for file in [tmp, *tmp.rglob("*")]:
                 file.chmod(0o755 if file.is_dir() else 0o644)
             os.rename(tmp, final)
         except BaseException:
