@@ -60,15 +60,21 @@ class _Tokens:
         self.ids, self.mask, self.logprobs, self.versions = [], [], [], []  # per token
         self.cache = {"prefill_tokens": 0, "cached_tokens": 0, "preemptions": 0}  # the engine's, summed over turns
 
-    def add(self, ids: list[int], sampled: Optional[Completion] = None) -> None:
-        """Prompt and observation tokens (`sampled` None: mask 0), or a sampled turn's (mask 1)."""
+    def add_forced(self, ids: list[int]) -> None:
+        """Prompt and observation tokens: not sampled (mask 0)."""
         self.ids += ids
-        self.mask += [int(sampled is not None)] * len(ids)
-        self.logprobs += sampled.logprobs if sampled is not None else [0.0] * len(ids)
-        self.versions += sampled.versions if sampled is not None else [-1] * len(ids)
-        if sampled is not None:
-            for key in self.cache:
-                self.cache[key] += getattr(sampled, key)
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def add_sampled(self, completion: Completion) -> None:
+        """A sampled turn's tokens (mask 1), with their logprobs and versions, and the engine's counts."""
+        self.ids += completion.token_ids
+        self.mask += [1] * len(completion.token_ids)
+        self.logprobs += completion.logprobs
+        self.versions += completion.versions
+        for key in self.cache:
+            self.cache[key] += getattr(completion, key)
 
 
 def render_delta(tokenizer, history: list[dict], new: list[dict], tools: Optional[list], stop_text: str
@@ -116,7 +122,7 @@ class Episode:
         """Render the prompt (mask 0)."""
         self.messages = [dict(m) for m in messages]
         rendered = self.tokenizer.apply_chat_template(self.messages, tools=self.schemas, add_generation_prompt=True)
-        self.record.add(list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered))
+        self.record.add_forced(list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered))
         if len(self.record.ids) >= self.agent.max_total_tokens:
             raise ValueError(f"the prompt has {len(self.record.ids)} tokens, no room under "
                              f"agent.max_total_tokens={self.agent.max_total_tokens}")
@@ -132,7 +138,7 @@ class Episode:
         params = SamplingParams(budget, self.temperature, self.stop_ids)
         completion = await self.engine.generate(self.record.ids, params, episode_id=self.episode_id)
         self._spent("generate", tick)
-        self.record.add(completion.token_ids, completion)
+        self.record.add_sampled(completion)
         self.turns += 1
         last = completion.token_ids[-1]
         stopped = last in self.stop_ids
@@ -188,7 +194,7 @@ class Episode:
             self.finish = "length"
             return False
         self.messages += new
-        self.record.add(delta)
+        self.record.add_forced(delta)
         return True
 
 

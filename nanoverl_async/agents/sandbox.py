@@ -133,7 +133,8 @@ class _Bwrap:
 
 def unavailable() -> Optional[str]:
     """Why bubblewrap cannot isolate code on this machine (None: it can); checked once per process."""
-    return _bwrap() if isinstance(_bwrap(), str) else None
+    found = _bwrap()
+    return found if isinstance(found, str) else None
 
 
 @functools.lru_cache(maxsize=None)

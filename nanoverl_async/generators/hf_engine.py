@@ -122,8 +122,8 @@ class TransformersEngine:
     """The `Engine` protocol (engine.py) on a transformers causal LM, continuously batched."""
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32", seed: int = 0, *,
-                 max_batch_size: int = 256, cuda_graphs: bool = True, kv_cache_memory: float = 0.0, block_size: int = 16,
-                 num_blocks: Optional[int] = None, prefill_tokens: int = 8192):
+                 max_batch_size: int = 256, cuda_graphs: bool = True, kv_cache_memory: float = 0.0,
+                 block_size: int = 16, num_blocks: Optional[int] = None, prefill_tokens: int = 8192):
         """`num_blocks` (tests, benchmarks) sizes the pool in blocks instead of `kv_cache_memory`;
         `prefill_tokens` bounds the tokens a step computes for the requests it admits (a longer context is
         admitted alone): the activations of 256 8k-token prompts in one forward would not fit a GPU."""
@@ -239,8 +239,9 @@ class TransformersEngine:
                 logits.append(self._graphs.decode(self.cache.kv, self.cache.table, running, length))
             else:
                 tokens = Tokens(decoding=(self._next[:running], self._lens[:running], length))
-        if new:  # their tokens past their cached prefix; their block tables, lengths and temperatures (set after
-            # a graph's replay has read the free rows)
+        # New rows: their tokens past their cached prefix, then their block tables, lengths and temperatures
+        # (set after a graph's replay has read the free rows)
+        if new:
             tokens.add(running, offsets, [r.context()[offset:] for r, offset in zip(new, offsets)], sources)
             self.cache.seat(running, new)
             rows = slice(running, running + len(new))

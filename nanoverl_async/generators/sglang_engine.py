@@ -227,13 +227,20 @@ def parse_reply(reply: dict, fallback_version: int) -> tuple[list[int], list[flo
     logprobs = [float(t[0]) for t in triples]
     if "output_ids" in reply and list(reply["output_ids"]) != tokens:
         raise SGLangError(f"reply {meta.get('id')}: output_ids and output_token_logprobs disagree")
-    spans = meta.get("weight_versions")  # per-token versions: these spans, else `weight_version`, else the fallback
-    versions = [-1 if spans else _number(meta.get("weight_version", ""), fallback_version)] * len(tokens)
-    for span in spans or []:
-        versions[span["start"]:span["end"]] = [_number(span["version"], fallback_version)] * (span["end"] - span["start"])
-    if spans and (-1 in versions or len(versions) != len(tokens)):
-        raise SGLangError(f"reply {meta.get('id')}: weight_versions {spans} do not cover {len(tokens)} tokens")
-    return tokens, logprobs, versions, meta["finish_reason"]["type"]
+    return tokens, logprobs, token_versions(meta, len(tokens), fallback_version), meta["finish_reason"]["type"]
+
+
+def token_versions(meta: dict, count: int, fallback: int) -> list[int]:
+    """Per-token versions: the `weight_versions` spans, else `weight_version`, else `fallback`."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        return [_number(meta.get("weight_version", ""), fallback)] * count
+    versions = [-1] * count
+    for span in spans:
+        versions[span["start"]:span["end"]] = [_number(span["version"], fallback)] * (span["end"] - span["start"])
+    if -1 in versions or len(versions) != count:
+        raise SGLangError(f"reply {meta.get('id')}: weight_versions {spans} do not cover {count} tokens")
+    return versions
 
 
 def _number(version, fallback: int) -> int:

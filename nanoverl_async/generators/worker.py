@@ -214,8 +214,9 @@ class GeneratorWorker:
 
     async def _episode(self, lease: dict, sample_index: int) -> None:
         trajectory = await run_episode(self.engine, self.tokenizer, lease["sample"], self.make_env(), self.agent,
-                                       self.generator.temperature, group_id=lease["group_id"], sample_index=sample_index,
-                                       prompt_index=lease["prompt_index"], generator_id=self.generator_id,
+                                       self.generator.temperature, group_id=lease["group_id"],
+                                       sample_index=sample_index, prompt_index=lease["prompt_index"],
+                                       generator_id=self.generator_id,
                                        keep_messages=self.keep_messages, trace=self.trace.enabled)
         await asyncio.wait_for(self._push.send(encode(trajectory)), REQUEST_TIMEOUT_S)
 

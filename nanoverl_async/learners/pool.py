@@ -75,9 +75,9 @@ class LearnerPool:
         return ray.get(refs)
 
     def prepare(self, trajectories: list) -> TrainBatch:
-        """A batch's trajectories (the buffer's Batch.trajectories, group-contiguous) -> a TrainBatch ready for `update`: overlong-shaped rewards, the proximal
-        logprobs of the current weights when the update takes several optimizer steps, the reference
-        logprobs when KL is on, the critic's values for gae (each gathered from every rank's shard), and
+        """A batch's trajectories (the buffer's Batch.trajectories, group-contiguous) -> a TrainBatch ready for
+        `update`: overlong-shaped rewards, the proximal logprobs of the current weights when the update takes
+        several optimizer steps, the reference logprobs when KL is on, the critic's values for gae (each gathered from every rank's shard), and
         the advantages of `algorithm.advantage`. With one optimizer step per batch the update's own forward
         runs on exactly the weights of version `step`: its detached logprobs ARE the proximal logprobs,
         so that forward is not run twice (and, with no KL and no critic, nothing runs here at all)."""
