@@ -353,14 +353,29 @@ def test_sleeping_forever_hits_the_wall_clock():
     assert result.error == "wall time limit" and seconds < 3
 
 
+ENDLESS = "while True:\n    print('x' * 65536, end='')"
+
+
 @pytest.mark.parametrize("isolation", BOTH)
-def test_output_without_end_is_stopped_by_the_wall_clock(isolation):
-    """The code still prints when the wall clock comes: the call returns by it all the same, with the output's head."""
+@pytest.mark.parametrize("writer", ["the program", "a child in a session of its own"])
+def test_output_without_end_is_stopped_by_the_wall_clock(isolation, writer):
+    """The code still prints when the wall clock comes: the call returns by it all the same, with the output's
+    head. Unisolated, a child that left the process group outlives the kill: the output is given up on
+    KILL_GRACE_S later, and the child's next write into the closed pipe ends it."""
+    marker = f"# {uuid.uuid4().hex}"  # in the child's command line
+    code = ENDLESS if writer == "the program" else f"""import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    os.execv(sys.executable, [sys.executable, "-c", {ENDLESS + marker!r}])
+time.sleep(60)
+"""
     limits = SandboxLimits(cpu_s=10, wall_s=2.0, max_output_chars=400, isolation=isolation)
-    result, seconds = run("while True:\n    print('x' * 65536, end='')", limits)
+    result, seconds = run(code, limits)
     assert result.error == "wall time limit" and 2.0 <= seconds < 3.0, (result.error, seconds)
     # 4 bytes kept per character allowed (utf-8's most), then cut to the head and the tail of what was kept
     assert result.output == "x" * 200 + "\n... (1200 chars cut) ...\n" + "x" * 200
+    time.sleep(1.0)
+    assert _processes_with(marker) == []
 
 
 @isolated
