@@ -26,7 +26,7 @@ What confines the code (isolation "bwrap", the default; `agent.sandbox` in the c
     (--die-with-parent), takes the whole PID namespace with it; when the code's main process exits, bwrap
     exits too and the kernel kills whatever it left running.
   The interpreter starts with -I -S: this Python's site-packages are put on its path, but their .pth files
-  are not run (an editable install's finder, say, which took most of the start: about 70 of 90 ms a call).
+  are not run (an editable install's finder, say, which took half of a call's time).
   Not filtered (no seccomp): system calls as such; the code may make a nested user namespace of its own,
   which gives it nothing outside the sandbox (the mounts stay locked read-only).
 Where bubblewrap is missing or cannot create namespaces (probed once per process), `run_python` refuses

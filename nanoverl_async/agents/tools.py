@@ -22,8 +22,8 @@ cut to `max_chars`. Ints are accepted for float parameters; bools are not ints. 
 within `timeout_s` + CANCEL_GRACE_S whatever the tool does: an async tool is cancelled (and not waited
 for past the grace if it ignores that); a synchronous tool runs in a daemon thread of its own, so the event
 loop (and the other episodes) keep going, the calls of many episodes overlap instead of queueing for a small
-pool, and the timeout counts the call's own run time. Python cannot kill that thread, so it runs on unwatched
-(without keeping the process alive at exit): code that may run away belongs in
+pool, and the timeout counts the call's own run time. Python cannot kill that thread: after a timeout it runs
+on, unwatched (a daemon, it does not keep the process alive at exit), so code that may run away belongs in
 `nanoverl_async.agents.sandbox` (a killable subprocess).
 
 Run alone: `python -m pytest tests/test_tools.py -q`.
@@ -188,6 +188,7 @@ async def call_tool(tool: Tool, arguments: Any, timeout_s: float = 5.0, max_char
 
 
 async def _run(tool: Tool, arguments: dict) -> Any:
+    """The tool's result: awaited, or from a thread of its own when the tool is synchronous."""
     return await (tool.fn(**arguments) if inspect.iscoroutinefunction(tool.fn) else _in_thread(tool, arguments))
 
 
