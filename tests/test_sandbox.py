@@ -2,8 +2,8 @@
 by its own reason, near the value it names; without bubblewrap the tool refuses unless the user opts out.
 
 The isolation tests need bubblewrap (CI installs it, .ci/run); where it is not installed they skip, saying
-what to install. Each escape test also empties an in-process guard first (an audit hook, as the sandbox once
-had) and then goes through libc, so only the operating system's isolation can stop it.
+what to install (`pytest -rs` shows it). Each escape test also empties an in-process guard first (an audit
+hook, as the sandbox once had) and then goes through libc, so only the operating system's isolation can stop it.
 """
 
 import asyncio
@@ -35,13 +35,16 @@ libc = ctypes.CDLL(None)
 """
 
 # Skipped only where bubblewrap is not installed: installed but unable to isolate, these tests fail, loudly.
-isolated = pytest.mark.skipif(shutil.which(sandbox.BWRAP) is None,
-                              reason=sandbox.refusal(f"bubblewrap ({sandbox.BWRAP}) is not installed"))
+isolated = pytest.mark.skipif(shutil.which(sandbox.BWRAP) is None, reason=(
+    f"the sandbox's isolation tests need bubblewrap, and {sandbox.BWRAP} is not on PATH: install it "
+    f"(apt-get install bubblewrap, as .ci/run does)"))
+BOTH = [pytest.param("bwrap", marks=isolated), UNSAFE]
 
 
 def run(code, limits=FAST):
+    """run_python -> (its result, seconds); a call still running 5 s past its wall clock fails the test."""
     started = time.monotonic()
-    result = asyncio.run(run_python(code, limits))
+    result = asyncio.run(asyncio.wait_for(run_python(code, limits), limits.wall_s + 5))
     return result, time.monotonic() - started
 
 
@@ -55,6 +58,8 @@ def test_ordinary_code_and_output_truncation():
     assert result.error == "exit code 1" and "ValueError: nope" in result.observation()
     result, _ = run("import numpy, os; print(numpy.arange(4).sum(), os.getcwd())")  # the venv's packages
     assert (result.output, result.error) == ("6 /tmp\n", None)
+    result, _ = run("print(callable(help)); exit(3)")  # the builtins site adds, though the interpreter skips it (-S)
+    assert (result.output, result.error) == ("True\n", "exit code 3")
 
 
 @isolated
@@ -162,7 +167,7 @@ print("spawned", flush=True)
     time.sleep(1.0)
     assert _processes_with(marker) == []
     result, seconds = run(code + "import time\ntime.sleep(60)\n", SandboxLimits(cpu_s=2, wall_s=2.0))
-    assert result.error == "timeout" and seconds < 4  # killed at the wall clock: its descendants with it
+    assert result.error == "wall time limit" and seconds < 4  # killed at the wall clock: its descendants with it
     time.sleep(1.0)
     assert _processes_with(marker) == []
     # the episode's tool timeout (agent.tool_timeout_s) may come first: cancelling the call kills it too
@@ -240,6 +245,18 @@ def test_the_memory_limit_is_the_address_space_it_names():
     assert (result.output, result.error) == ("allocated\n", None)
     result, _ = run("x = bytearray(256 * 2**20); print('allocated')", limits)  # the limit itself: over it
     assert result.error == "exit code 1" and "MemoryError" in result.output and "allocated" not in result.output
+
+
+@pytest.mark.parametrize("isolation", BOTH)
+def test_the_rlimits_inside_are_exactly_the_configured_ones(isolation):
+    limits = SandboxLimits(cpu_s=3, memory_mb=300, file_mb=7, max_processes=9, isolation=isolation)
+    code = """import resource
+for name in ("CPU", "AS", "FSIZE", "NPROC", "NOFILE", "CORE"):
+    print(name, *resource.getrlimit(getattr(resource, "RLIMIT_" + name)))
+"""
+    result, _ = run(code, limits)
+    assert result.output == ("CPU 3 4\nAS 314572800 314572800\nFSIZE 7340032 7340032\nNPROC 9 9\nNOFILE 64 64\n"
+                             "CORE 0 0\n"), result.output
 
 
 @isolated
@@ -333,7 +350,32 @@ def test_where_bubblewrap_cannot_isolate_the_refusal_quotes_it(monkeypatch, tmp_
 @isolated
 def test_sleeping_forever_hits_the_wall_clock():
     result, seconds = run("import time; time.sleep(60)", SandboxLimits(cpu_s=2, wall_s=1.0))
-    assert result.error == "timeout" and seconds < 3
+    assert result.error == "wall time limit" and seconds < 3
+
+
+ENDLESS = "while True:\n    print('x' * 65536, end='')"
+
+
+@pytest.mark.parametrize("isolation", BOTH)
+@pytest.mark.parametrize("writer", ["the program", "a child in a session of its own"])
+def test_output_without_end_is_stopped_by_the_wall_clock(isolation, writer):
+    """The code still prints when the wall clock comes: the call returns by it all the same, with the output's
+    head. Unisolated, a child that left the process group outlives the kill: the output is given up on
+    KILL_GRACE_S later, and the child's next write into the closed pipe ends it."""
+    marker = f"# {uuid.uuid4().hex}"  # in the child's command line
+    code = ENDLESS if writer == "the program" else f"""import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    os.execv(sys.executable, [sys.executable, "-c", {ENDLESS + marker!r}])
+time.sleep(60)
+"""
+    limits = SandboxLimits(cpu_s=10, wall_s=2.0, max_output_chars=400, isolation=isolation)
+    result, seconds = run(code, limits)
+    assert result.error == "wall time limit" and 2.0 <= seconds < 3.0, (result.error, seconds)
+    # 4 bytes kept per character allowed (utf-8's most), then cut to the head and the tail of what was kept
+    assert result.output == "x" * 200 + "\n... (1200 chars cut) ...\n" + "x" * 200
+    time.sleep(1.0)
+    assert _processes_with(marker) == []
 
 
 @isolated

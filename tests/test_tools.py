@@ -1,13 +1,15 @@
 """Tools (schema from signature and docstring, argument checks, timeouts, errors) and call parsers."""
 
 import asyncio
+import contextlib
+import threading
 import time
 from typing import Literal, Optional
 
 import pytest
 
 from nanoverl_async.agents.tool_parsers import parse_builtin, parse_hermes
-from nanoverl_async.agents.tools import as_tool, call_tool, check_arguments
+from nanoverl_async.agents.tools import CANCEL_GRACE_S, ToolResult, as_tool, call_tool, check_arguments
 
 
 def search(query: str, limit: int = 5, mode: Literal["fast", "exact"] = "fast", tags: Optional[list[str]] = None,
@@ -28,6 +30,12 @@ def search(query: str, limit: int = 5, mode: Literal["fast", "exact"] = "fast", 
 async def slow(seconds: float) -> str:
     """Sleep."""
     await asyncio.sleep(seconds)
+    return "done"
+
+
+def slow_blocking(seconds: float) -> str:
+    """Sleep, holding the thread (as a `requests` call does)."""
+    time.sleep(seconds)
     return "done"
 
 
@@ -119,6 +127,61 @@ def test_call_results_and_errors():
     own_limit = run(call_tool(as_tool(slow, timeout_s=0.02), {"seconds": 5}, timeout_s=10))
     assert own_limit.text == "error: timeout after 0.02s"
     assert run(call_tool(as_tool(search), {"query": "x" * 100}, max_chars=10)).text == "x" * 10
+
+
+def test_a_blocking_tool_that_never_returns_holds_neither_the_call_nor_its_loop():
+    release = threading.Event()
+
+    def stuck() -> str:
+        """Blocks until the test ends."""
+        release.wait()
+        return "late"
+
+    outcome = []  # asyncio.run's result: the loop has closed too (asyncio.to_thread's pool was joined there)
+    caller = threading.Thread(target=lambda: outcome.append(run(call_tool(as_tool(stuck), {}, timeout_s=0.2))))
+    started = time.monotonic()
+    caller.start()
+    caller.join(3)
+    seconds = time.monotonic() - started
+    release.set()
+    caller.join()
+    assert outcome == [ToolResult("error: timeout after 0.2s", True)] and 0.2 <= seconds < 0.2 + 0.5, seconds
+
+
+def test_an_async_tool_that_swallows_its_cancellation_is_left_behind_after_the_grace():
+    async def call() -> tuple:
+        release = asyncio.Event()
+
+        async def stubborn() -> str:
+            """Runs until the test ends, whatever cancels it."""
+            while not release.is_set():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await release.wait()
+            return "late"
+
+        calling = asyncio.ensure_future(call_tool(as_tool(stubborn), {}, timeout_s=0.2))
+        started = time.monotonic()
+        await asyncio.wait({calling}, timeout=3)
+        seconds = time.monotonic() - started
+        release.set()
+        return await calling, seconds
+
+    result, seconds = run(call())
+    assert result == ToolResult("error: timeout after 0.2s", True)
+    assert 0.2 + CANCEL_GRACE_S <= seconds < 0.2 + CANCEL_GRACE_S + 0.5, seconds
+
+
+@pytest.mark.parametrize("fn", [slow, slow_blocking])
+def test_the_calls_of_64_concurrent_episodes_overlap(fn):
+    """As the episodes of one generator make them, on one loop: each call takes 2 s, all 64 together about as
+    long, and none waits for a thread past its timeout (asyncio.to_thread's pool has min(32, CPUs + 4))."""
+    async def episodes() -> list:
+        return await asyncio.gather(*(call_tool(as_tool(fn), {"seconds": 2.0}, timeout_s=5.0) for _ in range(64)))
+
+    started = time.monotonic()
+    results = run(episodes())
+    seconds = time.monotonic() - started
+    assert results == [ToolResult("done", False)] * 64 and 2.0 <= seconds < 3.0, seconds
 
 
 def test_hermes_parser():

@@ -25,6 +25,8 @@ What confines the code (isolation "bwrap", the default; `agent.sandbox` in the c
     processes, no core dumps; a wall clock: bwrap is killed at `wall_s` and, being PID 1's parent
     (--die-with-parent), takes the whole PID namespace with it; when the code's main process exits, bwrap
     exits too and the kernel kills whatever it left running.
+  The interpreter starts with -I -S: this Python's site-packages are put on its path, but their .pth files
+  are not run (an editable install's finder, say, which took half of a call's time).
   Not filtered (no seccomp): system calls as such; the code may make a nested user namespace of its own,
   which gives it nothing outside the sandbox (the mounts stay locked read-only).
 Where bubblewrap is missing or cannot create namespaces (probed once per process), `run_python` refuses
@@ -33,9 +35,10 @@ then only the rlimits, the wall clock (on the process group) and a temporary wor
 the code runs as this user and can read, write and connect to whatever this user can.
 
 Invariants: `run_python` never raises for anything the code does (infinite loop, huge allocation, fork
-bomb, escape attempt, crash): it returns a SandboxResult whose `error` says what happened, within about
-`wall_s` seconds, and leaves no process behind. stdout+stderr are cut to `max_output_chars` (head and
-tail kept).
+bomb, escape attempt, crash, output without end): it returns a SandboxResult whose `error` says what
+happened within `wall_s` + KILL_GRACE_S seconds, and leaves no process behind (unisolated: none in its
+process group). stdout+stderr are cut to `max_output_chars` (head and tail kept); output printed before
+the wall clock stopped the code is kept.
 
 Run alone: `python -m pytest tests/test_sandbox.py -q`.
 """
@@ -50,6 +53,7 @@ import functools
 import os
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import tempfile
@@ -64,11 +68,17 @@ CLONE_NEWUSER = 0x10000000
 NAMESPACES = ("--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
               "--die-with-parent", "--new-session")
 ENVIRONMENT = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONIOENCODING": "utf-8", "LANG": "C.UTF-8"}
+KILL_GRACE_S = 0.5  # after the kill: for the process to be reaped and its last output read
+SITE_PACKAGES = ":".join(site.getsitepackages())  # this process's: a venv's (under -S the child would not know it)
 
-# The interpreter's first code: set the rlimits (argv: NAME=soft:hard), then run the program from stdin.
-# In the interpreter, not before exec, so that bwrap's own processes do not count towards RLIMIT_NPROC.
-RUNNER = """import resource, sys
-for limit in sys.argv[1:]:
+# The interpreter's first code (under -S): this Python's site-packages on the path (argv[1]) and the builtins
+# site adds that programs use (exit, quit, help); then the rlimits (argv: NAME=soft:hard); then the program
+# from stdin. The rlimits in the interpreter, not before exec, so that bwrap's own processes do not count
+# towards RLIMIT_NPROC.
+RUNNER = """import resource, site, sys
+sys.path += filter(None, sys.argv[1].split(":"))
+site.setquit(), site.sethelper()
+for limit in sys.argv[2:]:
     name, values = limit.split("=")
     resource.setrlimit(getattr(resource, name), tuple(map(int, values.split(":"))))
 del sys.argv[1:], limit, name, values
@@ -226,7 +236,7 @@ async def run_python(code: str, limits: Optional[SandboxLimits] = None) -> Sandb
     """Run `code` isolated under `limits` (default: the tool's) -> SandboxResult (never raises for the code;
     raises SandboxUnavailable when isolation is asked for and missing)."""
     limits = limits or TOOL_LIMITS
-    interpreter = [sys.executable, "-I", "-c", RUNNER, *_rlimits(limits)]
+    interpreter = [sys.executable, "-I", "-S", "-c", RUNNER, SITE_PACKAGES, *_rlimits(limits)]
     if limits.isolation != "bwrap":
         with tempfile.TemporaryDirectory(prefix="nanoverl_sandbox_", ignore_cleanup_errors=True) as workdir:
             return await _run(interpreter, code, limits, cwd=workdir)
@@ -237,40 +247,71 @@ async def run_python(code: str, limits: Optional[SandboxLimits] = None) -> Sandb
 
 
 async def _run(argv: list, source: str, limits: SandboxLimits, cwd: str, fds: tuple = ()) -> SandboxResult:
-    """Start `argv` in a session of its own, feed it `source`, collect its output within limits.wall_s."""
-    process = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        start_new_session=True, pass_fds=fds, cwd=cwd, env=ENVIRONMENT)
-
-    async def read_all() -> bytes:
-        process.stdin.write(source.encode())
-        await process.stdin.drain()
-        process.stdin.close()
-        chunks, size = [], 0
-        while chunk := await process.stdout.read(65536):
-            if size < limits.max_output_chars * 4:  # keep reading (the child must not block), keep little
-                chunks.append(chunk)
-            size += len(chunk)
-        await process.wait()
-        return b"".join(chunks)
-
-    error = None
+    """Start `argv` in a session of its own, feed it `source`, collect its output; kill it at limits.wall_s."""
+    # The output comes through a pipe of ours, not asyncio's: Process.wait() waits for its pipes to close too,
+    # which a process still writing (or, unisolated, one that left the group) keeps open.
+    read_end, write_end = os.pipe()
+    pipe, output = await asyncio.get_running_loop().connect_read_pipe(
+        lambda: _Output(limits.max_output_chars * 4), open(read_end, "rb", buffering=0))
     try:
-        raw = await asyncio.wait_for(read_all(), limits.wall_s)
-    except (asyncio.TimeoutError, BrokenPipeError, ConnectionResetError) as exc:
-        raw, error = b"", "timeout" if isinstance(exc, asyncio.TimeoutError) else "the process closed its input"
-    finally:  # kill bwrap (PID 1's parent: the sandbox goes with it) or the unisolated group
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        await process.wait()
-    output = raw.decode("utf-8", errors="replace")
-    if len(output) > limits.max_output_chars:  # keep the head and the tail (where the error is)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=write_end, stderr=write_end, start_new_session=True,
+                pass_fds=fds, cwd=cwd, env=ENVIRONMENT)
+        finally:
+            os.close(write_end)  # the child has it: the output ends when the last process holding it does
+        error = await _supervise(process, source, output, limits.wall_s)
+    finally:
+        pipe.close()
+    text = output.data.decode("utf-8", errors="replace")
+    if len(text) > limits.max_output_chars:  # keep the head and the tail (where the error is)
         half = limits.max_output_chars // 2
-        output = f"{output[:half]}\n... ({len(output) - 2 * half} chars cut) ...\n{output[-half:]}"
+        text = f"{text[:half]}\n... ({len(text) - 2 * half} chars cut) ...\n{text[-half:]}"
     code = process.returncode
     if error is None and code != 0:
         error = _exit_reason(code, bwrap=limits.isolation == "bwrap")
-    return SandboxResult(output, code, error, limits.isolation)
+    return SandboxResult(text, code, error, limits.isolation)
+
+
+class _Output(asyncio.Protocol):
+    """Reads a pipe to its end, keeping the first `keep` bytes: the writer never waits for a reader."""
+
+    def __init__(self, keep: int):
+        self.keep, self.data = keep, bytearray()
+        self.ended = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        self.data += data[:self.keep - len(self.data)]
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        if not self.ended.done():
+            self.ended.set_result(None)
+
+
+async def _supervise(process: asyncio.subprocess.Process, source: str, output: _Output, wall_s: float) -> Optional[str]:
+    """Feed `source`, wait for the exit and the end of the output, kill at `wall_s` -> None or why it stopped."""
+    async def ended() -> None:
+        await process.wait()
+        await asyncio.wait({output.ended})  # not awaited itself: a timeout would cancel the future
+
+    async def run() -> None:
+        process.stdin.write(source.encode())
+        await process.stdin.drain()
+        process.stdin.close()
+        await ended()
+
+    try:
+        await asyncio.wait_for(run(), wall_s)
+        return None
+    except asyncio.TimeoutError:
+        return "wall time limit"
+    except (BrokenPipeError, ConnectionResetError):
+        return "the process closed its input"
+    finally:  # kill bwrap (PID 1's parent: the sandbox goes with it) or the unisolated group
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(asyncio.TimeoutError):  # unisolated, a process that left the group may write on
+            await asyncio.wait_for(ended(), KILL_GRACE_S)
 
 
 def _exit_reason(code: int, bwrap: bool) -> str:

@@ -18,9 +18,13 @@ it): env.env_factory builds every declared tool when the run starts, so that is 
 
 Invariants: `call_tool` never raises (except cancellation): unknown arguments, missing or wrongly typed
 arguments, a raising tool and a timeout each come back as `ToolResult(text="error: ...", error=True)`,
-cut to `max_chars`. Ints are accepted for float parameters; bools are not ints. A synchronous tool runs
-in a thread so the event loop (and the other episodes) keep going; Python cannot kill that thread on
-timeout, so code that may run away belongs in `nanoverl_async.agents.sandbox` (a killable subprocess).
+cut to `max_chars`. Ints are accepted for float parameters; bools are not ints. A timeout ends the call
+within `timeout_s` + CANCEL_GRACE_S whatever the tool does: an async tool is cancelled (and not waited
+for past the grace if it ignores that); a synchronous tool runs in a daemon thread of its own, so the event
+loop (and the other episodes) keep going, the calls of many episodes overlap instead of queueing for a small
+pool, and the timeout counts the call's own run time. Python cannot kill that thread: after a timeout it runs
+on, unwatched (a daemon, it does not keep the process alive at exit), so code that may run away belongs in
+`nanoverl_async.agents.sandbox` (a killable subprocess).
 
 Run alone: `python -m pytest tests/test_tools.py -q`.
 """
@@ -28,13 +32,17 @@ Run alone: `python -m pytest tests/test_tools.py -q`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import inspect
 import re
+import threading
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
+CANCEL_GRACE_S = 0.5  # after a timeout, how long a cancelled tool may take to clean up (the sandbox's kill)
 
 
 @dataclass
@@ -163,12 +171,51 @@ async def call_tool(tool: Tool, arguments: Any, timeout_s: float = 5.0, max_char
     problem = check_arguments(tool, arguments)
     if problem is not None:
         return result(f"error: {problem}", True)
+    running = asyncio.ensure_future(_run(tool, arguments))
+    running.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, even after a timeout
     try:
-        # a synchronous tool runs in a thread, which keeps the event loop running; it cannot be killed on timeout
-        pending = (tool.fn(**arguments) if inspect.iscoroutinefunction(tool.fn)
-                   else asyncio.to_thread(tool.fn, **arguments))
-        return result(str(await asyncio.wait_for(pending, timeout_s)), False)
-    except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
+        if (await asyncio.wait({running}, timeout=timeout_s))[0]:
+            return result(str(running.result()), False)
+        running.cancel()
+        # Not asyncio.wait_for, which waits for the cancelled tool to end: one that swallows the cancellation
+        # would hold the episode as long as it runs.
+        await asyncio.wait({running}, timeout=CANCEL_GRACE_S)
         return result(f"error: timeout after {timeout_s:g}s", True)
     except Exception as error:  # a bad call is an observation for the model, not a crash
         return result(f"error: {error}" if str(error) else f"error: {type(error).__name__}", True)
+    finally:
+        running.cancel()  # ended already, or this call was cancelled (its episode ended): then the tool is too
+
+
+async def _run(tool: Tool, arguments: dict) -> Any:
+    """The tool's result: awaited, or from a thread of its own when the tool is synchronous."""
+    return await (tool.fn(**arguments) if inspect.iscoroutinefunction(tool.fn) else _in_thread(tool, arguments))
+
+
+def _in_thread(tool: Tool, arguments: dict) -> asyncio.Future:
+    """Start a synchronous tool in a daemon thread of its own -> a future of its result. Not asyncio.to_thread:
+    its pool has min(32, CPUs + 4) threads, so the calls of many concurrent episodes would queue for them past
+    their timeouts, a tool that never returns would hold one for good, and the pool is joined at exit."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(value: Any, error: Optional[BaseException]) -> None:
+        if future.done():  # cancelled: the call timed out or its episode ended
+            return
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
+
+    def work() -> None:
+        try:
+            outcome = (tool.fn(**arguments), None)
+        except BaseException as error:  # noqa: BLE001 - handed to the call, as asyncio.to_thread does
+            outcome = (None, error)
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for the result
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    # the caller's context variables, as asyncio.to_thread passes them
+    threading.Thread(target=contextvars.copy_context().run, args=(work,), name=f"tool {tool.name}",
+                     daemon=True).start()
+    return future
