@@ -6,6 +6,7 @@ omitted) -> publish_weights -> save_pretrained, and rank 0 writes what it saw to
 rate is small because Adam turns fp32 summation-order noise on near-zero gradients into steps of ~lr.
 """
 
+import copy
 import dataclasses
 import socket
 
@@ -169,6 +170,52 @@ def test_two_ranks_match_one_rank_and_plain_torch(model_dir, tmp_path):
     for name, tensor in saved.state_dict().items():
         assert torch.allclose(tensor, weights[name], atol=1e-5), name
     assert AutoTokenizer.from_pretrained(tmp_path / "two" / "final").get_vocab() == build_tokenizer().get_vocab()
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [0, 1])  # one micro-batch, a group's prompt shared; one per sequence
+def test_one_optimizer_step_takes_p_old_from_its_own_forward_bit_for_bit(model_dir, micro_batch_tokens):
+    """ppo_epochs = minibatches = 1 (the default job): `prepare` runs no proximal forward and the update takes
+    p_old from its own forward, detached. Against the separate forward (`compute`) on the same weights: the
+    same loss, metrics, gradients and updated weights, bit for bit."""
+    cfg = dataclasses.replace(LEARNER, micro_batch_tokens=micro_batch_tokens)
+    learner = LearnerRank(setup(model_dir, learner=cfg), 0, "127.0.0.1", free_port())
+    assert learner.setup.forwards == []
+    initial = {name: tensor.clone() for name, tensor in learner.model.state_dict().items()}
+    fresh_optimizer = copy.deepcopy(learner.optimizer.state_dict())
+    runs = []
+    try:
+        for separate_forward in (True, False):
+            learner.model.load_state_dict(initial)
+            learner.optimizer.load_state_dict(fresh_optimizer)
+            learner.version = 0
+            batch = make_batch()
+            if separate_forward:  # what LearnerPool.prepare computes when it is in setup.forwards
+                batch.proximal_logprobs = torch.from_numpy(learner.compute(batch, "proximal_logprobs"))
+            metrics = {key: value for key, value in learner.update(batch).items() if not key.startswith("memory/")}
+            runs.append((metrics, {name: param.grad.clone() for name, param in learner.model.named_parameters()},
+                         {name: tensor.clone() for name, tensor in learner.model.state_dict().items()}))
+    finally:
+        learner.shutdown()
+    (separate, separate_grads, separate_weights), (own, own_grads, own_weights) = runs
+    assert separate == own and own["is_truncated_fraction"] > 0  # every metric, the IS truncation included
+    assert separate_grads.keys() == own_grads.keys() and separate_weights.keys() == own_weights.keys()
+    assert all(torch.equal(separate_grads[name], own_grads[name]) for name in own_grads)
+    assert all(torch.equal(separate_weights[name], own_weights[name]) for name in own_weights)
+    assert not torch.equal(own_weights["model.norm.weight"], initial["model.norm.weight"])  # the step ran
+
+
+@pytest.mark.parametrize("ppo_epochs, minibatches", [(2, 1), (1, 2)])
+def test_several_optimizer_steps_a_batch_need_the_separate_proximal_forward(model_dir, ppo_epochs, minibatches):
+    cfg = dataclasses.replace(LEARNER, ppo_epochs=ppo_epochs, minibatches=minibatches)
+    assert setup(model_dir, learner=cfg).forwards == ["proximal_logprobs"]
+    both = setup(model_dir, AlgorithmConfig(advantage="gae"), cfg, kl=KLConfig(reward_coef=0.1))
+    assert both.forwards == ["proximal_logprobs", "reference_logprobs", "values"]
+    learner = LearnerRank(setup(model_dir, learner=cfg), 0, "127.0.0.1", free_port())
+    try:
+        with pytest.raises(AssertionError, match="several optimizer steps per batch need the proximal logprobs"):
+            learner.update(make_batch())
+    finally:
+        learner.shutdown()
 
 
 def published_versions_equal_held(learner: LearnerRank, versions: int = 4) -> list:

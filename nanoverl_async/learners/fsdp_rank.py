@@ -183,7 +183,7 @@ class LearnerRank:
         reduced over ranks, then averaged over optimizer steps (`*_max` keys: max); `memory/*`: the largest
         peak of any rank since the previous update returned (docs/metrics.md)."""
         assert batch.advantages is not None, "the batch has no advantages (batch.with_advantages)"
-        assert batch.proximal_logprobs is not None or self.cfg.ppo_epochs * self.cfg.minibatches == 1, \
+        assert batch.proximal_logprobs is not None or "proximal_logprobs" not in self.setup.forwards, \
             "several optimizer steps per batch need the proximal logprobs (LearnerPool.prepare)"
         history = []
         for epoch in range(self.cfg.ppo_epochs):

@@ -158,29 +158,15 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
                for capacity in ([longest, 2 * longest] if several_per_row and attention_cost > 0 else [longest])]
     capacity, units, rows = min(layouts, key=lambda layout: len(layout[2]) * layout[0] * (
         1 + layout[0] * attention_cost))
-    packed_ids = torch.full((len(rows), capacity), PAD_TOKEN_ID, dtype=input_ids.dtype)
-    positions = torch.zeros((len(rows), capacity), dtype=torch.long)
-    blocks = torch.full((len(rows), capacity), -1, dtype=torch.long)  # the unit of each position (-1: the tail)
-    branches = torch.zeros((len(rows), capacity), dtype=torch.long)  # 0: a whole sequence or a shared prompt
-    place = torch.zeros(input_ids.shape, dtype=torch.long)  # each token's flat position in [r * c]
-    for r, members_of_row in enumerate(rows):
-        offset = 0
-        for unit in members_of_row:
-            shared, members = units[unit]
-            prompt = torch.arange(r * capacity + offset, r * capacity + offset + shared)
-            packed_ids[r, offset:offset + shared] = input_ids[members[0], :shared]
-            positions[r, offset:offset + shared] = torch.arange(shared)
-            blocks[r, offset:offset + shared] = unit
-            offset += shared
-            for branch, sequence in enumerate(members, start=1):
-                end = offset + lengths[sequence] - shared
-                packed_ids[r, offset:end] = input_ids[sequence, shared:lengths[sequence]]
-                positions[r, offset:end] = torch.arange(shared, lengths[sequence])
-                blocks[r, offset:end], branches[r, offset:end] = unit, branch if shared else 0
-                place[sequence, :lengths[sequence]] = torch.cat([prompt, torch.arange(r * capacity + offset,
-                                                                                     r * capacity + end)])
-                offset = end
-        positions[r, offset:] = torch.arange(capacity - offset)  # the tail: a block of its own, discarded
+    place, unit, branch, filled = _placed(units, rows, lengths, capacity, input_ids.shape[1])
+    size = (len(rows), capacity)
+    packed_ids = _laid_out(input_ids, place, torch.full(size, PAD_TOKEN_ID, dtype=input_ids.dtype))
+    # position ids restart at each sequence (a shared prompt's continue after it) and at each row's tail,
+    # which is a block of its own, discarded
+    tails = torch.arange(capacity) - torch.tensor(filled, dtype=torch.long)[:, None]
+    positions = _laid_out(torch.arange(input_ids.shape[1]), place, tails)
+    blocks = _laid_out(unit, place, torch.full(size, -1))  # the unit of each position (-1: the tail)
+    branches = _laid_out(branch, place, torch.zeros(size, dtype=torch.long))
     # the tokens read (real, wanted, j >= 1: nothing predicts token 0), each predicted where token j - 1 lies
     read = attention_mask.bool() & (True if wanted is None else wanted.bool())
     read[:, 0] = False
@@ -190,6 +176,42 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
     mask = _shared_prompt_mask(blocks, branches) if any(shared for shared, _ in units) else None
     return Packing(packed_ids, positions if several else None, mask, outputs, predictor, target, destination,
                    tuple(attention_mask.shape))
+
+
+def _placed(units: list[tuple[int, list[int]]], rows: list[list[int]], lengths: list[int], capacity: int,
+            width: int) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+    """Where `_rows`' layout puts each token of the [n, width] sequences: its flat position in [r * capacity]
+    ([n, width], -1 past the sequence's end; a shared prompt's tokens at the one copy of the prompt), its unit
+    [n, 1] and branch [n, width] (0 on a shared prompt and in a unit of one sequence, else the sequence's
+    number in its unit from 1), and how many positions of each row are filled. Integers per sequence, then
+    whole-tensor arithmetic: tensor slices per sequence made `pack` 3x slower, host time in every step."""
+    prompt_at, own_at, shared_of, unit_of, branch_of = ([0] * len(lengths) for _ in range(5))
+    filled = []
+    for r, members_of_row in enumerate(rows):
+        offset = r * capacity
+        for unit in members_of_row:
+            shared, members = units[unit]
+            prompt, offset = offset, offset + shared
+            for branch, sequence in enumerate(members, start=1):
+                prompt_at[sequence], own_at[sequence], shared_of[sequence] = prompt, offset, shared
+                unit_of[sequence], branch_of[sequence] = unit, branch if shared else 0
+                offset += lengths[sequence] - shared
+        filled.append(offset - r * capacity)
+    prompt_at, own_at, shared, unit, branch, length = (torch.tensor(values, dtype=torch.long)[:, None] for values in
+                                                       (prompt_at, own_at, shared_of, unit_of, branch_of, lengths))
+    column = torch.arange(width)
+    in_prompt = column < shared
+    place = torch.where(in_prompt, prompt_at + column, own_at + column - shared)
+    return torch.where(column < length, place, -1), unit, torch.where(in_prompt, 0, branch), filled
+
+
+def _laid_out(values: Tensor, place: Tensor, fill: Tensor) -> Tensor:
+    """`fill` [r, c] with the value in `values` ([n, l], or broadcast to it) of each token written where
+    `_placed` puts it (a shared prompt's positions by each sequence that shares it: the same values)."""
+    real = place >= 0
+    out = fill.flatten().clone()
+    out[place[real]] = values.expand_as(place)[real]
+    return out.view(fill.shape)
 
 
 def chunked_head(hidden: Tensor, head: torch.nn.Module, targets: Tensor, reduce, chunk_tokens: int) -> Tensor:
@@ -242,9 +264,10 @@ def _prompt_groups(input_ids: Tensor, lengths: list[int], prompts: Optional[Tens
     """(shared, *prompt tokens) -> the sequences that begin with that prompt; (0, s) -> sequence s alone
     (no prompt to share). Whatever the row length, so `pack` groups once for every layout it weighs."""
     groups: dict[tuple, list[int]] = {}
+    ids, prompts = input_ids.tolist(), [0] * len(lengths) if prompts is None else prompts.tolist()  # host lists
     for sequence, length in enumerate(lengths):
-        shared = min(int(prompts[sequence]), length - 1) if prompts is not None else 0  # >= 1 token of its own
-        key = (shared, *input_ids[sequence, :shared].tolist()) if shared > 0 else (0, sequence)
+        shared = min(prompts[sequence], length - 1)  # >= 1 token of its own
+        key = (shared, *ids[sequence][:shared]) if shared > 0 else (0, sequence)
         groups.setdefault(key, []).append(sequence)
     return groups
 

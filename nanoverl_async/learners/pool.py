@@ -40,12 +40,6 @@ class LearnerPool:
             dataclasses.replace(cfg.model, path=model_path), cfg.learner, cfg.algorithm, cfg.kl, cfg.reference,
             cfg.critic, cfg.wire.host, cfg.generator.temperature, cfg.run.seed, cfg.agent.max_total_tokens, curve)
         learner = cfg.learner
-        # the TrainBatch fields `prepare` computes (LearnerRank.compute); p_old must be recomputed unless the
-        # update's own forward (one optimizer step) sees the same weights
-        needed = {"proximal_logprobs": learner.ppo_epochs * learner.minibatches > 1,
-                  "reference_logprobs": cfg.kl.loss_coef > 0 or cfg.kl.reward_coef > 0,
-                  "values": cfg.algorithm.advantage == "gae"}
-        self.forwards = [field for field, wanted in needed.items() if wanted]
         gpus = learner.gpus_per_rank if learner.device == "cuda" else 0
         actor = ray.remote(num_cpus=0, num_gpus=gpus, resources=cfg.ray.resources("learner"))(LearnerRankRole)
         self.ranks = [actor.remote() for _ in range(learner.world_size)]
@@ -82,10 +76,11 @@ class LearnerPool:
         runs on exactly the weights of version `step`: its detached logprobs ARE the proximal logprobs,
         so that forward is not run twice (and, with no KL and no critic, nothing runs here at all)."""
         train_batch, group_size = collate(trajectories), group_size_of(trajectories)
-        shared = ray.put(train_batch) if self.forwards else None  # one copy in Ray's object store for every rank
+        # one copy in Ray's object store for every rank
+        shared = ray.put(train_batch) if self.setup.forwards else None
         # each field [N, L]: every rank's [shard rows, L], concatenated in rank order
         gathered = {field: torch.from_numpy(np.concatenate(self._all("compute", shared, field)))
-                    for field in self.forwards}
+                    for field in self.setup.forwards}
         return with_advantages(dataclasses.replace(train_batch, **gathered), group_size, self.setup.algorithm,
                                self.setup.kl, self.setup.max_total_tokens)
 

@@ -29,3 +29,14 @@ class LearnerSetup:
     seed: int = 0  # run.seed
     max_total_tokens: int = 0  # agent.max_total_tokens: overlong limit, seq-mean-token-sum-norm's constant
     curve: Optional[CurveKeys] = None  # the run's wire keys (wire/auth.py)
+
+    @property
+    def forwards(self) -> list[str]:
+        """The TrainBatch fields that `LearnerPool.prepare` computes by a forward before the update
+        (LearnerRank.compute). The proximal logprobs only with several optimizer steps per batch: with one,
+        the update's own forward runs on the very weights that define p_old, so its detached logprobs ARE
+        p_old, bit for bit (tests/test_fsdp.py), and a separate forward would cost a third of the update."""
+        needed = {"proximal_logprobs": self.learner.ppo_epochs * self.learner.minibatches > 1,
+                  "reference_logprobs": self.kl.loss_coef > 0 or self.kl.reward_coef > 0,
+                  "values": self.algorithm.advantage == "gae"}
+        return [name for name, wanted in needed.items() if wanted]

@@ -1,0 +1,93 @@
+"""The learner's seconds a step on the default job's batch, at the asynchronous default job's one thread.
+
+    python bench/learner_step.py [--threads 1] [--repeats 3] [--steps 5]
+
+The batch is the one bench/learner_vs_torch.py builds: 16 prompts x 8 samples of the built-in task, answers
+of a few to ~10 sampled tokens, `builtin:tiny`, float32, world size 1. A step is what the learner does
+between two batches. With one optimizer step a batch (learner.ppo_epochs = minibatches = 1: the default
+job) the update takes the proximal logprobs from its own forward (LearnerSetup.forwards); a separate
+proximal forward before it is what a step costs otherwise. The two paths give the same loss, metrics and
+gradients bit for bit (tests/test_fsdp.py). Interleaved A B B A per repeat; a warm-up step of each first.
+The last row is `pack` alone on the batch: the host's share of the update, the layout of its rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from learner_vs_torch import default_job_batch  # bench/, the script's folder
+
+from nanoverl_async.config import LearnerConfig, ModelConfig
+from nanoverl_async.learners.fsdp_rank import LearnerRank
+from nanoverl_async.learners.packing import pack, prompt_lengths
+from nanoverl_async.learners.setup import LearnerSetup
+from nanoverl_async.models.load import resolve_model_path
+
+MAX_TOTAL_TOKENS = 96  # configs/agent_grpo.yaml's agent.max_total_tokens
+
+
+def step(rank: LearnerRank, batch, separate_forward: bool) -> None:
+    """One learner step on `batch`: the update, after a separate proximal forward if asked."""
+    batch.proximal_logprobs = torch.from_numpy(rank.compute(batch, "proximal_logprobs")) \
+        if separate_forward else None
+    rank.update(batch)
+
+
+def seconds_a_step(run, steps: int) -> float:
+    started = time.perf_counter()
+    for _ in range(steps):
+        run()
+    return (time.perf_counter() - started) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    setup = LearnerSetup(model=ModelConfig(path=resolve_model_path("builtin:tiny")), max_total_tokens=MAX_TOTAL_TOKENS,
+                         learner=LearnerConfig(torch_threads=args.threads))
+    rank = LearnerRank(setup, 0, "127.0.0.1", port)
+    batch = default_job_batch(rank.model.config.vocab_size)
+    paths = {"separate proximal forward, then the update": lambda: step(rank, batch, True),
+             "the update alone (p_old from its own forward)": lambda: step(rank, batch, False),
+             "of which pack() (host)": lambda: pack(batch.input_ids, batch.attention_mask, rank.packs,
+                                                    prompt_lengths(batch.loss_mask), rank.attention_cost,
+                                                    batch.loss_mask)}
+    names = list(paths)
+    seconds = {name: [] for name in names}
+    try:
+        for name in names:
+            paths[name]()  # warm-up
+        for _ in range(args.repeats):
+            for name in names + names[::-1]:  # A B C C B A
+                seconds[name].append(seconds_a_step(paths[name], args.steps))
+    finally:
+        rank.shutdown()
+    baseline = statistics.median(seconds[names[0]])
+    table = Table(title=f"learner seconds a step: {batch.size} sequences, {int(batch.loss_mask.sum())} sampled "
+                        f"tokens, builtin:tiny, {args.threads} thread(s), {args.repeats} repeats x 2 x "
+                        f"{args.steps} steps")
+    for column in ("path", "median s", "range s", "/ separate forward"):
+        table.add_column(column)
+    for name in names:
+        median = statistics.median(seconds[name])
+        table.add_row(name, f"{median:.3f}", f"{min(seconds[name]):.3f}-{max(seconds[name]):.3f}",
+                      f"{median / baseline:.2f}")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
