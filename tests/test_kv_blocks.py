@@ -4,13 +4,16 @@ Pool: the budget's units (a fraction <= 1 of free memory, GiB above) at their bo
 are handed out first, then released ones, least recent first, those holding no full prefix before those that
 do; refcounts; prefix hashes chain (one different token early changes every later hash) and name the seed.
 Engine, against a full forward under each token's weights version (tests/test_engine.py's machinery): a
-request that needs exactly the pool runs and one more position is refused in one line; a pool too small for
-every row preempts rows (never drops one), the blocks in use never pass the pool and every block is back
-when the engine is empty; a group's samples share their prompt's blocks, and each copies the shared last
-block before writing into it (copy on write), leaving the others' tokens unchanged; another group with the
-same system prompt finds its full blocks by hash; a 4k-token row on a builtin:tiny-shaped model, with a
-weight swap mid-decode and preemptions, matches token by token; a step computes at most `prefill_tokens` of
-the requests it admits; a span pads its queries to at most twice its tokens; the config keys' bounds.
+request that needs exactly the pool runs and one more position is refused in one line, and so is a row that
+outgrows the pool (a planted bug: one token past max_new_tokens) rather than waiting forever; preempted rows
+return to the queue's front in admission order and find their cached blocks; rows that fill the pool exactly
+run together, one position more waits; a pool too small for every row preempts rows (never drops one), the
+blocks in use never pass the pool and every block is back when the engine is empty; a group's samples share
+their prompt's blocks, and each copies the shared last block before writing into it (copy on write), leaving
+the others' tokens unchanged; another group with the same system prompt finds its full blocks by hash; a
+4k-token row on a builtin:tiny-shaped model, with a weight swap mid-decode and preemptions, matches token by
+token; a step computes at most `prefill_tokens` of the requests it admits, past their cached prefixes; a span
+pads its queries to at most twice its tokens; the config keys' bounds.
 """
 
 import asyncio
@@ -164,14 +167,14 @@ class Scheduled:
 
 
 def test_preempted_rows_are_admitted_again_first_oldest_first_and_find_their_cached_blocks(model_dir):
-    """8 blocks of 4; rows 10, 20, 30 and 40 hold 2 blocks each after 4 steps, and 50 arrives at step 3 (the
-    pool is full). Step 6, each running row needs a third block: the most recently admitted rows give theirs
-    back, 40 first, then 30, and go to the front of the queue in their admission order, before 50. 10 and 20
-    take 40's blocks (the least recently released: 30's prefix stays cached), and 10 ends (6 tokens). Step 7:
-    30 finds its 8 positions by hash and takes one block; 40 needs 3 and waits, and so does 50 behind it (the
-    queue is served in order) until 20 ends (step 12). Readmitted last first (30 before 40), newest first (40
-    before 30), at the back of the queue (50 first), preempting the first rows, or evicting 30's prefix first
-    (most recently released first) each changes this schedule."""
+    """8 blocks of 4, steps numbered by the forwards before them. Rows 10, 20, 30 and 40 (4-token prompts) hold
+    2 blocks each from step 1, and 50 arrives at step 3 to a full pool. At step 5 each running row needs a
+    third block: the most recently admitted give theirs back, 40 then 30, and return to the front of the queue
+    in admission order, ahead of 50; 10 and 20 take 40's blocks (the least recently released), so 30's prefix
+    stays cached, and 10 ends (6 tokens). At step 6, 30 finds its 8 positions by hash and takes one block; 40
+    needs 3 and waits, and 50 behind it (the queue is served in order), until 20 ends at step 11. Readmitting
+    the first preempted first (40 before 30), queueing them at the back (50 first), or evicting the most
+    recently released blocks first (30's prefix) each changes this schedule."""
     engine = TransformersEngine(model_dir, seed=5, block_size=4, num_blocks=9)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     scheduled = Scheduled(engine)
@@ -198,7 +201,7 @@ def test_preempted_rows_are_admitted_again_first_oldest_first_and_find_their_cac
 def test_rows_that_fill_the_pool_exactly_run_together_and_one_position_more_waits(model_dir, prompts, limits, events):
     """6 blocks of 4. Rows that need exactly the pool, at admission or as they decode, run side by side with
     every block in use; one position more, and the last row waits: preempted when its 9th position starts a
-    block (row 3 of 5 + 5 tokens, step 5), then readmitted with its 8 cached positions once the others end;
+    block (row 3 of 5 + 5 tokens, at step 4), then readmitted with its 8 cached positions once the others end;
     or, at admission, queued for a step."""
     engine = TransformersEngine(model_dir, seed=2, block_size=4, num_blocks=7)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
