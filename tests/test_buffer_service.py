@@ -1,6 +1,7 @@
 """The buffer service over real ZeroMQ sockets on 127.0.0.1 (no Ray): leases, trajectories, a corrupt
 message and malformed requests (dropped, counted, the service keeps running), batches and their stats,
-the consumption check and lease expiry through the service, a clear TimeoutError, a prompt close(), and
+the consumption check (the oldest versions first, whatever completed first), DAPO's group filter (slot back,
+prompt never re-issued) and lease expiry through the service, a clear TimeoutError, a prompt close(), and
 every bound at the door exact at its edge (length, vocabulary, versions, max_groups; the model's positions
 at start)."""
 
@@ -62,11 +63,12 @@ class Client:
 def make_service():
     made = []
 
-    def make(B, G, eta, lease_timeout_s=30.0, replicas=8, max_groups_in_flight=16, max_tokens=None):
+    def make(B, G, eta, lease_timeout_s=30.0, replicas=8, max_groups_in_flight=16, max_tokens=None,
+             group_filter=False):
         service = BufferService(B, G, eta, BufferConfig(lease_timeout_s=lease_timeout_s), "127.0.0.1",
                                 GeneratorConfig(replicas=replicas, max_groups_in_flight=max_groups_in_flight),
                                 VOCAB, lambda index: {"index": index, "question": f"{index}*3?"},
-                                max_tokens=max_tokens)
+                                group_filter=group_filter, max_tokens=max_tokens)
         client = Client(service.endpoints)
         made.append((service, client))
         return service, client
@@ -142,6 +144,54 @@ def test_stale_group_is_dropped_and_its_prompt_reissued(make_service):
     assert again["prompt_index"] == lease["prompt_index"] and again["group_id"] != lease["group_id"]
     client.push.send(encode(make_trajectory(again, 0, [1])))
     assert service.next_batch(step=1, timeout_s=5.0).trajectories[0].group_id == again["group_id"]
+
+
+def test_a_batch_holds_the_oldest_versions_whatever_completed_first(make_service):
+    """Four groups whose completion, lease and version orders all differ: group 0 (leased at version 0, its
+    tokens sampled by version 2) completes first, then 3, 2 and 1 (leased at version 1, tokens of version 1).
+    The first batch of 2 is the oldest by version (1), the earlier completed first among equals: groups 3 and
+    2, in lease order; the next holds 1 and 0. Taking them by completion, by lease version or by group id, or
+    the newest first, each changes a batch."""
+    service, client = make_service(B=2, G=1, eta=2)
+    (first,) = client.lease(version=0, max_groups=1)
+    service.publishing(1)
+    leases = [first] + client.lease(version=1, max_groups=3)
+    assert [lease["group_id"] for lease in leases] == [0, 1, 2, 3]
+    service.publishing(2)
+    for group_id, versions in ((0, [2, 2]), (3, [1]), (2, [1, 2]), (1, [1, 1])):  # the order they complete in
+        client.push.send(encode(make_trajectory(leases[group_id], 0, versions)))
+    wait_for(service, lambda s: s["groups_ready"] == 4)
+    batches = [service.next_batch(step=2, timeout_s=5.0) for _ in range(2)]
+    assert [[t.group_id for t in batch.trajectories] for batch in batches] == [[2, 3], [1, 0]]
+    assert [batch.stats["staleness_hist"] for batch in batches] == [{1: 2}, {1: 1, 0: 1}]
+
+
+def test_a_filtered_group_gives_its_slot_back_and_its_prompt_is_never_reissued(make_service):
+    """DAPO dynamic sampling through the service: a group of 3 whose rewards all tie is dropped as it completes;
+    its slot goes back (the gate, B=1 and eta=0, leases the next prompt at once) but never its prompt: the next
+    leases are prompts 1, then 2, and a late trajectory of the dropped group is a straggler. Rewards that tie
+    in two samples of three keep a group."""
+    service, client = make_service(B=1, G=3, eta=0, group_filter=True)
+    (tied,) = client.lease(version=0, max_groups=2)
+    for sample_index in range(3):
+        trajectory = make_trajectory(tied, sample_index, [0])
+        trajectory.reward = 1.0
+        client.push.send(encode(trajectory))
+    stats = wait_for(service, lambda s: s["dropped_filtered"] == 1)
+    assert (stats["released"], stats["reissued"], stats["groups_started"], stats["groups_ready"]) == (1, 0, 0, 0)
+    (kept,) = client.lease(version=0, max_groups=2)
+    assert kept["prompt_index"] == 1 and service.gate.frontier() == {"next_index": 2, "reissue": [],
+                                                                     "live": {kept["group_id"]: 1}}
+    client.push.send(encode(make_trajectory(tied, 0, [0])))  # a late copy of the filtered group: a straggler
+    for sample_index, reward in enumerate((1.0, 1.0, 0.0)):
+        trajectory = make_trajectory(kept, sample_index, [0])
+        trajectory.reward = reward
+        client.push.send(encode(trajectory))
+    batch = service.next_batch(step=0, timeout_s=5.0)
+    assert [t.prompt_index for t in batch.trajectories] == [1, 1, 1] and batch.stats["dropped_filtered"] == 1
+    assert batch.stats["dropped_stragglers"] == 1
+    service.publishing(1)
+    assert [lease["prompt_index"] for lease in client.lease(version=1, max_groups=2)] == [2]
 
 
 def test_expired_lease_is_reissued_and_its_stragglers_dropped(make_service):

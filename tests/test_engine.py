@@ -246,7 +246,7 @@ def test_a_late_request_finishes_while_a_long_one_decodes(model_dir):
         return short, await long, finished_at
 
     short, long, finished_at = asyncio.run(main())
-    assert finished_at <= 3 + 5  # its five tokens in five of the long row's steps
+    assert finished_at == 3 + 5  # it joined the long row's steps from step 3: its five tokens in five of them
     assert len(short.token_ids) == 5 and len(long.token_ids) == 60
     assert engine.decode_steps == 60  # the long row's 60 steps: the short row joined them, no forward of its own
     for prompt, completion in (([30, 31], short), ([7, 8, 9], long)):
@@ -265,7 +265,7 @@ def test_rows_joining_at_different_steps_match_a_full_forward(model_dir):
     engine = TransformersEngine(model_dir, seed=5)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     completions = staggered(engine, STAGGERED)
-    assert engine.cache.pool.in_use() == 0 and engine.cache.pool.peak >= 8  # every block back in the pool
+    assert engine.cache.pool.in_use() == 0 and engine.cache.pool.peak == 14  # every block back in the pool
     for (_, prompt, limit), completion in zip(STAGGERED, completions):
         assert len(completion.token_ids) == limit and completion.finish_reason == "length"
         expected = reference_logprobs(reference, prompt, completion.token_ids, 0.9)
@@ -288,7 +288,7 @@ def test_swap_mid_decode_recomputes_every_running_row(model_dir):
         before = reference_logprobs(old, prompt, completion.token_ids, 0.9)[:cut]
         after = reference_logprobs(new, prompt, completion.token_ids, 0.9)[cut:]
         assert completion.logprobs == pytest.approx(before + after, abs=TOL)
-    assert swapped_mid_row >= 4
+    assert swapped_mid_row == 5
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
@@ -302,7 +302,7 @@ def test_lengths_are_not_capped_at_max_position_embeddings(model_dir, graphs, mo
     requests = [(0, [1, 2, 3], 40), (3, [1 + i % (VOCAB - 1) for i in range(250)], 12)]
     completions = staggered(engine, requests, temperature=1.0)
     assert engine.cache.table.shape[1] * engine.cache.pool.block_size > 256  # the block table widened
-    assert not graphs or sum(graph.replays for graph in captured) >= 30
+    assert not graphs or sum(graph.replays for graph in captured) == engine.decode_steps - 1 == 39  # not the prefill
     for (_, prompt, limit), completion in zip(requests, completions):
         assert len(completion.token_ids) == limit
         assert completion.logprobs == pytest.approx(reference_logprobs(reference, prompt, completion.token_ids, 1.0),

@@ -4,16 +4,20 @@ Pool: the budget's units (a fraction <= 1 of free memory, GiB above) at their bo
 are handed out first, then released ones, least recent first, those holding no full prefix before those that
 do; refcounts; prefix hashes chain (one different token early changes every later hash) and name the seed.
 Engine, against a full forward under each token's weights version (tests/test_engine.py's machinery): a
-request that needs exactly the pool runs and one more position is refused in one line; a pool too small for
-every row preempts rows (never drops one), the blocks in use never pass the pool and every block is back
-when the engine is empty; a group's samples share their prompt's blocks, and each copies the shared last
-block before writing into it (copy on write), leaving the others' tokens unchanged; another group with the
-same system prompt finds its full blocks by hash; a 4k-token row on a builtin:tiny-shaped model, with a
-weight swap mid-decode and preemptions, matches token by token; a step computes at most `prefill_tokens` of
-the requests it admits; a span pads its queries to at most twice its tokens; the config keys' bounds.
+request that needs exactly the pool runs and one more position is refused in one line, and so is a row that
+outgrows the pool (a planted bug: one token past max_new_tokens) rather than waiting forever; preempted rows
+return to the queue's front in admission order and find their cached blocks; rows that fill the pool exactly
+run together, one position more waits; a pool too small for every row preempts rows (never drops one), the
+blocks in use never pass the pool and every block is back when the engine is empty; a group's samples share
+their prompt's blocks, and each copies the shared last block before writing into it (copy on write), leaving
+the others' tokens unchanged; another group with the same system prompt finds its full blocks by hash; a
+4k-token row on a builtin:tiny-shaped model, with a weight swap mid-decode and preemptions, matches token by
+token; a step computes at most `prefill_tokens` of the requests it admits, past their cached prefixes; a span
+pads its queries to at most twice its tokens; the config keys' bounds.
 """
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -111,13 +115,118 @@ def test_a_request_that_needs_exactly_the_pool_runs_and_one_position_more_is_ref
     assert engine.cache.pool.in_use() == 0
 
 
+def one_token_past(engine: TransformersEngine) -> None:
+    """Plant the bug `_emit` must not have: each request samples one token past its max_new_tokens, so a row
+    can outgrow the pool that `generate` checked it against."""
+    admissions = engine._admissions
+
+    def admitted():
+        new = admissions()
+        for request in new[0]:
+            if not request.completion.token_ids:  # its first admission (a readmitted row has sampled)
+                request.params = dataclasses.replace(request.params, max_new_tokens=request.params.max_new_tokens + 1)
+        return new
+
+    engine._admissions = admitted
+
+
+def test_a_row_that_outgrows_the_pool_fails_in_one_line_instead_of_waiting_forever(model_dir):
+    """A row past generate's check (the bug above) that reaches exactly the pool's 32 positions finishes; one
+    position more and, preempted with the whole pool free, it could never be placed again: its caller gets the
+    error at once (requeued, it would wait forever), and the engine serves the next request."""
+    engine = TransformersEngine(model_dir, seed=3, block_size=4, num_blocks=9)  # 8 blocks: 32 positions
+    one_token_past(engine)
+    exact = asyncio.run(engine.generate(list(range(1, 20)), SamplingParams(13, 1.0)))  # 19 + 14 - 1 = 32
+    assert len(exact.token_ids) == 14 and exact.preemptions == 0 and engine.cache.pool.peak == 8
+    with pytest.raises(ValueError, match=r"^20 input tokens \+ 13 sampled tokens need 33 positions of KV cache; "
+                                         r"generator.kv_cache_memory holds 32$"):
+        asyncio.run(asyncio.wait_for(engine.generate(list(range(1, 21)), SamplingParams(13, 1.0)), 60))
+    assert engine.in_flight() == 0 and engine.cache.pool.in_use() == 0
+    assert len(asyncio.run(engine.generate([5, 6], SamplingParams(3, 1.0))).token_ids) == 4
+
+
+class Scheduled:
+    """Records an engine's scheduling: (step, "admit", the admitted requests) and (step, "preempt", the request),
+    each request named by its first input token."""
+
+    def __init__(self, engine: TransformersEngine):
+        self.engine, self.events = engine, []
+        self.admissions, self.requeue = engine._admissions, engine._requeue
+        engine._admissions, engine._requeue = self.admitted, self.requeued
+
+    def admitted(self):
+        new = self.admissions()
+        if new[0]:
+            self.events.append((self.engine.decode_steps, "admit", [r.input_ids[0] for r in new[0]]))
+        return new
+
+    def requeued(self, count: int, preempted: bool = False):
+        if preempted:
+            self.events += [(self.engine.decode_steps, "preempt", [r.input_ids[0]]) for r in self.engine._rows[-count:]]
+        self.requeue(count, preempted)
+
+
+def test_preempted_rows_are_admitted_again_first_oldest_first_and_find_their_cached_blocks(model_dir):
+    """8 blocks of 4, steps numbered by the forwards before them. Rows 10, 20, 30 and 40 (4-token prompts) hold
+    2 blocks each from step 1, and 50 arrives at step 3 to a full pool. At step 5 each running row needs a
+    third block: the most recently admitted give theirs back, 40 then 30, and return to the front of the queue
+    in admission order, ahead of 50; 10 and 20 take 40's blocks (the least recently released), so 30's prefix
+    stays cached, and 10 ends (6 tokens). At step 6, 30 finds its 8 positions by hash and takes one block; 40
+    needs 3 and waits, and 50 behind it (the queue is served in order), until 20 ends at step 11. Readmitting
+    the first preempted first (40 before 30), queueing them at the back (50 first), or evicting the most
+    recently released blocks first (30's prefix) each changes this schedule."""
+    engine = TransformersEngine(model_dir, seed=5, block_size=4, num_blocks=9)
+    reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+    scheduled = Scheduled(engine)
+    requests = [(0, [10] * 4, 6)] + [(0, [name] * 4, 12) for name in (20, 30, 40)] + [(3, [50] * 4, 4)]
+    completions = staggered(engine, requests, temperature=1.0)
+    assert scheduled.events == [(0, "admit", [10, 20, 30, 40]), (5, "preempt", [40]), (5, "preempt", [30]),
+                                (6, "admit", [30]), (12, "admit", [40, 50])]
+    # (preemptions, prefill tokens, of which cached): 30 and 40 prefill their 4 + 5 tokens again
+    assert [(c.preemptions, c.prefill_tokens, c.cached_tokens) for c in completions] == [
+        (0, 4, 0), (0, 4, 0), (1, 13, 8), (1, 13, 0), (0, 4, 0)]
+    assert engine.cache.pool.peak == 8 and engine.cache.pool.in_use() == 0
+    for (_, prompt, limit), completion in zip(requests, completions):
+        assert len(completion.token_ids) == limit
+        assert completion.logprobs == pytest.approx(reference_logprobs(reference, prompt, completion.token_ids, 1.0),
+                                                    abs=TOL)
+
+
+@pytest.mark.parametrize("prompts,limits,events", [
+    ((4, 4, 4), (5, 5, 5), [(0, "admit", [1, 2, 3])]),  # 3 x (4 + 5 - 1) positions = the 6 blocks exactly
+    ((4, 4, 5), (5, 5, 5), [(0, "admit", [1, 2, 3]), (4, "preempt", [3]), (5, "admit", [3])]),  # 1 position more
+    ((8, 8, 8), (1, 1, 1), [(0, "admit", [1, 2, 3])]),  # the third prompt takes the last 2 free blocks
+    ((8, 8, 9), (1, 1, 1), [(0, "admit", [1, 2]), (1, "admit", [3])]),  # 3 blocks: it waits for the first two
+], ids=["decode-exact", "decode-one-more", "admit-exact", "admit-one-more"])
+def test_rows_that_fill_the_pool_exactly_run_together_and_one_position_more_waits(model_dir, prompts, limits, events):
+    """6 blocks of 4. Rows that need exactly the pool, at admission or as they decode, run side by side with
+    every block in use; one position more, and the last row waits: preempted when its 9th position starts a
+    block (row 3 of 5 + 5 tokens, at step 4), then readmitted with its 8 cached positions once the others end;
+    or, at admission, queued for a step."""
+    engine = TransformersEngine(model_dir, seed=2, block_size=4, num_blocks=7)
+    reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+    scheduled = Scheduled(engine)
+    requests = [(0, [row + 1] * size, limit) for row, (size, limit) in enumerate(zip(prompts, limits))]
+    completions = staggered(engine, requests, temperature=1.0)
+    assert scheduled.events == events
+    preempted = len(events) == 3
+    assert [c.preemptions for c in completions] == [0, 0, int(preempted)]
+    assert completions[2].cached_tokens == 8 * preempted
+    assert engine.cache.pool.peak == (4 if events[-1][0] == 1 else 6)
+    for (_, prompt, limit), completion in zip(requests, completions):
+        assert len(completion.token_ids) == limit
+        assert completion.logprobs == pytest.approx(reference_logprobs(reference, prompt, completion.token_ids, 1.0),
+                                                    abs=TOL)
+
+
 def test_a_short_pool_preempts_rows_and_recomputes_them_exactly(model_dir):
     engine = TransformersEngine(model_dir, seed=5, block_size=4, num_blocks=13)  # 12 blocks for 5 long rows
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     budget = Budgeted(engine)
     requests = [(0, [i + 1] * (3 + i), 30) for i in range(5)] + [(4, [50, 51], 10)]
     completions = staggered(engine, requests, temperature=1.0)
-    assert sum(c.preemptions for c in completions) >= 2 and max(budget.in_use) == engine.cache.pool.capacity
+    assert [c.preemptions for c in completions] == [0, 1, 2, 2, 2, 1]  # the last admitted rows, again and again
+    assert max(budget.in_use) == engine.cache.pool.capacity
     assert engine.cache.pool.in_use() == 0 and engine.in_flight() == 0
     for (_, prompt, limit), completion in zip(requests, completions):
         assert len(completion.token_ids) == limit and completion.finish_reason == "length"
@@ -154,7 +263,8 @@ def test_another_group_with_the_same_system_prompt_finds_its_blocks_by_hash(mode
     # the second sample copies its first's 15 tokens; the later group finds the 12 tokens of the 3 full blocks
     # per request, as the agent loop sums them for metrics.jsonl's generator/prefix_cache_hit_frac
     assert [(c.prefill_tokens, c.cached_tokens) for c in completions] == [(15, 0), (15, 15), (14, 12), (2, 0)]
-    assert sum(c.preemptions for c in completions) == 0 and 0 < engine.cache.pool.peak <= engine.cache.pool.capacity
+    # the group's 4 blocks, its second sample's copy of the last and a block each at position 16, then 1 each
+    assert sum(c.preemptions for c in completions) == 0 and engine.cache.pool.peak == 4 + 1 + 2 + 1 + 1
     for (_, prompt, _), completion in zip(requests, completions):
         assert completion.logprobs == pytest.approx(reference_logprobs(reference, prompt, completion.token_ids, 1.0),
                                                     abs=TOL)
@@ -180,7 +290,7 @@ def test_a_4k_token_row_matches_a_full_forward_across_a_swap_and_preemptions(tmp
     requests = [(0, long, 24), (0, [3, 4, 5], 20), (2, list(range(40, 90)), 16), (5, [7] * 9, 12)]
     state_dict = {k: v for k, v in new.state_dict().items() if k != "lm_head.weight"}
     completions = staggered(engine, requests, temperature=1.0, swap=(8, state_dict, 1))
-    assert sum(c.preemptions for c in completions) >= 1 and max(budget.in_use) <= engine.cache.pool.capacity
+    assert [c.preemptions for c in completions] == [0, 0, 1, 1] and max(budget.in_use) == engine.cache.pool.capacity
     assert engine.cache.pool.in_use() == 0
     weights = [Qwen2ForCausalLM.from_pretrained(tmp_path).eval(), new.eval()]
     for (_, prompt, limit), completion in zip(requests, completions):
@@ -211,6 +321,29 @@ def test_a_step_computes_at_most_prefill_tokens_of_the_requests_it_admits(model_
                                           for n in sizes))
 
         assert [len(c.token_ids) for c in asyncio.run(main())] == [3, 3] and admitted == steps
+
+
+@pytest.mark.parametrize("later_first", [True, False], ids=["later-turn-first", "fresh-prompt-first"])
+def test_the_prefill_cap_counts_what_a_later_turn_computes_past_its_cached_prefix(model_dir, later_first):
+    """An episode's later turn of 27 tokens finds 24 cached (its first turn's 6 full blocks) and computes 3;
+    beside a fresh 20-token prompt that is 23: one step under prefill_tokens=23 in either order, two under 22.
+    Counting the cached tokens as computed, or the cap's edge as over it, splits the 23."""
+    for cap, steps in ((23, [2]), (22, [1, 1])):
+        engine = TransformersEngine(model_dir, seed=2, block_size=4, prefill_tokens=cap)
+        prompt = list(range(10, 30))
+        first = asyncio.run(engine.generate(prompt, SamplingParams(5, 1.0), episode_id="e"))
+        later, fresh = prompt + first.token_ids + [2, 3], list(range(60, 80))
+        scheduled = Scheduled(engine)
+        calls = [(later, "e"), (fresh, None)] if later_first else [(fresh, None), (later, "e")]
+
+        async def together():
+            return await asyncio.gather(*(engine.generate(ids, SamplingParams(2, 1.0), episode_id=episode)
+                                          for ids, episode in calls))
+
+        completions = dict(zip(("later", "fresh") if later_first else ("fresh", "later"), asyncio.run(together())))
+        assert [len(names) for _, _, names in scheduled.events] == steps, cap
+        assert (completions["later"].prefill_tokens, completions["later"].cached_tokens) == (27, 24)
+        assert (completions["fresh"].prefill_tokens, completions["fresh"].cached_tokens) == (20, 0)
 
 
 def test_the_config_keys_hold_their_bounds():

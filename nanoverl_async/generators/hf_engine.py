@@ -24,8 +24,9 @@ most `prefill_tokens` for the requests it admits; each step, a row whose next to
 while the pool is short the most recently admitted rows are preempted: their blocks released, they go back to the
 front of the queue with their tokens so far and are computed again (prompt and sampled tokens, under the current
 weights) when admitted; the tokens they sampled keep their versions and logprobs. A request the whole pool cannot
-hold (prompt + max_new_tokens - 1 positions: the last sampled token is never cached) is refused at once. Lengths
-are not capped otherwise (as with HF, positions may pass max_position_embeddings).
+hold (prompt + max_new_tokens - 1 positions: the last sampled token is never cached) is refused at once, and a row
+that outgrew that check (a bug) fails when it is next admitted instead of waiting forever for room. Lengths are not
+capped otherwise (as with HF, positions may pass max_position_embeddings).
 
 Shared prefixes. Each full block is registered under the hash of its prefix (kv_blocks.prefix_hashes, chained from
 the weights version): a request's context reuses the blocks of its longest registered prefix (its last token is
@@ -159,11 +160,10 @@ class TransformersEngine:
         if not 0 <= min(input_ids) <= max(input_ids) < vocabulary:  # one bad id would fail the whole step
             raise ValueError(f"token ids {min(input_ids)}..{max(input_ids)} are not all in the model's "
                              f"vocabulary [0, {vocabulary})")
-        positions = len(input_ids) + params.max_new_tokens - 1  # the last sampled token is never cached
-        held = self.cache.pool.capacity * self.cache.pool.block_size
-        if positions > held:  # it could never run
-            raise ValueError(f"{len(input_ids)} input tokens + max_new_tokens={params.max_new_tokens} need {positions} "
-                             f"positions of KV cache; generator.kv_cache_memory holds {held}")
+        unfit = self._unfit(len(input_ids), f"max_new_tokens={params.max_new_tokens}",
+                            len(input_ids) + params.max_new_tokens - 1)  # the last sampled token is never cached
+        if unfit:
+            raise ValueError(unfit)
         loop = asyncio.get_running_loop()
         request = _Request(list(input_ids), params, loop.create_future(), episode_id or "")
         if self._runner is None or self._runner.done() or self._runner.get_loop() is not loop:
@@ -173,6 +173,13 @@ class TransformersEngine:
             self._runner = loop.create_task(self._run(), name="engine-decode")
         self._pending.append(request)
         return await request.future
+
+    def _unfit(self, input_tokens: int, more: str, positions: int) -> str:
+        """Why a request of `input_tokens` input tokens + `more` could never run: its `positions` of KV cache are
+        more than the whole pool holds ("" if they are not)."""
+        held = self.cache.pool.capacity * self.cache.pool.block_size
+        return f"{input_tokens} input tokens + {more} need {positions} positions of KV cache; " \
+               f"generator.kv_cache_memory holds {held}" if positions > held else ""
 
     def in_flight(self) -> int:
         return len(self._pending) + sum(not r.future.done() for r in self._rows)
@@ -287,7 +294,10 @@ class TransformersEngine:
         for request in self._pending:
             if start + len(firsts) + len(copies) == self.max_batch_size:
                 break
-            if not request.future.done():  # else cancelled while it waited: dropped
+            if not request.future.done() and (unfit := self._unfit(
+                    len(request.input_ids), f"{len(request.completion.token_ids)} sampled tokens", request.length())):
+                request.future.set_exception(ValueError(unfit))  # only a row past generate's check: never placed
+            if not request.future.done():  # else cancelled while it waited (or refused): dropped
                 context = request.context()
                 source = index_of.get(tuple(context))
                 if source is not None:  # a copy: its whole context is served from its source's blocks
@@ -295,11 +305,10 @@ class TransformersEngine:
                     offset = len(context)
                     copies.append(request)
                     sources.append(source)
-                else:
-                    if firsts and self.lockstep is None and computed + len(context) > self.prefill_tokens:
-                        break  # the step's prefill is full (a lockstep wave is admitted whole)
-                    offset = self.cache.place(request, context, version_seed(self.version))
-                    if offset is None:
+                else:  # the first of a step, and a lockstep wave, are admitted whatever they compute
+                    most = self.prefill_tokens - computed if firsts and self.lockstep is None else float("inf")
+                    offset = self.cache.place(request, context, version_seed(self.version), most)
+                    if offset is None:  # no blocks for it, or the step's prefill is full
                         break
                     computed += len(context) - offset
                     index_of[tuple(context)] = len(firsts)

@@ -190,9 +190,10 @@ class PagedCache:
             self.table[index, columns] = blocks
         return len(copies)
 
-    def place(self, row, context: list[int], seed: bytes) -> Optional[int]:
+    def place(self, row, context: list[int], seed: bytes, most: float = float("inf")) -> Optional[int]:
         """Blocks for `row`'s context: those of its longest cached prefix (short of its last token, which is
-        computed for its logits), and new ones for the rest -> the prefix's length, or None if they do not fit.
+        computed for its logits), and new ones for the rest -> the prefix's length, or None if they do not fit
+        or the rest is more than `most` tokens.
         Its full blocks are registered under their hashes at once: a row placed after it in the same step reads
         them in the same forward, after each layer has written them."""
         size = self.pool.block_size
@@ -200,7 +201,7 @@ class PagedCache:
         row.seed = seed
         hits = self.pool.match(row.hashes[: (len(context) - 1) // size])
         need = -(-len(context) // size) - len(hits)
-        if not self.pool.fits(hits, need):
+        if len(context) - len(hits) * size > most or not self.pool.fits(hits, need):
             return None
         row.blocks = self.pool.take(hits) + self.pool.allocate(need)
         for column in range(len(hits), len(row.hashes)):
