@@ -71,6 +71,10 @@ class DataConfig:
     samples_per_prompt: int = 8  # G: episodes per prompt (a GRPO group)
     train_files: list[str] = field(default_factory=list)  # verl-format parquet/jsonl; when set, data.task is unused
     val_files: list[str] = field(default_factory=list)  # verl-format parquet/jsonl for evaluation (run.eval_every)
+    # a row whose prompt leaves no room under agent.max_total_tokens: false = the run is refused, naming it;
+    # true = it is left out (added to skip_rows), and the start says how many were
+    skip_long_prompts: bool = False
+    skip_rows: list[str] = field(default_factory=list)  # rows of the files above left out: "<file> row <i>"
 
 
 @dataclass
