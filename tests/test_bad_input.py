@@ -251,7 +251,8 @@ def test_skip_long_prompts_leaves_them_out_and_says_how_many(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert err == "nanoverl-async: 2 dataset rows left out (data.skip_rows)\n"
     assert yaml.safe_load(out)["data"]["skip_rows"] == [f"{path} row 17", f"{path} row 30"]
-    cfg = preflight.prepare(load_config("configs/agent_grpo.yaml", [f"data.train_files={path}", "data.skip_long_prompts=true"]))
+    cfg = preflight.prepare(load_config("configs/agent_grpo.yaml", [f"data.train_files={path}",
+                                                                    "data.skip_long_prompts=true"]))
     assert cfg.data.skip_rows == [f"{path} row 17", f"{path} row 30"]
     prompts = prompt_source(cfg.data, cfg.run.seed)
     assert sorted(prompts(index)["messages"][0]["content"] for index in range(31)) == sorted(
