@@ -99,11 +99,12 @@ def check_model(cfg: Config) -> None:
                               f"a model: give a Hugging Face model directory (with config.json), a Hub id"
                               + (", builtin:NAME or a builder file.py:fn" if key == "model.path" else ""))
     path, budget = cfg.model.path, cfg.agent.max_total_tokens
-    positions = builtin_positions(path) if path in BUILTINS["model.path"] else budget
-    if budget > positions:
-        raise ConfigError(f"config key 'agent.max_total_tokens': {budget} is more than the model's {positions} "
-                          f"positions (max_position_embeddings of {path})")
-    if Path(path).expanduser().is_dir():
+    if path in BUILTINS["model.path"]:
+        positions = builtin_positions(path)
+        if budget > positions:
+            raise ConfigError(f"config key 'agent.max_total_tokens': {budget} is more than the model's {positions} "
+                              f"positions (max_position_embeddings of {path})")
+    elif Path(path).expanduser().is_dir():
         from nanoverl_async.models.load import check_positions  # torch: imported for a directory's size anyway
 
         with contextlib.suppress(OSError, ValueError):  # an unreadable config: launch says why
@@ -130,12 +131,12 @@ def check_prompt_lengths(cfg: Config, new_env: Callable, rows: dict[str, list]) 
     env = new_env() if any(rows.values()) else None
     if env is None or hasattr(env, "rollout"):
         return cfg
-    budget, skip = cfg.agent.max_total_tokens, list(cfg.data.skip_rows)
+    budget, skip, listed = cfg.agent.max_total_tokens, list(cfg.data.skip_rows), set(cfg.data.skip_rows)
     for key, samples in rows.items():
         left_out = 0
         for path, i, sample in samples:
             where = f"{Path(path).resolve()} row {i}"
-            if where in skip:
+            if where in listed:
                 left_out += 1
             elif 2 * sum(len(str(m.get("content", "")).encode()) for m in sample["messages"]) >= budget:
                 why = prompt_overflow(cfg, env, sample)
