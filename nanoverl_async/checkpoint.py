@@ -242,8 +242,9 @@ def make_meta(cfg: Config, step: int, buffer_counters: dict, written_on: Optiona
 
 def trained_config(cfg: Config) -> dict:
     """The config without the keys a resumed run may change freely (run.*: steps, output, resume, ...); every
-    other key is compared on resume."""
-    return {section: keys for section, keys in to_dict(cfg).items() if section != "run"}
+    other key is compared on resume. A key set through an interpolation is its text (an environment variable's
+    value is never written), but the LINEAGE_KEYS are values: paths, which a resume must match."""
+    return {section: keys for section, keys in to_dict(cfg, LINEAGE_KEYS).items() if section != "run"}
 
 
 def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     try:  # bad input fails in one line here, before Ray starts
         cfg = load_config(args.config, args.overrides)
         prepared = prepare(cfg)  # launch prepares `cfg` again (instant): prepared, wire.host is already placed
+        if prepared.data.skip_rows:  # data.skip_long_prompts, or the user's own list
+            print(f"nanoverl-async: {len(prepared.data.skip_rows)} dataset rows left out (data.skip_rows)",
+                  file=sys.stderr)
         if args.command == "validate":
             print(to_yaml(prepared), end="")
             return 0

@@ -6,6 +6,11 @@ OmegaConf checks keys and types against the dataclasses (an unknown key or a wro
 error); `validation.validate` then checks values that types cannot express (ranges, divisibility, choices).
 Every failure is raised as `ConfigError`, whose message names the offending key in one line, so
 the CLI can print it and exit non-zero before anything starts.
+
+The YAML of the file and of each override is read by `ConfigLoader`: no aliases, duplicate keys, nesting
+deeper than MAX_DEPTH or integers longer than MAX_DIGITS (each a line naming where, never a hang or a
+traceback). A string set through an interpolation (`${oc.env:WANDB_API_KEY}`) is an `Interpolated`: the run
+uses its value, and what a run writes (`to_yaml`, `to_dict`) holds the text as written, never the value.
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ class DataConfig:
     samples_per_prompt: int = 8  # G: episodes per prompt (a GRPO group)
     train_files: list[str] = field(default_factory=list)  # verl-format parquet/jsonl; when set, data.task is unused
     val_files: list[str] = field(default_factory=list)  # verl-format parquet/jsonl for evaluation (run.eval_every)
+    # a row whose prompt leaves no room under agent.max_total_tokens: false = the run is refused, naming it;
+    # true = it is left out (added to skip_rows), and the start says how many were
+    skip_long_prompts: bool = False
+    skip_rows: list[str] = field(default_factory=list)  # rows of the files above left out: "<file> row <i>"
 
 
 @dataclass
@@ -273,13 +282,50 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
+        key, text = item.split("=", 1)
         try:
-            merged = OmegaConf.merge(merged, _paths_as_lists(OmegaConf.from_dotlist([item])))
+            update = OmegaConf.create()
+            OmegaConf.update(update, key, yaml.load(text, ConfigLoader))  # as OmegaConf.from_dotlist, bounded
+            merged = OmegaConf.merge(merged, _paths_as_lists(update))
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config key '{key}': the value {_yaml_problem(error)}") from None
         except OmegaConfBaseException as error:
-            raise ConfigError(_describe(error, item.split("=", 1)[0])) from None
-    cfg: Config = OmegaConf.to_object(merged)
+            raise ConfigError(_describe(error, key)) from None
+    try:  # interpolations resolve here: an unset ${oc.env:NAME}, a cycle, a value of the wrong type
+        cfg: Config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise ConfigError(_describe(error)) from None
+    _keep_interpolated(cfg, OmegaConf.to_container(merged, resolve=False))
     validate(cfg)
     return cfg
+
+
+class Interpolated(str):
+    """A string value set through an interpolation: the run uses the value; `text` is what was written
+    (e.g. `${oc.env:WANDB_API_KEY}`), and all that the files a run writes hold (`to_dict`)."""
+
+    def __new__(cls, value: str, text: str):
+        string = super().__new__(cls, value)
+        string.text = text
+        return string
+
+    def __reduce__(self):  # copies and pickles (Ray) keep the text
+        return Interpolated, (str(self), self.text)
+
+
+def _keep_interpolated(node: Any, written: dict) -> None:
+    """Every string of `node` (a list's too) whose `written` text has an interpolation becomes Interpolated."""
+    def kept(value: Any, text: Any) -> Any:
+        return Interpolated(value, text) if isinstance(value, str) and isinstance(text, str) and "${" in text \
+            else value
+    for key in dataclasses.fields(node):
+        value, text = getattr(node, key.name), written[key.name]
+        if dataclasses.is_dataclass(value):
+            _keep_interpolated(value, text)
+        elif isinstance(value, list) and isinstance(text, list):
+            setattr(node, key.name, [kept(v, t) for v, t in zip(value, text)])
+        else:
+            setattr(node, key.name, kept(value, text))
 
 
 def _paths_as_lists(update: Any) -> Any:
@@ -300,21 +346,74 @@ def read_yaml(path: str) -> Any:
     if not file.is_file():
         raise ConfigError(f"config file '{path}' {'is a folder, not a YAML file' if file.is_dir() else 'does not exist'}")
     try:
-        loaded = yaml.safe_load(file.read_text(encoding="utf-8"))
+        loaded = yaml.load(file.read_text(encoding="utf-8"), ConfigLoader)
     except (UnicodeDecodeError, OSError) as error:  # a binary file, a Latin-1 one, an unreadable one
         what = f"is not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start})" \
             if isinstance(error, UnicodeDecodeError) else f"cannot be read ({error.strerror})"
         raise ConfigError(f"config file '{path}' {what}") from None
-    except yaml.YAMLError as error:  # the parser's message carries line and column
-        where = getattr(error, "problem_mark", None)
-        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-        raise ConfigError(f"config file '{path}' is not valid YAML{at}: {getattr(error, 'problem', error)}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file '{path}' {_yaml_problem(error)}") from None
     if loaded is None:  # empty or only comments: most likely the wrong file, so not silently the defaults
         raise ConfigError(f"config file '{path}' is empty; write at least one section (e.g. run:), or {{}} "
                           f"for the defaults")
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping of sections, not a {type(loaded).__name__}")
     return OmegaConf.create(loaded)
+
+
+MAX_DEPTH = 16  # nesting levels of a config's YAML (sections, lists in them): far more than any key needs
+MAX_DIGITS = 100  # an integer's digits: beyond any value validation accepts, far below Python's parsing limit
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """yaml's SafeLoader without what only a mistake or an attack writes in a config, each refused at its
+    line: aliases (`*name`: a few lines of them expand into billions of nodes, or into themselves; repeat a
+    value with `${section.key}`), a key twice in one mapping (the later would silently win), nesting deeper
+    than MAX_DEPTH (deeper would overflow Python's stack) and integers of more than MAX_DIGITS digits."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.fail("aliases (*name) are not supported; repeat a value with an interpolation, ${section.key}")
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                self.fail(f"nests deeper than {MAX_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key in (key for key, _ in node.value if isinstance(key, yaml.ScalarNode)):
+            if key.value in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key '{key.value}' (a key may "
+                                                        f"appear once in a mapping)", key.start_mark)
+            seen.add(key.value)
+        return super().construct_mapping(node, deep)
+
+    def construct_yaml_int(self, node):
+        digits = sum(c.isdigit() for c in node.value)
+        if digits > MAX_DIGITS:
+            raise yaml.constructor.ConstructorError(None, None, f"an integer of {digits} digits is beyond any "
+                                                    f"config value", node.start_mark)
+        return super().construct_yaml_int(node)
+
+    def fail(self, problem: str):
+        raise yaml.composer.ComposerError(None, None, problem, self.peek_event().start_mark)
+
+
+ConfigLoader.add_constructor("tag:yaml.org,2002:int", ConfigLoader.construct_yaml_int)
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """'is not valid YAML at line L, column C: the problem', from the parser's or ConfigLoader's error."""
+    where = getattr(error, "problem_mark", None)
+    at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+    return f"is not valid YAML{at}: {getattr(error, 'problem', error)}"
 
 
 def _describe(error: OmegaConfBaseException, override_key: str = "") -> str:
@@ -326,8 +425,18 @@ def _describe(error: OmegaConfBaseException, override_key: str = "") -> str:
 
 
 def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return OmegaConf.to_yaml(to_dict(cfg))
 
 
-def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+def to_dict(cfg: Config, resolved: tuple[str, ...] = ()) -> dict:
+    """The config as plain values, an Interpolated string as its text (an environment variable's value is
+    never written), except the dotted keys in `resolved`, kept as their values."""
+    def written(value: Any, key: str) -> Any:
+        if isinstance(value, dict):
+            return {name: written(v, f"{key}{name}.") for name, v in value.items()}
+        if isinstance(value, list):
+            return [written(v, key) for v in value]
+        if isinstance(value, Interpolated):
+            return str(value) if key[:-1] in resolved else value.text
+        return value
+    return written(dataclasses.asdict(cfg), "")

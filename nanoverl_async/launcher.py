@@ -186,7 +186,8 @@ class Roles:
         # Every socket, loopback included, admits only processes holding this run's keys (kept in memory only)
         curve = self.curve = run_keys()
         # run.eval_every's prompts (validation checked that data.val_files is set), loaded once
-        self.val_samples = [{**s, "index": i} for i, s in enumerate(load_samples(cfg.data.val_files))] \
+        self.val_samples = [{**s, "index": i} for i, s in enumerate(load_samples(cfg.data.val_files,
+                                                                                cfg.data.skip_rows))] \
             if cfg.run.eval_every else []
         # Every role's process starts at once (each spends seconds importing torch and loading a model), the
         # learner ranks first (the slowest: on a small machine they get Ray's prestarted workers), the buffer

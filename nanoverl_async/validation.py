@@ -163,24 +163,28 @@ POSITIVE = ("run.total_steps", "data.prompts_per_step", "data.samples_per_prompt
             "generator.sglang.tp_size", "generator.sglang.mem_fraction_static", "generator.sglang.launch_timeout_s",
             "generator.sglang.request_timeout_s", "generator.sglang.control_timeout_s")
 # Upper bounds: numpy seeds are 32-bit; a discount and GAE's lambda weigh at most 1; a rank takes a share of
-# one GPU or one whole GPU (Ray's fractional GPUs).
-AT_MOST = {"run.seed": 2**32 - 1, "algorithm.gamma": 1, "algorithm.lam": 1, "learner.gpus_per_rank": 1}
+# one GPU or one whole GPU (Ray's fractional GPUs); a TCP port.
+AT_MOST = {"run.seed": 2**32 - 1, "algorithm.gamma": 1, "algorithm.lam": 1, "learner.gpus_per_rank": 1,
+           "generator.sglang.port_base": 65535}
+# Any other whole number (a count of steps, tokens, ranks, ...) fits a C int, as the libraries it reaches
+# (torch, numpy, the OS) take it; a wait (a key ending in _s) fits poll()'s C int of milliseconds.
+MAX_INT, MAX_WAIT_S = 2**31 - 1, (2**31 - 1) / 1000
 
 
 def _check_numbers(cfg: Config) -> None:
     """Every number finite and >= 0 (none of the config's means anything below 0), the POSITIVE ones > 0, none
-    above its AT_MOST, and the lease timeout's own bound."""
+    above its AT_MOST (else MAX_INT, MAX_WAIT_S), and the lease timeout's own bound."""
     for key, value in _numbers(cfg):
         if isinstance(value, float) and not math.isfinite(value):  # an inf lr used to pass, then kill the generator
             raise ConfigError(f"config key '{key}': must be a finite number, got {value}")
         if value < 0:
             raise ConfigError(f"config key '{key}': must be >= 0, got {value}")
+        most = AT_MOST.get(key, MAX_WAIT_S if key.endswith("_s") else MAX_INT if isinstance(value, int) else None)
+        if most is not None and value > most:
+            raise ConfigError(f"config key '{key}': must be at most {most}, got {value}")
     for key in POSITIVE:
         if not get_key(cfg, key) > 0:
             raise ConfigError(f"config key '{key}': must be > 0, got {get_key(cfg, key)}")
-    for key, most in AT_MOST.items():
-        if get_key(cfg, key) > most:
-            raise ConfigError(f"config key '{key}': must be at most {most}, got {get_key(cfg, key)}")
     if cfg.buffer.lease_timeout_s < MIN_LEASE_TIMEOUT_S:
         raise ConfigError(f"config key 'buffer.lease_timeout_s': must be >= {MIN_LEASE_TIMEOUT_S} s (a lease must "
                           f"outlive an episode, or every group expires), got {cfg.buffer.lease_timeout_s}")

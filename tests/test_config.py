@@ -1,11 +1,13 @@
 """Config loading: every bad input fails with one line naming the key, before anything starts."""
 
+import json
+import pickle
 import subprocess
 import sys
 
 import pytest
 
-from nanoverl_async.config import ConfigError, load_config
+from nanoverl_async.config import ConfigError, load_config, to_yaml
 
 DEFAULT = "configs/agent_grpo.yaml"
 
@@ -93,3 +95,54 @@ def test_cli_validate_prints_config_or_one_line_error():
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "staleness.max" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("override, most", [("run.total_steps", 2**31 - 1), ("generator.sglang.port_base", 65535),
+                                            ("run.step_timeout_s", 2147483.647), ("run.seed", 2**32 - 1)])
+def test_upper_bounds_are_inclusive(override, most):
+    load_config(DEFAULT, [f"{override}={most}"])
+    with pytest.raises(ConfigError, match=f"'{override}': must be at most {most}, got "):
+        load_config(DEFAULT, [f"{override}={most + (1 if isinstance(most, int) else 0.001)}"])
+
+
+SECRET_OVERRIDES = ["generator.sglang.server_args=[--api-key, '${oc.env:NANOVERL_KEY}']",
+                    "run.output_dir=/tmp/${oc.env:NANOVERL_KEY}", "model.path=${oc.env:NANOVERL_MODEL}"]
+
+
+def test_a_value_from_the_environment_is_never_written(tmp_path, monkeypatch, capsys):
+    """config.yaml (to_yaml), meta.json (make_meta), wandb's config and `validate` hold `${oc.env:NAME}`,
+    never its value; the run itself uses the value, and config.yaml reloads to the same config."""
+    from nanoverl_async import checkpoint
+    from nanoverl_async.cli import main
+
+    monkeypatch.setenv("NANOVERL_KEY", "hunter2")
+    monkeypatch.setenv("NANOVERL_MODEL", "builtin:tiny")
+    cfg = load_config(DEFAULT, SECRET_OVERRIDES)
+    assert cfg.generator.sglang.server_args == ["--api-key", "hunter2"] and cfg.run.output_dir == "/tmp/hunter2"
+    written = to_yaml(cfg)
+    assert "hunter2" not in written and "  output_dir: /tmp/${oc.env:NANOVERL_KEY}\n" in written
+    assert "    - --api-key\n    - ${oc.env:NANOVERL_KEY}\n" in written
+    meta = json.dumps(checkpoint.make_meta(cfg, 3, {}))
+    assert "hunter2" not in meta and '"server_args": ["--api-key", "${oc.env:NANOVERL_KEY}"]' in meta
+    assert '"path": "builtin:tiny"' in meta  # a lineage key: its value, which a resume must match
+    (tmp_path / "config.yaml").write_text(written)
+    assert load_config(str(tmp_path / "config.yaml")) == cfg and to_yaml(pickle.loads(pickle.dumps(cfg))) == written
+    assert main(["validate", DEFAULT, *SECRET_OVERRIDES]) == 0
+    assert "hunter2" not in capsys.readouterr().out
+
+
+def test_resume_with_the_same_environment_and_the_lineage_through_it(tmp_path, monkeypatch):
+    from nanoverl_async import checkpoint
+    from test_checkpoint import launch_config, saved_run
+
+    monkeypatch.setenv("NANOVERL_KEY", "hunter2")
+    monkeypatch.setenv("NANOVERL_MODEL", "/models/a")
+    saved_run(tmp_path, 4, *SECRET_OVERRIDES[::2])
+    assert "hunter2" not in (tmp_path / "checkpoints" / "step_4" / "meta.json").read_text()
+    resumed = launch_config(tmp_path, "run.resume=auto", *SECRET_OVERRIDES[::2])
+    assert checkpoint.open_output_dir(resumed) == tmp_path / "checkpoints" / "step_4"
+    meta = checkpoint.read_meta(tmp_path / "checkpoints" / "step_4")
+    assert checkpoint.changed_keys(meta["config"], checkpoint.trained_config(resumed)) == []
+    monkeypatch.setenv("NANOVERL_MODEL", "/models/b")  # another model under the same text: another run
+    with pytest.raises(ConfigError, match=r"another run \(other model\.path\)"):
+        checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", *SECRET_OVERRIDES[::2]))

@@ -10,12 +10,13 @@ A row, as verl writes it (e.g. volcengine/verl/examples/data_preprocess/gsm8k.py
     prompts = DatasetPrompts(["train.parquet"], seed=0)        # data.train_files, run.seed
     sample = prompts(index)   # {"index", "messages", "data_source", "reward_model", "extra_info", ...}
 
-Invariants: `DatasetPrompts` is a pure function of (files, seed, index): epoch e = index // len(rows)
+Invariants: `DatasetPrompts` is a pure function of (files, skip, seed, index): epoch e = index // len(rows)
 visits every row once in an order shuffled by (seed, e), so a resumed run re-issues the same prompts;
 a sample is JSON-able (it travels to generators as msgpack; pyarrow's to_pylist gives plain Python values).
 Rows are loaded lazily on the first call, in the process that uses them (the buffer), so only the
 file names cross process boundaries. A row without a list-of-messages `prompt` fails loudly, naming
-the file, the row and the column (preflight.py reads every file once when the run starts).
+the file, the row and the column (preflight.py reads every file once when the run starts, and measures
+each prompt against agent.max_total_tokens). The rows data.skip_rows names are left out.
 
 Run alone: `python -m pytest tests/test_env_data.py -q`.
 """
@@ -27,7 +28,7 @@ import functools
 import json
 import random
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 from nanoverl_async.config import DataConfig
 from nanoverl_async.agents.user_code import load_object, user_error
@@ -75,10 +76,19 @@ def to_sample(row: dict, where: str) -> dict:
             "messages": [{k: v for k, v in m.items() if v is not None} for m in prompt]}
 
 
-def load_samples(files: list[str]) -> list[dict]:
-    samples = [to_sample(row, f"{path} row {i}") for path in files for i, row in enumerate(read_rows(path))]
+def read_samples(files: list[str]) -> list[tuple[str, int, dict]]:
+    """(file, row number, sample) of every row of `files`, in order; there must be one at least."""
+    samples = [(path, i, to_sample(row, f"{path} row {i}")) for path in files for i, row in enumerate(read_rows(path))]
     if not samples:
         raise ValueError(f"no rows in {files}")
+    return samples
+
+
+def load_samples(files: list[str], skip: Collection[str] = ()) -> list[dict]:
+    """Every row's sample but those `skip` names ('<file> row <i>': data.skip_rows)."""
+    samples = [sample for path, i, sample in read_samples(files) if f"{path} row {i}" not in skip]
+    if not samples:
+        raise ValueError(f"every row of {files} is in data.skip_rows")
     return samples
 
 
@@ -93,12 +103,12 @@ def epoch_order(rows: int, seed: int, epoch: int) -> list[int]:
 class DatasetPrompts:
     """prompt_fn(index) over verl-format files, shuffled per epoch (see the module invariants)."""
 
-    def __init__(self, files: list[str], seed: int):
-        self.files, self.seed = [str(Path(f).resolve()) for f in files], seed
+    def __init__(self, files: list[str], seed: int, skip: Collection[str] = ()):
+        self.files, self.seed, self.skip = [str(Path(f).resolve()) for f in files], seed, frozenset(skip)
 
     @functools.cached_property
     def samples(self) -> list[dict]:
-        return load_samples(self.files)
+        return load_samples(self.files, self.skip)
 
     def __call__(self, index: int) -> dict:
         epoch, position = divmod(index, len(self.samples))
@@ -110,7 +120,7 @@ def prompt_source(data: DataConfig, seed: int) -> Callable[[int], dict]:
     """The buffer's prompts, index -> sample: data.train_files (verl format) when set, else data.task, a
     `make_prompt(seed, index)` function (`builtin:multiply`, `module:fn` or `file.py:fn`)."""
     if data.train_files:
-        return DatasetPrompts(data.train_files, seed)
+        return DatasetPrompts(data.train_files, seed, data.skip_rows)
     make_prompt = load_object(data.task, "data.task")
 
     def prompt(index: int) -> dict:

