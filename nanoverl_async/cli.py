@@ -16,6 +16,8 @@ with status 2 and one line when the run directory lacks a file or its trace has 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import shlex
 import sys
 import time
 
@@ -78,15 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         phase(started, "starting Ray, importing torch and transformers meanwhile")
         with collecting_later():  # heavy: only now
             started_ray, launcher = start_ray_while_importing(cfg.ray, "nanoverl_async.launcher")
-        return launch_run(launcher, cfg, started)
+        return launch_run(launcher, cfg, started, ["launch", args.config, *args.overrides])
     finally:
         if started_ray:
             ray.shutdown()
         watcher.release()
 
 
-def launch_run(launcher, cfg, started: float) -> int:
-    """`launcher.launch`, its failures as one line and an exit status."""
+def launch_run(launcher, cfg, started: float, command: list[str]) -> int:
+    """`launcher.launch`, its failures as one line and an exit status; `command` (the arguments it was
+    launched with) is what an interrupted run is told to run again to resume."""
     from nanoverl_async.checkpoint import WriteFailed
 
     try:
@@ -97,9 +100,21 @@ def launch_run(launcher, cfg, started: float) -> int:
         print(f"nanoverl-async: run failed: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("nanoverl-async: interrupted", file=sys.stderr)
+        print(f"nanoverl-async: interrupted; {resume_hint(cfg, command)}", file=sys.stderr)
         return 130
     return 0
+
+
+def resume_hint(cfg, command: list[str]) -> str:
+    """How to go on after an interrupted run: the same command with run.resume=auto when the run saved a
+    checkpoint, else that it saved none."""
+    from nanoverl_async.checkpoint import find_checkpoint
+
+    found = find_checkpoint(dataclasses.replace(cfg.run, resume="auto")) if cfg.run.save_every > 0 else None
+    if found is None:
+        return "no checkpoint was saved, so it cannot be resumed (run.save_every=N saves one every N steps)"
+    again = [arg for arg in command if not arg.startswith("run.resume=")] + ["run.resume=auto"]
+    return f"to resume from checkpoint {found.name}: {shlex.join(['nanoverl-async', *again])}"
 
 
 def observe(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ uses its value, and what a run writes (`to_yaml`, `to_dict`) holds the text as w
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -420,8 +421,24 @@ def _describe(error: OmegaConfBaseException, override_key: str = "") -> str:
     key = getattr(error, "full_key", None) or override_key or "?"
     message = str(error).strip().splitlines()[0]
     if "not in struct" in message or "Key '" in message and "not" in message:
-        return f"unknown config key '{override_key or key}'"
+        unknown = override_key or key
+        near = _nearest_key(unknown)
+        return f"unknown config key '{unknown}'" + (f"; did you mean '{near}'?" if near else "")
     return f"config key '{key}': {message}"
+
+
+def _nearest_key(dotted: str) -> Optional[str]:
+    """The config key a mistyped `dotted` most likely meant: each part that is no field of its section
+    replaced by the closest that is (`lerner.lrr` -> `learner.lr`); None when some part has none close."""
+    node, parts = Config(), []
+    for part in dotted.split("."):
+        names = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
+        close = [part] if part in names else difflib.get_close_matches(part, names, n=1)
+        if not close:
+            return None
+        parts.append(close[0])
+        node = getattr(node, close[0])
+    return ".".join(parts)
 
 
 def to_yaml(cfg: Config) -> str:

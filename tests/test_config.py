@@ -81,6 +81,36 @@ def test_missing_and_malformed_yaml(tmp_path):
         load_config(str(scalar))
 
 
+TYPO_CASES = [  # (a YAML file's text or None for DEFAULT, overrides, the line after "unknown config key ")
+    (None, ["learner.lrr=1e-5"], "'learner.lrr'; did you mean 'learner.lr'?"),
+    (None, ["lerner.lr=1e-5"], "'lerner.lr'; did you mean 'learner.lr'?"),  # the section corrected, the key kept
+    (None, ["lerner.lrr=1e-5"], "'lerner.lrr'; did you mean 'learner.lr'?"),
+    (None, ["generator.sglang.srvers=2"], "'generator.sglang.srvers'; did you mean 'generator.sglang.servers'?"),
+    ("learner:\n  lrr: 1.0e-5\n", [], "'learner.lrr'; did you mean 'learner.lr'?"),
+    ("lerner:\n  lr: 1.0e-5\n", [], "'lerner'; did you mean 'learner'?"),
+    (None, ["learner.zzz=1"], "'learner.zzz'"),  # nothing close: no guess
+    (None, ["no.such_key=1"], "'no.such_key'"),
+    (None, ["learner.lr.x=1"], None),  # lr has no keys: its value is the problem, not a typo
+]
+
+
+@pytest.mark.parametrize("text, overrides, culprit", TYPO_CASES,
+                         ids=[c[1][0] if c[1] else "yaml-" + c[0].split(":")[0] for c in TYPO_CASES])
+def test_a_mistyped_key_is_one_line_with_the_nearest_key(tmp_path, capsys, text, overrides, culprit):
+    from nanoverl_async.cli import main
+
+    path = tmp_path / "typo.yaml"
+    if text is not None:
+        path.write_text(text)
+    assert main(["validate", DEFAULT if text is None else str(path), *overrides]) == 2
+    out, err = capsys.readouterr()
+    if culprit is None:
+        assert out == "" and err.startswith("nanoverl-async: config error: config key 'learner.lr': ") and \
+            "did you mean" not in err and err.count("\n") == 1, err
+    else:
+        assert (out, err) == ("", f"nanoverl-async: config error: unknown config key {culprit}\n")
+
+
 def test_override_without_equals_sign():
     with pytest.raises(ConfigError, match="key=value"):
         load_config(DEFAULT, ["staleness.max"])
