@@ -14,7 +14,8 @@ Tasks on one asyncio loop (a plain class: Ray only wraps it, elsewhere):
     mode interrupt: `engine.stage_weights` at once (in-flight episodes continue under the new weights,
     their later tokens carry the new version). mode drain: stop leasing, wait until the in-flight
     groups finish, apply (skipping to the newest version that arrived meanwhile), resume. Either way the
-    applied version is reported to the buffer (`{"op": "report"}`).
+    applied version is reported to the buffer (`{"op": "report"}`), with how often the subscriber asked for
+    weights again after dropping a version on the way (weights.py; absent while 0).
 With run.trace, every episode's trajectory carries its spans, and each version's load (its receipt to its
 application) waits in `trace` until the controller takes it (trace.py).
 
@@ -268,7 +269,10 @@ class GeneratorWorker:
         self._draining = False
         self._new_weights.set()
         log.info("generator %d: applied weights version %d (%s)", self.generator_id, version, self.weight_sync.mode)
-        await self._request({"op": "report", "generator_id": self.generator_id, "version": version})
+        report = {"op": "report", "generator_id": self.generator_id, "version": version}
+        if subscriber.counts["refetched"]:  # versions dropped on the way and asked for again: buffer/weights_refetched
+            report["weights_refetched"] = subscriber.counts["refetched"]
+        await self._request(report)
 
 
 def make_engine(generator: GeneratorConfig, model_path: str, *, generator_id: int, seed: int,
