@@ -21,7 +21,7 @@ from safetensors.torch import save as safetensors_save
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from nanoverl_async.agents import multiply_task
-from nanoverl_async.buffer.service import BufferService
+from nanoverl_async.buffer.service import BufferService, parse_request
 from nanoverl_async.config import AgentConfig, BufferConfig, Config, DataConfig, GeneratorConfig
 from nanoverl_async.generators.worker import GeneratorWorker
 from nanoverl_async.models.tiny import build_tokenizer
@@ -209,6 +209,17 @@ def test_a_generator_asks_again_for_damaged_versions_and_the_count_reaches_the_m
         tamperer.close()
         publisher.close(timeout_s=5)
         service.close()
+
+
+def test_a_reports_refetch_count_is_a_non_negative_int_and_only_a_report_carries_one():
+    report = {"op": "report", "generator_id": 0, "version": 0}
+    assert parse_request(msgpack.packb({**report, "weights_refetched": 0}))["weights_refetched"] == 0
+    for bad, field in (({**report, "weights_refetched": -1}, "weights_refetched"),
+                       ({**report, "weights_refetched": True}, "weights_refetched"),
+                       ({"op": "lease", "generator_id": 0, "version": 0, "max_groups": 1, "weights_refetched": 1},
+                        "weights_refetched")):
+        with pytest.raises(ValueError, match=f"field '{field}'"):
+            parse_request(msgpack.packb(bad))
 
 
 def test_late_subscriber_gets_the_latest_version(pair):

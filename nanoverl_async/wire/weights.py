@@ -300,6 +300,7 @@ class WeightSubscriber:
         return newest
 
     def _newest(self, current_version: int) -> Optional[tuple[int, dict[str, torch.Tensor]]]:
+        """`poll_newest`, but for asking again."""
         newest: tuple[int, Optional[memoryview], Optional[dict]] = (current_version, None, None)  # as `_check`'s
         while True:
             try:
