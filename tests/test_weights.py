@@ -173,6 +173,7 @@ def test_a_generator_asks_again_for_damaged_versions_and_the_count_reaches_the_m
     the buffer's batch carries `buffer/weights_refetched` = k into the step's metrics."""
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(tmp_path)
+    torch.manual_seed(0)
     models = [Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                            tie_word_embeddings=True)) for _ in range(DAMAGED + 2)]
@@ -190,8 +191,8 @@ def test_a_generator_asks_again_for_damaged_versions_and_the_count_reaches_the_m
         try:
             for version in range(1, DAMAGED + 2):
                 service.publishing(version)
-                publisher.publish(version, serialise({name: tensor for name, tensor in
-                                                      models[version].state_dict().items() if name != "lm_head.weight"}))
+                weights = models[version].state_dict()
+                publisher.publish(version, serialise({name: weights[name] for name in weights if name != "lm_head.weight"}))
                 deadline = time.monotonic() + 30
                 while service.stats()["generator_versions"].get(0) != version:
                     assert not running.done() and time.monotonic() < deadline, f"version {version} never reported"
