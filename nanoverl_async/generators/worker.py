@@ -143,7 +143,9 @@ class GeneratorWorker:
 
     def _on_done(self, task: asyncio.Task) -> None:
         self._groups.discard(task)
-        if not task.cancelled() and task.exception() is not None and self._error is None:
+        # Not after stop(): a task may outlive its cancellation (Python 3.11's asyncio.wait_for can swallow one)
+        # and then read the reply to a request stop() cut off, such as a weights report's.
+        if not task.cancelled() and task.exception() is not None and self._error is None and not self._stop_requested:
             self._error = task.exception()
             log.error("generator %d: task %s failed: %r", self.generator_id, task.get_name(), self._error,
                       exc_info=None if isinstance(self._error, UserCodeError) else self._error)  # it names its line
