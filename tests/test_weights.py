@@ -1,11 +1,14 @@
-"""Weights wire protocol: round trip, newest wins, late joiners, spare payloads, corrupt payloads dropped; in place
-through shared memory: a second process reads a version bit-equal, a payload rewritten or forged is refused
-(fast, CPU)."""
+"""Weights wire protocol: round trip, newest wins, never an older or equal version, late joiners, spare payloads,
+corrupt payloads dropped, versions damaged on the way asked for again (and counted up to the run's metrics, through
+a generator and the buffer); in place through shared memory: a second process reads a version bit-equal, a payload
+rewritten or forged is refused (fast, CPU)."""
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import msgpack
@@ -15,7 +18,15 @@ import xxhash
 import zmq
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from nanoverl_async.agents import multiply_task
+from nanoverl_async.buffer.service import BufferService, parse_request
+from nanoverl_async.config import AgentConfig, BufferConfig, Config, DataConfig, GeneratorConfig
+from nanoverl_async.generators.worker import GeneratorWorker
+from nanoverl_async.models.tiny import build_tokenizer
+from nanoverl_async.observe.metrics import step_metrics
+from nanoverl_async.runtime.preflight import prepare
 from nanoverl_async.wire import shared_payloads
 from nanoverl_async.wire.weights import WeightPublisher, WeightSubscriber, deserialise, serialise
 from weight_waits import wait_newest, wait_sent
@@ -63,6 +74,153 @@ def test_newest_wins_and_older_versions_are_ignored(pair):
     assert subscriber.poll_newest(current_version=4) is None
     assert publisher.counts["published"] == 4
     assert publisher.counts["sent"] + publisher.counts["superseded"] == 4
+
+
+def test_a_version_older_than_or_equal_to_the_one_held_is_never_applied():
+    context = zmq.Context()
+    sender = context.socket(zmq.XPUB)
+    subscriber = WeightSubscriber(f"tcp://127.0.0.1:{sender.bind_to_random_port('tcp://127.0.0.1')}")
+    applied, held = [], 0
+    try:
+        assert sender.poll(timeout=int(TIMEOUT_S * 1000)) and sender.recv() == b"\x01"  # subscription arrived
+        for version in (6, 5, 6, 7):  # one at a time: each is polled alone, none hides behind a newer one
+            good = safetensors_save(state(float(version)))
+            sender.send_multipart([msgpack.packb({"version": version, "nbytes": len(good),
+                                                  "checksum": xxhash.xxh3_128(good).hexdigest()}), good])
+            received, deadline = subscriber.counts["received"], time.monotonic() + TIMEOUT_S
+            while subscriber.counts["received"] == received:
+                assert time.monotonic() < deadline, f"version {version} never arrived"
+                if (newest := subscriber.poll_newest(held)) is not None:
+                    (held, weights), applied = newest, applied + [newest[0]]
+        assert applied == [6, 7] and torch.equal(weights["layer.weight"], torch.full((3, 4), 7.0))
+        assert subscriber.counts == {"received": 4, "dropped": 0, "from_shared_memory": 0, "refetched": 0}
+    finally:
+        subscriber.close()
+        sender.close(linger=0)
+        context.term()
+
+
+class Tamperer:
+    """Between a publisher and its subscribers (XSUB up, XPUB down, as zmq.proxy): damages the first copy of
+    each version in `versions` on its way, its payload's last byte or, for a notice naming a segment, its
+    checksum; every later copy (asked for again) passes intact."""
+
+    def __init__(self, endpoint: str, versions: set[int]):
+        self.versions = set(versions)
+        self._context = zmq.Context()
+        self._up, self._down = self._context.socket(zmq.XSUB), self._context.socket(zmq.XPUB)
+        self._down.setsockopt(zmq.XPUB_VERBOSE, 1)  # a repeated subscription (asking again) goes up too
+        self._up.connect(endpoint)
+        self.endpoint = f"tcp://127.0.0.1:{self._down.bind_to_random_port('tcp://127.0.0.1')}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for socket in (self._up, self._down):
+            poller.register(socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            for socket, _ in poller.poll(10):
+                if socket is self._down:
+                    self._up.send(self._down.recv())
+                else:
+                    self._down.send_multipart(self._damaged(self._up.recv_multipart()))
+
+    def _damaged(self, frames: list[bytes]) -> list[bytes]:
+        notice = msgpack.unpackb(frames[0])
+        if notice["version"] not in self.versions:
+            return frames
+        self.versions.discard(notice["version"])
+        if not frames[1]:
+            return [msgpack.packb({**notice, "checksum": "0" * 32}), b""]
+        return [frames[0], frames[1][:-1] + bytes([frames[1][-1] ^ 0xFF])]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._context.destroy(linger=0)
+
+
+DAMAGED = 3  # k consecutive versions damaged on the way
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared memory", "socket"])
+def test_versions_damaged_on_the_way_are_asked_for_again_and_the_newest_is_applied(shared_memory):
+    """Versions 2..k+1 arrive damaged, one after another, and the publisher sends nothing newer (its learner
+    waits for a batch these weights would open the gate for): each is asked for again and applied."""
+    publisher = WeightPublisher("127.0.0.1", shared_memory=shared_memory)
+    tamperer = Tamperer(publisher.endpoint, versions=set(range(2, DAMAGED + 2)))
+    subscriber = WeightSubscriber(tamperer.endpoint)
+    applied, held = [], 0
+    try:
+        for version in range(1, DAMAGED + 2):
+            publisher.publish(version, serialise(state(float(version))))
+            held, weights = wait_newest(subscriber, current_version=held, timeout_s=TIMEOUT_S)
+            applied.append(held)
+        assert applied == list(range(1, DAMAGED + 2)) and not tamperer.versions  # each damaged once, each applied
+        assert torch.equal(weights["layer.weight"], torch.full((3, 4), float(DAMAGED + 1)))
+        assert subscriber.counts["dropped"] == subscriber.counts["refetched"] == DAMAGED
+        assert subscriber.poll_newest(held) is None and subscriber.counts["refetched"] == DAMAGED
+    finally:
+        subscriber.close()
+        tamperer.close()
+        publisher.close(timeout_s=5)
+
+
+def test_a_generator_asks_again_for_damaged_versions_and_the_count_reaches_the_metrics(tmp_path):
+    """A generator behind a Tamperer against a real buffer: it applies every version, reports each, and
+    the buffer's batch carries `buffer/weights_refetched` = k into the step's metrics."""
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    models = [Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                           tie_word_embeddings=True)) for _ in range(DAMAGED + 2)]
+    models[0].save_pretrained(tmp_path)
+    cfg = prepare(Config(generator=GeneratorConfig(max_groups_in_flight=1), data=DataConfig(samples_per_prompt=1),
+                         agent=AgentConfig(max_turns=1, max_new_tokens=4, max_total_tokens=40)))
+    service = BufferService(1, 1, 0, BufferConfig(lease_timeout_s=30), "127.0.0.1", cfg.generator, len(tokenizer),
+                            lambda index: multiply_task.make_prompt(0, index))
+    publisher = WeightPublisher("127.0.0.1")
+    tamperer = Tamperer(publisher.endpoint, versions=set(range(2, DAMAGED + 2)))
+
+    async def generate_while_publishing() -> None:
+        worker = GeneratorWorker(0, cfg, str(tmp_path))
+        running = asyncio.ensure_future(worker.run(service.endpoints, tamperer.endpoint))
+        try:
+            for version in range(1, DAMAGED + 2):
+                service.publishing(version)
+                weights = models[version].state_dict()
+                publisher.publish(version, serialise({name: weights[name] for name in weights if name != "lm_head.weight"}))
+                deadline = time.monotonic() + 30
+                while service.stats()["generator_versions"].get(0) != version:
+                    assert not running.done() and time.monotonic() < deadline, f"version {version} never reported"
+                    await asyncio.sleep(0.01)
+        finally:
+            worker.stop()
+            await asyncio.wait_for(running, 10)
+
+    try:
+        asyncio.run(generate_while_publishing())
+        batch = service.next_batch(0, timeout_s=30)
+        metrics = step_metrics(0, 0, batch, {}, step_seconds=1.0, samples_trained=1)
+        assert metrics["buffer/weights_refetched"] == DAMAGED and not tamperer.versions
+    finally:
+        tamperer.close()
+        publisher.close(timeout_s=5)
+        service.close()
+
+
+def test_a_reports_refetch_count_is_a_non_negative_int_and_only_a_report_carries_one():
+    report = {"op": "report", "generator_id": 0, "version": 0}
+    assert parse_request(msgpack.packb({**report, "weights_refetched": 0}))["weights_refetched"] == 0
+    for bad, field in (({**report, "weights_refetched": -1}, "weights_refetched"),
+                       ({**report, "weights_refetched": True}, "weights_refetched"),
+                       ({"op": "lease", "generator_id": 0, "version": 0, "max_groups": 1, "weights_refetched": 1},
+                        "weights_refetched")):
+        with pytest.raises(ValueError, match=f"field '{field}'"):
+            parse_request(msgpack.packb(bad))
 
 
 def test_late_subscriber_gets_the_latest_version(pair):
@@ -200,10 +358,14 @@ def test_a_shared_payload_rewritten_after_its_notice_is_refused_and_the_newest_v
     wait_sent(publisher, 1, TIMEOUT_S)
     torn[-1] ^= 0xFF  # the learner writing the next version into it while the generator reads it
     deadline = time.monotonic() + TIMEOUT_S
-    while subscriber.counts["dropped"] == 0:
+    while subscriber.counts["dropped"] < 2:  # the copy it was sent, and the one it asked for again: torn too
         assert subscriber.poll_newest(current_version=0) is None, "a torn payload was applied"
         assert time.monotonic() < deadline
         time.sleep(0.005)
+    for _ in range(20):  # asked for once only: the publisher is not made to resend a bad version without end
+        assert subscriber.poll_newest(current_version=0) is None
+        time.sleep(0.01)
+    assert subscriber.counts["dropped"] == 2 and subscriber.counts["refetched"] == 1
     assert subscriber.counts["from_shared_memory"] == 0
     for version in (2, 3, 4):
         publisher.publish(version, serialise(state(float(version))))
@@ -211,7 +373,7 @@ def test_a_shared_payload_rewritten_after_its_notice_is_refused_and_the_newest_v
     version = 1
     while version < 4:
         version, received = wait_newest(subscriber, current_version=version, timeout_s=TIMEOUT_S)
-    assert torch.equal(received["layer.weight"], torch.full((3, 4), 4.0)) and subscriber.counts["dropped"] == 1
+    assert torch.equal(received["layer.weight"], torch.full((3, 4), 4.0)) and subscriber.counts["dropped"] == 2
     assert subscriber.counts["from_shared_memory"] <= 3  # only the newest queued notice is ever copied
 
 

@@ -5,7 +5,8 @@ One background thread owns both sockets, bound on `host` (wire.host as placed) a
   - "leases": ROUTER; generators (DEALER or REQ) send single msgpack maps (docs/design.md "The lease protocol")
         {"op": "lease", "generator_id": int, "version": int, "max_groups": int}
             -> {"leases": [{"group_id": int, "prompt_index": int, "sample": {...}}, ...]}  ([] = gate closed)
-        {"op": "report", "generator_id": int, "version": int} -> {"ok": true}
+        {"op": "report", "generator_id": int, "version": int[, "weights_refetched": int]} -> {"ok": true}
+            (weights_refetched: how often the generator asked for weights again, weights.py; absent while 0)
         anything else -> {"error": "..."}
     A request is refused ({"error"}, counted) from a generator id the run does not have, claiming
     weights newer than the newest published (`publishing`: the controller says so before publishing), or
@@ -51,13 +52,16 @@ from nanoverl_async.buffer.replay import ADDED, COMPLETED, FILTERED, Group, Repl
 from nanoverl_async.config import BufferConfig, GeneratorConfig
 from nanoverl_async.observe.trace import SpanLog
 from nanoverl_async.wire.trajectory import Trajectory
-from nanoverl_async.wire.auth import CurveKeys, serve
+from nanoverl_async.wire.auth import CONTROL_MESSAGE_BYTES, CurveKeys, serve
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 20  # the thread wakes at least this often to expire leases and notice close()
 DRAIN_MAX = 256  # messages taken from one socket before looking at the other (no starvation)
 STATE_FORMAT = 2  # buffer.msgpack's layout (state_bytes); bump when it changes (2: trajectories have spans)
+# A trajectory's bytes per token, at most: 13 in its arrays, and the text of its kept messages (a token is a
+# few bytes of text, the longest in common vocabularies a few hundred). Bounds what the PULL socket takes in.
+TRAJECTORY_BYTES_PER_TOKEN = 1024
 
 
 class OversizedLease(ValueError):
@@ -77,8 +81,9 @@ def parse_request(payload: bytes) -> dict:
     op = request.get("op")
     if op not in keys:
         raise ValueError(f"field 'op': {op!r} is not one of {', '.join(keys)}")
-    wire.check_fields(request, set(keys[op]))
-    for name in keys[op][1:]:
+    names = keys[op] + (("weights_refetched",) if op == "report" and "weights_refetched" in request else ())
+    wire.check_fields(request, set(names))
+    for name in names[1:]:
         if not isinstance(request[name], int) or isinstance(request[name], bool) or request[name] < 0:
             raise ValueError(f"field '{name}': expected a non-negative int, got {request[name]!r}")
     return request
@@ -148,8 +153,10 @@ class BufferService:
         self.gate = AdmissionGate(prompts_per_step, staleness, config.lease_timeout_s, prompt_fn)
         self.replay = ReplayBuffer(group_size, group_filter)  # group_filter: DAPO dynamic sampling
         self._cond = threading.Condition()  # guards gate, replay and the counters below (re-entrant: an RLock)
-        self._counters = Counter(malformed=0, malformed_requests=0, too_long=0, oversized_leases=0)
+        self._counters = Counter(malformed=0, malformed_requests=0, too_long=0, oversized_leases=0,
+                                 weights_refetched=0)
         self._generator_versions: dict[int, int] = {}
+        self._refetches: dict[int, int] = {}  # generator -> the weights_refetched it last reported
         self._tokens_since_batch = 0
         self._gated = GatedClock(time.monotonic())
         self.trace = SpanLog(trace)
@@ -157,6 +164,9 @@ class BufferService:
         self._context = zmq.Context()
         self._pull = self._context.socket(zmq.PULL)
         self._router = self._context.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.MAXMSGSIZE, CONTROL_MESSAGE_BYTES)  # a lease request is a few dozen bytes
+        if max_tokens is not None:  # and 1 MiB more for its other fields (rewards' extras, spans)
+            self._pull.setsockopt(zmq.MAXMSGSIZE, max_tokens * TRAJECTORY_BYTES_PER_TOKEN + (1 << 20))
         self._stop_authenticator = serve(self._context, curve, self._pull, self._router)
         self.endpoints = {name: f"tcp://{host}:{socket.bind_to_random_port(f'tcp://{host}')}"
                           for name, socket in (("trajectories", self._pull), ("leases", self._router))}
@@ -206,7 +216,8 @@ class BufferService:
             return {
                 **self.gate.counters,
                 **self.replay.counters,  # dropped_stale, _filtered, _stragglers, _duplicates, _mismatched
-                **self._counters,  # malformed (too_long among them), malformed_requests (oversized_leases among them)
+                # malformed (too_long among them), malformed_requests (oversized_leases among them), weights_refetched
+                **self._counters,
                 "groups_in_flight": self.gate.in_flight(),
                 "groups_ready": len(self.replay.ready),
                 "groups_started": self.gate.groups_started,
@@ -309,10 +320,13 @@ class BufferService:
             return msgpack.packb({"error": str(error)}, use_bin_type=True)
         with self._cond:
             self._generator_versions[request["generator_id"]] = request["version"]
-            if request["op"] == "report":
+            generator_id = request["generator_id"]
+            if request["op"] == "report":  # a generator's count since it started -> the run's, kept in checkpoints
+                refetched = request.get("weights_refetched", 0)
+                self._counters["weights_refetched"] += max(0, refetched - self._refetches.get(generator_id, 0))
+                self._refetches[generator_id] = refetched
                 return msgpack.packb({"ok": True}, use_bin_type=True)
             now = time.monotonic()
-            generator_id = request["generator_id"]
             room = self.generators.max_groups_in_flight - self.gate.in_flight(generator_id)
             leases = self.gate.lease(request["version"], max(0, min(request["max_groups"], room)), now, generator_id)
             refused = not leases and request["max_groups"] > 0

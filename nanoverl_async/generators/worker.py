@@ -14,7 +14,8 @@ Tasks on one asyncio loop (a plain class: Ray only wraps it, elsewhere):
     mode interrupt: `engine.stage_weights` at once (in-flight episodes continue under the new weights,
     their later tokens carry the new version). mode drain: stop leasing, wait until the in-flight
     groups finish, apply (skipping to the newest version that arrived meanwhile), resume. Either way the
-    applied version is reported to the buffer (`{"op": "report"}`).
+    applied version is reported to the buffer (`{"op": "report"}`), with how often the subscriber asked for
+    weights again after dropping a version on the way (weights.py; absent while 0).
 With run.trace, every episode's trajectory carries its spans, and each version's load (its receipt to its
 application) waits in `trace` until the controller takes it (trace.py).
 
@@ -142,7 +143,9 @@ class GeneratorWorker:
 
     def _on_done(self, task: asyncio.Task) -> None:
         self._groups.discard(task)
-        if not task.cancelled() and task.exception() is not None and self._error is None:
+        # Not after stop(): a task may outlive its cancellation (Python 3.11's asyncio.wait_for can swallow one)
+        # and then read the reply to a request stop() cut off, such as a weights report's.
+        if not task.cancelled() and task.exception() is not None and self._error is None and not self._stop_requested:
             self._error = task.exception()
             log.error("generator %d: task %s failed: %r", self.generator_id, task.get_name(), self._error,
                       exc_info=None if isinstance(self._error, UserCodeError) else self._error)  # it names its line
@@ -268,7 +271,10 @@ class GeneratorWorker:
         self._draining = False
         self._new_weights.set()
         log.info("generator %d: applied weights version %d (%s)", self.generator_id, version, self.weight_sync.mode)
-        await self._request({"op": "report", "generator_id": self.generator_id, "version": version})
+        report = {"op": "report", "generator_id": self.generator_id, "version": version}
+        if subscriber.counts["refetched"]:  # versions dropped on the way and asked for again: buffer/weights_refetched
+            report["weights_refetched"] = subscriber.counts["refetched"]
+        await self._request(report)
 
 
 def make_engine(generator: GeneratorConfig, model_path: str, *, generator_id: int, seed: int,

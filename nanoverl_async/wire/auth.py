@@ -16,6 +16,13 @@ every byte sent (the weights are the largest messages), on ZeroMQ's I/O threads.
 The keys are made fresh by the controller for each run and handed to the roles as arguments: never
 written to the config, the logs or the checkpoint. `keys=None` (plain sockets) is for tests and benches
 that build one component alone; every role of a run gets the keys.
+A listening socket closes any connection that has not finished its handshake (ZMTP greeting, CURVE, the
+ZAP check) within HANDSHAKE_TIMEOUT_MS, keys or not: a peer that connects and sends nothing, or stalls
+halfway, holds a file descriptor that long, not libzmq's default 30 s, in which silent connections pile up
+towards the process's limit of open files. Each listening socket also takes in no message larger than its
+protocol allows (`zmq.MAXMSGSIZE`: CONTROL_MESSAGE_BYTES for subscriptions and lease requests; the buffer
+bounds trajectories by the run's token limit), since until the handshake ends nothing else bounds what an
+unknown peer makes it buffer: a peer may announce a frame of any size in its first bytes.
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ class CurveKeys:
 
 
 NODE = "node"  # bind on the address of the node the role was placed on (Ray's node IP)
+HANDSHAKE_TIMEOUT_MS = 5000  # a handshake takes milliseconds; seconds leave room for a busy ZAP thread
+# the largest subscription or lease request taken in (a few dozen bytes; CURVE's own commands need ~300)
+CONTROL_MESSAGE_BYTES = 1 << 16
 
 
 def placed_host(host: str, on_cluster: bool) -> str:
@@ -61,7 +71,9 @@ def run_keys() -> CurveKeys:
 def serve(context: zmq.Context, keys: Optional[CurveKeys], *sockets: zmq.Socket) -> Callable[[], None]:
     """Make `sockets` (of `context`, before they bind) CURVE servers, and start the ZAP handler of `context`,
     which admits only clients presenting the run's client key. Returns what stops that handler: call it before
-    the context ends. Without keys nothing is set up, and it does nothing."""
+    the context ends. Without keys only the handshake timeout is set, and what it returns does nothing."""
+    for socket in sockets:
+        socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
     if keys is None:
         return lambda: None
     for socket in sockets:

@@ -15,6 +15,9 @@ How the payload travels (the publisher picks, per version):
 A subscriber copies a segment's payload into memory of its own (two buffers, alternating) and checks the
 copy, so a payload the learner rewrote meanwhile (it reuses one only after a newer version was sent) fails
 the check and is dropped, never applied: the newer one is on its way.
+A dropped version is asked for again: the subscriber subscribes once more, and the publisher answers every
+subscription with its newest version (as it does a late joiner). Otherwise a learner waiting for a batch that
+only newer weights could open the admission gate for would never publish the version that ends the wait.
 checksum = xxh3_128 of the payload's bytes (0.05 s for 358M bfloat16 parameters on one core;
 bench/weights_latency.py), or `shared_payloads.sum64` (on the GPU) for CUDA IPC: it catches a payload damaged
 or mis-framed on its way (CURVE, when on, authenticates the sender).
@@ -36,6 +39,9 @@ Invariants:
     logs) any message whose framing, nbytes or checksum is wrong, and returns only the newest version greater
     than the caller's, a version in place once copied and checked. Every wait that can block (`close`) has a
     timeout.
+  - A poll that dropped a version newer than the one it leaves the caller holding asks for the newest again,
+    once per dropped version (`counts["refetched"]`): a copy damaged again waits for the next version, so a
+    publisher whose newest version is itself bad is not made to resend it without end.
 
 Run alone: `python -m pytest tests/test_weights.py -q`.
 """
@@ -57,7 +63,7 @@ import xxhash
 import zmq
 
 from nanoverl_async.wire import shared_payloads
-from nanoverl_async.wire.auth import CurveKeys, connect, serve
+from nanoverl_async.wire.auth import CONTROL_MESSAGE_BYTES, CurveKeys, connect, serve
 from nanoverl_async.wire.trajectory import check_fields, unpack_map
 
 log = logging.getLogger(__name__)
@@ -228,6 +234,7 @@ class WeightPublisher:
         stop_authenticator = serve(context, curve, socket)  # only the run's generators may subscribe
         socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
         socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # see every subscription, not only the first per topic
+        socket.setsockopt(zmq.MAXMSGSIZE, CONTROL_MESSAGE_BYTES)  # what comes in: subscriptions only
         latest: Optional[tuple[list, np.ndarray | torch.Tensor]] = None  # newest version sent (frames, payload)
         sends: list[zmq.MessageTracker] = []  # latest's sends: to every subscriber, then to each late one
         try:
@@ -265,9 +272,9 @@ class WeightPublisher:
 
 
 class WeightSubscriber:
-    """Connects a SUB socket to a WeightPublisher's endpoint; `counts` holds received/dropped totals. A state
-    dict `poll_newest` returns stays valid until it returns a newer one (it views the frame, or one of the
-    two copies of shared payloads, which alternate)."""
+    """Connects a SUB socket to a WeightPublisher's endpoint; `counts` holds received/dropped/refetched totals.
+    A state dict `poll_newest` returns stays valid until it returns a newer one (it views the frame, or one of
+    the two copies of shared payloads, which alternate)."""
 
     def __init__(self, endpoint: str, curve: Optional[CurveKeys] = None):
         self.endpoint = endpoint
@@ -277,20 +284,30 @@ class WeightSubscriber:
         self._socket.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self._socket.connect(endpoint)
-        self.counts = {"received": 0, "dropped": 0, "from_shared_memory": 0}
+        self.counts = {"received": 0, "dropped": 0, "from_shared_memory": 0, "refetched": 0}
         self._segments = shared_payloads.SegmentReader()
         self._copies: list = [None, None]  # this process's copies of shared payloads; [0] is free
+        self._missed = -1  # the newest version the current poll dropped
+        self._asked_for = -1  # the newest version asked for again (`_ask_again`)
 
     def poll_newest(self, current_version: int) -> Optional[tuple[int, dict[str, torch.Tensor]]]:
         """(version, state_dict) of the newest valid queued version > current_version, else None. Never blocks
-        on the socket; a payload in shared memory is copied (only the newest) and checked first."""
+        on the socket; a payload in shared memory is copied (only the newest) and checked first. A version
+        dropped on the way and newer than the one returned (or held) is asked for again."""
+        self._missed = -1
+        newest = self._newest(current_version)
+        self._ask_again(current_version if newest is None else newest[0])
+        return newest
+
+    def _newest(self, current_version: int) -> Optional[tuple[int, dict[str, torch.Tensor]]]:
+        """`poll_newest`, but for asking again."""
         newest: tuple[int, Optional[memoryview], Optional[dict]] = (current_version, None, None)  # as `_check`'s
         while True:
             try:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            checked = self._check(frames)
+            checked = self._check(frames, current_version)
             if checked is None:
                 continue
             self.counts["received"] += 1
@@ -304,7 +321,17 @@ class WeightSubscriber:
         try:
             return version, deserialise(payload)
         except Exception as error:  # a checksummed payload that is not safetensors: a sender bug
-            return self._drop(f"version {version}: not safetensors ({error})")
+            return self._drop(f"version {version}: not safetensors ({error})", version)
+
+    def _ask_again(self, held: int) -> None:
+        """Subscribe once more if this poll dropped a version newer than `held` and not yet asked for: the
+        publisher answers every subscription with its newest version (a SUB socket sends a repeated
+        subscription on, and the publisher's XPUB_VERBOSE passes it up)."""
+        if self._missed > max(held, self._asked_for):
+            self._asked_for = self._missed
+            self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+            self.counts["refetched"] += 1
+            log.info("asked %s for the newest weights again (version %d was dropped)", self.endpoint, self._missed)
 
     def _copy_segment(self, version: int, notice: dict) -> Optional[np.ndarray | torch.Tensor]:
         """Our copy of the payload a notice names, if its checksum matches (else None: dropped, counted, logged).
@@ -316,7 +343,7 @@ class WeightSubscriber:
             else:
                 source = self._segments.view(segment["path"], nbytes)
         except (FileNotFoundError, ValueError) as error:  # freed or replaced since: a newer version was sent
-            return self._drop(f"version {version}: payload gone ({error})")
+            return self._drop(f"version {version}: payload gone ({error})", version)
         except (OSError, RuntimeError) as error:
             raise RuntimeError(f"weights version {version}: cannot map the learner's payload ({error}); learner "
                                f"rank 0 must share this machine (and, for CUDA IPC, this GPU)") from error
@@ -327,18 +354,21 @@ class WeightSubscriber:
         copy[:] = source
         del source  # the learner may free or reuse it once no reader maps it
         if checksum(copy) != notice["checksum"]:
-            return self._drop(f"version {version}: checksum mismatch (rewritten while it was read)")
+            return self._drop(f"version {version}: checksum mismatch (rewritten while it was read)", version)
         self._copies.reverse()  # the other copy is written next: this one stays valid until a newer version
         self.counts["from_shared_memory"] += 1
         return copy
 
-    def _drop(self, problem: str) -> None:
+    def _drop(self, problem: str, version: int) -> None:
         self.counts["dropped"] += 1
+        self._missed = max(self._missed, version)
         log.warning("dropped a weights message from %s: %s", self.endpoint, problem)
 
-    def _check(self, frames: list) -> Optional[tuple[int, Optional[memoryview], dict]]:
+    def _check(self, frames: list, current_version: int) -> Optional[tuple[int, Optional[memoryview], dict]]:
         """(version, payload, notice) of a well-formed message, or None (dropped, counted, logged); the payload
-        is None when the notice names a segment (checked once copied: `_copy_segment`)."""
+        is None when the notice names a segment (checked once copied: `_copy_segment`). A dropped message whose
+        version cannot be read counts as the version after `current_version`."""
+        version = current_version + 1
         try:
             if len(frames) != 2:
                 raise ValueError(f"{len(frames)} frames, expected 2")
@@ -358,7 +388,7 @@ class WeightSubscriber:
                 raise ValueError(f"version {version}: checksum mismatch")
             return version, payload, header
         except ValueError as problem:
-            return self._drop(str(problem))
+            return self._drop(str(problem), version)
 
     def close(self) -> None:
         self._socket.close(linger=0)
