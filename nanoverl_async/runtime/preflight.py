@@ -65,6 +65,7 @@ def prepare(cfg: Config) -> Config:
     if why:
         raise ConfigError(f"config key 'agent.sandbox': {sandbox.refusal(why)}")
     checkpoint.find_checkpoint(cfg.run)  # a run.resume path that is not a checkpoint fails here
+    checkpoint.check_output_dir(cfg.run.output_dir)  # a file, or a folder this process cannot write in
     if cfg.wire.host != "auto":  # one address for every role (auto: each binds on its own node, wire/auth.py)
         try:
             with socket.socket(socket.AF_INET6 if ":" in cfg.wire.host else socket.AF_INET) as probe:
