@@ -16,13 +16,14 @@ which the next save removes and `run.resume=auto` never picks. After each save o
 so a run is done only when a complete final/ exists.
 
 Only the run's own files: a run marks the folder it creates or claims with MARKER (a run id and the
-top-level entries the run created, each listed by `claim` before it is first written; everything inside a
-listed directory is the run's). `run.overwrite`, and `run.resume=auto` in a folder whose run died before its
-first checkpoint, delete only listed entries; a non-empty folder without the marker (a user's, or a run's
-from a version before markers) is refused whatever the flags, as is an entry the marker does not list or a
-symbolic link (a run writes none, so no write follows one out of the folder); nothing is changed then. A
-folder that cannot be written is refused before anything starts (`check_output_dir`), and a failed write on
-a full or read-only disk ends the run naming the path (`writing`).
+top-level entries the run created, each listed by `claim` before it is first written; what is inside a
+listed directory is the run's). `run.overwrite`, and `run.resume=auto` in a folder whose run died before
+its first checkpoint, delete only listed entries (refusing a checkpoints/ that holds what no save writes).
+A non-empty folder without the marker (a user's, or a run's from a version before markers) is refused
+whatever the flags, as is an entry the marker does not list or a symbolic link (a run writes none, so no
+write follows one out of the folder); nothing is changed then. A folder that cannot be written is refused
+before anything starts (`check_output_dir`), and a failed write on a full or read-only disk ends the run
+naming the path (`writing`).
 
 Not saved: the generators' partial episodes (docs/design.md "Checkpoints and resume"): a resumed
 buffer re-issues every prompt that was in flight, and the generators sample it again from the restored
