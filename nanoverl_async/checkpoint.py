@@ -15,9 +15,15 @@ which the next save removes and `run.resume=auto` never picks. After each save o
 `run.keep_checkpoints` folders are kept (0 = all). `final/` is published the same way (from `.final.tmp`),
 so a run is done only when a complete final/ exists.
 
-Nothing but what a run writes is ever deleted: `run.overwrite`, and `run.resume=auto` in a folder whose
-run died before its first checkpoint, clear only RUN_ENTRIES, and refuse (deleting nothing) a folder that
-holds anything else. A failed write on a full or read-only disk ends the run naming the path (`writing`).
+Only the run's own files: a run marks the folder it creates or claims with MARKER (a run id and the
+top-level entries the run created, each listed by `claim` before it is first written; what is inside a
+listed directory is the run's). `run.overwrite`, and `run.resume=auto` in a folder whose run died before
+its first checkpoint, delete only listed entries (refusing a checkpoints/ that holds what no save writes).
+A non-empty folder without the marker (a user's, or a run's from a version before markers) is refused
+whatever the flags, as is an entry the marker does not list or a symbolic link (a run writes none, so no
+write follows one out of the folder); nothing is changed then. A folder that cannot be written is refused
+before anything starts (`check_output_dir`), and a failed write on a full or read-only disk ends the run
+naming the path (`writing`).
 
 Not saved: the generators' partial episodes (docs/design.md "Checkpoints and resume"): a resumed
 buffer re-issues every prompt that was in flight, and the generators sample it again from the restored
@@ -35,7 +41,9 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -47,9 +55,11 @@ REQUIRED_FILES = ("learner/.metadata", "buffer.msgpack")  # DCP's index of the s
 STEP_DIR = re.compile(r"step_(\d+)")
 STEP_TMP = re.compile(r"\.step_(\d+)\.tmp")
 FINAL, FINAL_TMP, FINAL_OLD = "final", ".final.tmp", ".final.old"
-# Everything a run (or `plot`, `replay` on it) writes at the top of run.output_dir; wandb/ is wandb's own.
-RUN_ENTRIES = {"config.yaml", "metrics.jsonl", "samples.jsonl", "trace.json", "plot.png", "checkpoints", "record",
-               "replay", "wandb", FINAL, FINAL_TMP, FINAL_OLD}
+# The run's mark on its folder: {"run_id": ..., "entries": [top-level names the run created]}; written whole
+# (MARKER_TMP, then a rename), so it is never torn. A lost update (`plot` claiming beside a running run) can
+# only leave an entry unlisted, which a later overwrite refuses: never a deletion.
+MARKER = ".nanoverl-run.json"
+MARKER_TMP = MARKER + ".tmp"
 LOW_DISK_BYTES = 256 << 20  # a write that failed with less free space than this is blamed on the disk
 # keys that make a run another run: resuming a checkpoint written with other values is refused
 LINEAGE_KEYS = ("run.seed", "model.path", "data.task", "data.train_files", "agent.env")
@@ -78,43 +88,117 @@ def find_checkpoint(run: RunConfig) -> Optional[Path]:
     return path
 
 
+def check_output_dir(output_dir: str) -> None:
+    """One ConfigError line if run.output_dir is a file or cannot be written: a probe file is made, and
+    removed at once, where the run will write (the folder, or the nearest existing parent it is made in)."""
+    out = Path(output_dir).absolute()
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"config key 'run.output_dir': '{output_dir}' is a file, not a directory")
+    existing = next(p for p in (out, *out.parents) if os.path.exists(p))
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as error:
+        raise ConfigError(f"config key 'run.output_dir': '{output_dir}' cannot be written ({existing}: "
+                          f"{error.strerror or error}); choose another run.output_dir") from None
+
+
 def open_output_dir(cfg: Config) -> Optional[Path]:
-    """Make run.output_dir ready and return the checkpoint to resume from (None: a fresh run), losing no
-    earlier run and no file of the user's: a fresh run refuses a non-empty directory unless run.overwrite
-    clears it, or run.resume=auto finds a run that died before its first checkpoint (then it starts afresh);
-    either clears only what a run writes. A resume refuses a checkpoint of another lineage (LINEAGE_KEYS)
-    or of a finished run."""
+    """Make run.output_dir ready, marked as this run's, and return the checkpoint to resume from (None: a
+    fresh run), losing no earlier run and no file of the user's: a folder without MARKER, or holding an
+    entry it does not list, is refused; a fresh run refuses a run's folder unless run.overwrite clears it,
+    or run.resume=auto finds a run that died before its first checkpoint (then it starts afresh); either
+    deletes only the listed entries. A resume refuses a checkpoint of another lineage (LINEAGE_KEYS) or of a
+    finished run."""
     out = Path(cfg.run.output_dir)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"config key 'run.output_dir': '{out}' is a file, not a directory")
+    check_output_dir(cfg.run.output_dir)
     resume_from = find_checkpoint(cfg.run)
-    if resume_from is None and out.is_dir() and any(out.iterdir()):
+    if resume_from is not None:
+        check_resumable(cfg, resume_from)
+    names = sorted(os.listdir(out)) if out.is_dir() else []
+    marker = read_marker(out) if names else None  # a non-empty folder without one is refused here
+    present = [name for name in names if name not in (MARKER, MARKER_TMP)]
+    for name in present:
+        refuse_foreign(out / name, marker["entries"])
+    if resume_from is None and present:
         died_early = cfg.run.resume == "auto" and not is_final(out / FINAL)
         if not (cfg.run.overwrite or died_early):
             hint = "" if cfg.run.resume else "run.resume=auto to continue it, "
             raise ConfigError(f"config key 'run.output_dir': '{out}' already holds a run and no checkpoint is "
                               f"resumed; set {hint}a new run.output_dir, or run.overwrite=true to clear it")
-        clear_run(out)
+        clear_run(out, marker["entries"])
         if died_early:
             print(f"run.resume=auto: no complete checkpoint in {out}; starting a fresh run", file=sys.stderr)
-    if resume_from is not None:
-        check_resumable(cfg, resume_from)
-    out.mkdir(parents=True, exist_ok=True)
+    if resume_from is None or marker is None:  # a new run: its mark comes before any file of it
+        out.mkdir(parents=True, exist_ok=True)
+        write_marker(out, {"run_id": uuid.uuid4().hex, "entries": []})
     return resume_from
 
 
-def clear_run(out: Path) -> None:
-    """Delete what a run wrote in `out`; if it holds anything else, refuse before deleting anything."""
-    foreign = [p for p in sorted(out.iterdir()) if p.name not in RUN_ENTRIES]
+def read_marker(out: Path) -> dict:
+    """The run's MARKER in `out`; a ConfigError if there is none (the folder is no run's) or it is not one."""
+    path = out / MARKER
+    if not path.exists() and not path.is_symlink():
+        raise ConfigError(f"config key 'run.output_dir': '{out}' is not empty and has no {MARKER}, so it is no "
+                          f"run's folder (or a run's from a version without run markers); nothing was changed: "
+                          f"choose another run.output_dir or move its files away (an older run's checkpoint "
+                          f"resumes into a new run.output_dir with run.resume=<its step_N folder>)")
+    try:
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as file:
+            marker = json.load(file)
+        if not (isinstance(marker, dict) and isinstance(marker.get("entries"), list)
+                and all(isinstance(name, str) and "/" not in name and name not in ("", ".", "..")
+                        for name in marker["entries"])):
+            raise ValueError("no list of entries")
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"config key 'run.output_dir': {path} is not a run marker ({error}); nothing was "
+                          f"changed: choose another run.output_dir or move the folder's files away") from None
+    return marker
+
+
+def write_marker(out: Path, marker: dict) -> None:
+    tmp = out / MARKER_TMP
+    tmp.unlink(missing_ok=True)  # a crashed write's; O_EXCL below then never follows a link planted there
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w") as file:
+        json.dump(marker, file)
+    tmp.replace(out / MARKER)
+
+
+def claim(output_dir: str | Path, name: str) -> Path:
+    """`output_dir/name`, a top-level entry the run is about to write (or rewrite), after `refuse_foreign`;
+    in a run's folder it is listed in MARKER first. Every writer of the run's files goes through here."""
+    out = Path(output_dir)
+    marker = read_marker(out) if os.path.lexists(out / MARKER) else None  # none: a folder no launch opened
+    refuse_foreign(out / name, marker["entries"] if marker else None)
+    if marker and name not in marker["entries"]:
+        write_marker(out, {**marker, "entries": sorted({*marker["entries"], name})})
+    return out / name
+
+
+def refuse_foreign(path: Path, listed: Optional[list]) -> None:
+    """A ConfigError naming `path` if a run may not write it: a symbolic link (a run makes none, so writing
+    there would write elsewhere), or in a run's folder (`listed`: its MARKER's entries) one it did not create."""
+    if path.is_symlink():
+        why = "is a symbolic link, which no run writes"
+    elif listed is not None and path.name not in listed and path.exists():
+        why = f"was not written by the run there ({MARKER} does not list it)"
+    else:
+        return
+    raise ConfigError(f"config key 'run.output_dir': {path} {why}; nothing was changed: move it away or choose "
+                      f"another run.output_dir")
+
+
+def clear_run(out: Path, listed: list) -> None:
+    """Delete the entries the run listed in `out`; if its checkpoints/ holds anything a save does not write,
+    refuse before deleting anything."""
     saves = out / "checkpoints"
-    if saves.is_dir() and not saves.is_symlink():
-        foreign += [p for p in sorted(saves.iterdir())
-                    if not (p.is_dir() and (STEP_DIR.fullmatch(p.name) or STEP_TMP.fullmatch(p.name)))]
-    if foreign:
-        raise ConfigError(f"config key 'run.output_dir': '{out}' holds {foreign[0]}, which no run writes; "
-                          f"nothing was deleted: choose another run.output_dir or move it away")
-    for entry in out.iterdir():
-        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    if "checkpoints" in listed and saves.is_dir():
+        foreign = [p for p in sorted(saves.iterdir())
+                   if not (p.is_dir() and (STEP_DIR.fullmatch(p.name) or STEP_TMP.fullmatch(p.name)))]
+        if foreign:
+            raise ConfigError(f"config key 'run.output_dir': '{out}' holds {foreign[0]}, which no run writes; "
+                              f"nothing was deleted: choose another run.output_dir or move it away")
+    for entry in (out / name for name in listed):
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink(missing_ok=True)
 
 
 def check_resumable(cfg: Config, resume_from: Path) -> None:
@@ -146,13 +230,13 @@ def publish_final(output_dir: str | Path, write) -> Path:
     """`write(folder)` the final model into `.final.tmp`, then rename it into place as final/ (the rename
     is the commit: an earlier run's final/ is replaced only once the new one is whole)."""
     out = Path(output_dir)
-    tmp, final, old = out / FINAL_TMP, out / FINAL, out / FINAL_OLD
+    tmp, final, old = claim(out, FINAL_TMP), claim(out, FINAL), out / FINAL_OLD
     for leftover in (tmp, old):
         if leftover.exists():
-            shutil.rmtree(leftover)
+            shutil.rmtree(claim(out, leftover.name))
     write(tmp)
     if final.exists():
-        final.rename(old)
+        final.rename(claim(out, FINAL_OLD))
     tmp.rename(final)
     if old.exists():
         shutil.rmtree(old)
@@ -213,7 +297,7 @@ def read_meta(path: Path) -> dict:
 
 def begin(output_dir: str, step: int) -> Path:
     """A fresh, empty `.step_N.tmp` folder (a crashed save's leftovers are removed first)."""
-    tmp = checkpoints_dir(output_dir) / f".step_{step}.tmp"
+    tmp = claim(output_dir, "checkpoints").resolve() / f".step_{step}.tmp"
     for stale in tmp.parent.glob(".step_*.tmp") if tmp.parent.is_dir() else []:
         shutil.rmtree(stale)
     tmp.mkdir(parents=True)

@@ -60,7 +60,7 @@ def launch(cfg: Config, started: Optional[float] = None) -> Path:
     check_positions(model_path, cfg.agent.max_total_tokens)  # the buffer drops longer trajectories
     output_dir = Path(cfg.run.output_dir)
     resume_from = checkpoint.open_output_dir(cfg)  # None: a fresh run (into an empty or overwritten dir)
-    (output_dir / "config.yaml").write_text(to_yaml(cfg))
+    checkpoint.claim(output_dir, "config.yaml").write_text(to_yaml(cfg))
     start = checkpoint.read_meta(resume_from)["step"] if resume_from else 0
     if resume_from:
         announce_resume(cfg, resume_from, started)
@@ -165,7 +165,7 @@ def replay(run_dir: str) -> dict:
             learners = LearnerPool(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir), run_keys())
             for trajectories in batches:
                 learners.update(learners.prepare(trajectories))
-            learners.save_pretrained(str(Path(run_dir) / "replay" / "final"))
+            learners.save_pretrained(str(checkpoint.claim(run_dir, "replay") / "final"))
     finally:
         if learners is not None:
             learners.shutdown()

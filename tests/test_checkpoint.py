@@ -245,8 +245,11 @@ def test_resume_needs_a_checkpoint_folder(tmp_path):
 
 
 def saved_run(output_dir, step: int, *overrides: str):
-    """A checkpoint of step `step` as a run with `overrides` writes it (meta.json with the real config)."""
+    """A checkpoint of step `step` as a run with `overrides` writes it (meta.json with the real config), in a
+    folder the run opened (and so marked) first."""
     cfg = load_config("configs/agent_grpo.yaml", [f"run.output_dir={output_dir}", *overrides])
+    if not (output_dir / checkpoint.MARKER).exists():
+        checkpoint.open_output_dir(cfg)
     folder = checkpoint.begin(str(output_dir), step)
     write_state_files(folder)
     return checkpoint.commit(folder, checkpoint.make_meta(cfg, step, {}), 2)
@@ -256,11 +259,17 @@ def launch_config(output_dir, *overrides: str):
     return load_config("configs/agent_grpo.yaml", [f"run.output_dir={output_dir}", *overrides])
 
 
+def marker(output_dir) -> dict:
+    return json.loads((output_dir / checkpoint.MARKER).read_text())
+
+
 def test_a_fresh_run_never_reuses_an_output_dir_silently(tmp_path):
     """The lost-run bug: a second fresh run into the same directory overwrote metrics.jsonl and config.yaml
     and kept the first run's checkpoints, which a later resume=auto then mixed in under another seed."""
     saved_run(tmp_path, 4)
-    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    checkpoint.claim(tmp_path, "metrics.jsonl").write_text('{"step": 0}\n')
+    first = marker(tmp_path)
+    assert first["entries"] == ["checkpoints", "metrics.jsonl"]  # what the run created, as it created it
     for resume in ((), ("run.resume=''",)):
         with pytest.raises(ConfigError, match=r"run\.output_dir.*already holds a run.*run\.resume=auto.*"
                                               r"run\.overwrite=true"):
@@ -268,9 +277,12 @@ def test_a_fresh_run_never_reuses_an_output_dir_silently(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n'  # nothing touched
     assert checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=6")) \
         == tmp_path / "checkpoints" / "step_4"
+    assert marker(tmp_path) == first  # a resume is the same run
     assert checkpoint.open_output_dir(launch_config(tmp_path, "run.overwrite=true")) is None
-    assert list(tmp_path.iterdir()) == []  # cleared: the fresh run starts clean
-    assert checkpoint.open_output_dir(launch_config(tmp_path / "new")) is None  # created, empty
+    assert [p.name for p in tmp_path.iterdir()] == [checkpoint.MARKER]  # cleared: the fresh run starts clean
+    assert marker(tmp_path)["entries"] == [] and marker(tmp_path)["run_id"] != first["run_id"]
+    assert checkpoint.open_output_dir(launch_config(tmp_path / "new")) is None  # created, marked, empty
+    assert [p.name for p in (tmp_path / "new").iterdir()] == [checkpoint.MARKER]
     with pytest.raises(ConfigError, match=r"run\.overwrite.*run\.resume"):
         launch_config(tmp_path, "run.overwrite=true", "run.resume=auto")
     (tmp_path / "file").write_text("x")
@@ -292,15 +304,13 @@ def test_resume_finishes_a_run_that_died_before_final(tmp_path):
     writes final/ (zero steps to train); once final/ exists the run is done."""
     saved_run(tmp_path, 4)
     assert checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=4"))
-    (tmp_path / "final").mkdir()  # a final/ without its model (an older version wrote it in place) is not done
+    checkpoint.claim(tmp_path, "final").mkdir()  # a final/ without its model (an older version wrote it in place)
     assert checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=4"))
     checkpoint.publish_final(tmp_path, write_final_files)
     with pytest.raises(ConfigError, match=r"run\.total_steps.*already done"):
         checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=4"))
     with pytest.raises(ConfigError, match=r"run\.total_steps.*already done"):
         checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=3"))
-
-
 
 
 def write_final_files(folder):
@@ -316,14 +326,22 @@ def test_auto_resumes_the_newest_step_by_number_not_by_name(tmp_path):
         == tmp_path / "checkpoints" / "step_10"
 
 
+def test_keep_checkpoints_prunes_the_oldest_by_step_number_not_by_name(tmp_path):
+    """By name, step_10 sorts before step_8: keeping the two "newest" would keep step_8 and step_9."""
+    for step in (8, 9):
+        fake_save(tmp_path, step, keep=0)
+    fake_save(tmp_path, 10, keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_10", "step_9"]
+
+
 def test_overwrite_refuses_a_folder_that_holds_the_users_files_and_deletes_nothing(tmp_path):
+    saved_run(tmp_path, 4)
     (tmp_path / "thesis.txt").write_text("years of work")
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "data.csv").write_text("1,2")
-    with pytest.raises(ConfigError, match=r"run\.output_dir.*holds .*sub.*which no run writes.*nothing was deleted"):
+    with pytest.raises(ConfigError, match=r"run\.output_dir.*thesis\.txt was not written by the run there "
+                                          r"\(\.nanoverl-run\.json does not list it\); nothing was changed"):
         checkpoint.open_output_dir(launch_config(tmp_path, "run.overwrite=true"))
     assert (tmp_path / "thesis.txt").read_text() == "years of work"
-    assert (tmp_path / "sub" / "data.csv").read_text() == "1,2"
+    assert checkpoint.is_checkpoint(tmp_path / "checkpoints" / "step_4")
 
 
 def test_overwrite_clears_exactly_what_a_run_wrote(tmp_path):
@@ -331,7 +349,7 @@ def test_overwrite_clears_exactly_what_a_run_wrote(tmp_path):
     checkpoint.begin(str(tmp_path), 6)  # a save that died
     checkpoint.publish_final(tmp_path, write_final_files)
     for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "trace.json"):
-        (tmp_path / name).write_text("x")
+        checkpoint.claim(tmp_path, name).write_text("x")
     (tmp_path / "checkpoints" / "notes.txt").write_text("mine")  # one file of the user's, deep inside
     with pytest.raises(ConfigError, match=r"notes\.txt, which no run writes"):
         checkpoint.open_output_dir(launch_config(tmp_path, "run.overwrite=true"))
@@ -340,22 +358,27 @@ def test_overwrite_clears_exactly_what_a_run_wrote(tmp_path):
     outside = tmp_path.parent / f"{tmp_path.name}-kept"
     outside.mkdir()
     (outside / "kept.txt").write_text("x")
-    (tmp_path / "record").symlink_to(outside)  # a link is removed, never what it points to
+    checkpoint.claim(tmp_path, "record").symlink_to(outside)  # listed, then made a link: refused, not followed
+    with pytest.raises(ConfigError, match=r"record is a symbolic link, which no run writes; nothing was changed"):
+        checkpoint.open_output_dir(launch_config(tmp_path, "run.overwrite=true"))
+    assert (tmp_path / "metrics.jsonl").exists() and (outside / "kept.txt").exists()
+    (tmp_path / "record").unlink()
     assert checkpoint.open_output_dir(launch_config(tmp_path, "run.overwrite=true")) is None
-    assert list(tmp_path.iterdir()) == [] and (outside / "kept.txt").exists()
+    assert [p.name for p in tmp_path.iterdir()] == [checkpoint.MARKER] and (outside / "kept.txt").exists()
 
 
 def test_auto_starts_afresh_after_a_crash_before_the_first_checkpoint(tmp_path, capsys):
     """A kill during the first checkpoint write leaves config.yaml, metrics.jsonl and a .tmp save:
     run.resume=auto is a fresh run there ("a fresh run if there is none"), clearing only the run's files."""
-    (tmp_path / "config.yaml").write_text("x")
-    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    checkpoint.open_output_dir(launch_config(tmp_path))
+    checkpoint.claim(tmp_path, "config.yaml").write_text("x")
+    checkpoint.claim(tmp_path, "metrics.jsonl").write_text('{"step": 0}\n')
     checkpoint.begin(str(tmp_path), 2)
     assert checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto")) is None
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [checkpoint.MARKER]
     assert "no complete checkpoint" in capsys.readouterr().err
-    (tmp_path / "thesis.txt").write_text("x")  # not a run's folder: refused as with overwrite
-    with pytest.raises(ConfigError, match=r"thesis\.txt, which no run writes"):
+    (tmp_path / "thesis.txt").write_text("x")  # not the run's file: refused as with overwrite
+    with pytest.raises(ConfigError, match=r"thesis\.txt was not written by the run there"):
         checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto"))
     (tmp_path / "thesis.txt").unlink()
     checkpoint.publish_final(tmp_path, write_final_files)  # a finished run without checkpoints is kept

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from nanoverl_async import checkpoint
 from nanoverl_async.agents.rewards import MISSING_GROUND_TRUTH
 
 
@@ -178,6 +179,7 @@ class MetricsLogger:
         if wandb_config is not None:
             import wandb  # optional tracker, imported only when asked for
 
+            checkpoint.claim(output_dir, "wandb")  # wandb.init writes its files into output_dir/wandb
             self.wandb_run = wandb.init(project="nanoverl-async", config=wandb_config, dir=str(output_dir))
             self.closing.callback(self.wandb_run.finish)
 
@@ -248,6 +250,7 @@ def _open_rows(path: Path, start_step: int):
     """A .jsonl of per-step rows, opened for appending, line-buffered (each row is on disk once written: a
     crashed run keeps its steps). A run resumed at `start_step` first drops the rows of steps >= start_step
     that the earlier run wrote after its checkpoint, so every step appears once."""
+    checkpoint.claim(path.parent, path.name)  # never a link's target; listed in the run's marker
     if start_step and path.is_file():
         rows = [line for line in path.read_text().splitlines() if _step_of(line) < start_step]
         path.write_text("".join(f"{row}\n" for row in rows))

@@ -33,7 +33,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from nanoverl_async.checkpoint import changed_keys
+from nanoverl_async.checkpoint import changed_keys, claim
 from nanoverl_async.config import ConfigError, read_yaml
 
 # keys that say where and how a run was started, not what it trained: they never label a run
@@ -199,7 +199,7 @@ def draw_time_split(ax, rows: list[dict], label: str, colour: str) -> None:
 def save_plot(run_dirs: list[str], output: Optional[str] = None) -> Path:
     """Read the runs, draw them, write the PNG (default `<first RUN_DIR>/plot.png`); returns its path."""
     runs = [read_run(run_dir) for run_dir in run_dirs]
-    path = Path(output) if output else runs[0].path / "plot.png"
+    path = Path(output) if output else claim(runs[0].path, "plot.png")  # in a run's folder: listed
     path.parent.mkdir(parents=True, exist_ok=True)
     draw(runs).savefig(path, dpi=100)
     return path

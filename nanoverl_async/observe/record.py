@@ -25,6 +25,7 @@ import msgpack
 import torch
 from safetensors.torch import load_file
 
+from nanoverl_async import checkpoint
 from nanoverl_async.config import ConfigError
 from nanoverl_async.wire.trajectory import Trajectory, WireError, decode, encode
 
@@ -36,7 +37,7 @@ def step_path(output_dir: str | Path, step: int) -> Path:
 def write_batch(output_dir: str | Path, step: int, trajectories: list[Trajectory]) -> None:
     """Step `step`'s batch, written to a temporary name and renamed, so a crash never leaves half a file."""
     path = step_path(output_dir, step)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    checkpoint.claim(output_dir, path.parent.name).mkdir(exist_ok=True)
     partial = path.with_suffix(".partial")
     partial.write_bytes(msgpack.packb({"step": step, "trajectories": [encode(t) for t in trajectories]}))
     partial.replace(path)

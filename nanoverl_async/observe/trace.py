@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Hashable, Iterable, NamedTuple
 
+from nanoverl_async import checkpoint
 from nanoverl_async.wire.trajectory import Trajectory
 
 ROUND_TRIPS = 8  # per role, at the first step; the shortest trip bounds the offset's error best
@@ -157,12 +158,12 @@ class PipelineTrace:
     phases, the episodes just trained and every role's spans, on the controller's clock, into trace.json."""
 
     def __init__(self, output_dir: str | Path, roles: list[TracedRole], resume_step: int = 0):
-        path = Path(output_dir) / "trace.json"
+        path = checkpoint.claim(output_dir, "trace.json")  # never a link's target; listed in the run's marker
         if path.exists():  # only a resumed run finds one (a fresh run's directory is empty): keep it
             kept, n = path.with_name(f"trace-until-step-{resume_step}.json"), 2
             while kept.exists():  # a step resumed at twice: -2, -3, ...
                 kept, n = path.with_name(f"trace-until-step-{resume_step}-{n}.json"), n + 1
-            path.rename(kept)
+            path.rename(checkpoint.claim(output_dir, kept.name))
         self.file = path.open("w")  # Chrome trace events, "JSON Array Format": `[` now, `]` at close
         self.file.write("[")
         self.events = 0  # written so far

@@ -75,6 +75,7 @@ def prepare(cfg: Config) -> Config:
     check_model(cfg)
     cfg = check_prompt_lengths(cfg, loaded["agent.env"], rows)
     checkpoint.find_checkpoint(cfg.run)  # a run.resume path that is not a checkpoint fails here
+    checkpoint.check_output_dir(cfg.run.output_dir)  # a file, or a folder this process cannot write in
     if cfg.wire.host != "auto":  # one address for every role (auto: each binds on its own node, wire/auth.py)
         try:
             with socket.socket(socket.AF_INET6 if ":" in cfg.wire.host else socket.AF_INET) as probe:
