@@ -74,18 +74,18 @@ def start_ray(cfg: RayConfig) -> bool:
     os.environ.update(quiet)
     package = Path(__file__).resolve().parents[1]  # nanoverl_async/, this file being in nanoverl_async/runtime/
     runtime_env = {"env_vars": quiet, "py_modules": [str(package)]} if cfg.address else None
-    temp_dir = None
-    # Whoever talks to Ray's control server runs code as this run's user (it stores the pickled classes that
-    # workers load), so Ray's token authentication is always on. Ray reads RAY_AUTH_MODE once, at import:
-    # this sets it for Ray's processes and refreshes this one. On a cluster every node shares a token
-    # (docs/gpus.md).
+    # Whoever reaches Ray's control server runs code as this run's user (it stores the pickled classes that
+    # workers load), so Ray's token authentication is always on: set for Ray's processes and, as Ray reads its
+    # settings once at import, refreshed in this one. On a cluster every node shares a token (docs/gpus.md).
     _enable_token_auth()
-    # A local run is this machine's alone: on a loopback node address Ray binds every port on loopback (the
-    # single-node mode Ray keeps for macOS), its token is made for the run and no file holds it, and its
-    # session directory (sockets, logs) sits in a private one: Ray makes its own directories world-writable.
+    # A local run is this machine's alone. Ray binds every port on loopback when the node's address is
+    # loopback (its single-node mode, otherwise macOS's); the token is the run's, in no file (one per process:
+    # Ray caches the first it reads); the session directory (sockets, logs) sits in a private directory, as
+    # Ray makes the ones it creates world-writable.
     ray_constants.ENABLE_RAY_CLUSTER = bool(cfg.address)
+    temp_dir = None
     if not cfg.address:
-        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))  # kept across restarts in one process
+        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
         temp_dir = os.path.join(tempfile.mkdtemp(prefix="ray-"), "ray")
         # workers inherit this environment; a runtime_env would bar them from Ray's prestarted ones (~1.3 s)
         paths = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
