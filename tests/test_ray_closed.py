@@ -6,7 +6,7 @@ workers load), and Ray's session directory with its unix sockets. The same calls
 succeed: the token, not a broken probe, is what turns the first ones away.
 Skips, saying why, without setpriv, or without root to become another user.
 
-Run alone: `python -m pytest tests/test_ray_closed.py -q` (~20 s on 2 busy cores: a Ray start, three probes).
+Run alone: `python -m pytest tests/test_ray_closed.py -q` (10-40 s on 2 busy cores: a Ray start, four probes).
 """
 
 import ipaddress
