@@ -41,8 +41,7 @@ def launch(out: Path, steps: int, save_every: int) -> subprocess.Popen:
                f"run.output_dir={out}", f"run.total_steps={steps}", f"run.save_every={save_every}",
                "run.progress=false", "run.resume=auto"]
     log = (out.parent / "chaos.log").open("a")
-    return subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+    return subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def logged_steps(out: Path) -> list[int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -28,7 +29,8 @@ from pathlib import Path
 
 SUBNET = "10.213.77"  # the test hosts' own /24 on the veth pair; nothing outside the namespaces sees it
 RAY_PORT = 6379
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+# every node and the launcher share one token, as docs/gpus.md has a real cluster do
+RAY_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0"}
 # the head declares a silent node dead after ~3 s instead of Ray's default ~15-30 s (the test waits for it)
 FAST_NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
                    "RAY_health_check_failure_threshold": "3"}

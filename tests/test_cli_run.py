@@ -3,7 +3,6 @@ config go through `python -m nanoverl_async.cli` in a subprocess; the other laun
 this process, on the session's Ray instance (no new Python and Ray per launch: ~15 s each on 2 cores)."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -21,10 +20,9 @@ REQUIRED_KEYS = {"step", "reward/mean", "staleness/max", "staleness/mean", "stal
 
 
 def run_cli(tmp_path, *overrides, timeout=600, config="configs/agent_grpo.yaml"):
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
     command = [sys.executable, "-m", "nanoverl_async.cli", "launch", config,
                f"run.output_dir={tmp_path}", "run.progress=false", *overrides]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
 def launch_in_process(tmp_path, *overrides, config="configs/agent_grpo.yaml") -> int:

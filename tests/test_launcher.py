@@ -2,7 +2,6 @@
 during a run is refused while the run goes on; Ray workers run the code of the checkout that launched; a
 placement resource no node offers fails in one line (two real hosts: tests/test_two_hosts.py)."""
 
-import os
 import shutil
 import subprocess
 import sys
@@ -134,7 +133,7 @@ def test_actors_run_the_code_of_the_checkout_that_launched(tmp_path):
     shutil.copytree(Path(nanoverl_async.__file__).parent, tmp_path / "nanoverl_async",
                     ignore=shutil.ignore_patterns("__pycache__"))
     result = subprocess.run([sys.executable, "-c", ACTOR_CODE_SCRIPT], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=180, env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+                            text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]
     driver, actor = result.stdout.split()[-2:]
     assert driver == actor == str(tmp_path / "nanoverl_async" / "__init__.py")

@@ -20,7 +20,9 @@ from __future__ import annotations
 import gc
 import importlib
 import os
+import secrets
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -28,6 +30,8 @@ from pathlib import Path
 from types import ModuleType
 
 import ray
+from ray._private import ray_constants
+from ray._private.authentication.authentication_token_setup import _enable_token_auth
 
 from nanoverl_async.config import RayConfig
 
@@ -70,11 +74,22 @@ def start_ray(cfg: RayConfig) -> bool:
     os.environ.update(quiet)
     package = Path(__file__).resolve().parents[1]  # nanoverl_async/, this file being in nanoverl_async/runtime/
     runtime_env = {"env_vars": quiet, "py_modules": [str(package)]} if cfg.address else None
+    # Whoever reaches Ray's control server runs code as this run's user (it stores the pickled classes that
+    # workers load), so Ray's token authentication is always on: set for Ray's processes and, as Ray reads its
+    # settings once at import, refreshed in this one. On a cluster every node shares a token (docs/gpus.md).
+    _enable_token_auth()
+    # A local run is this machine's alone. Ray binds every port on loopback when the node's address is
+    # loopback (its single-node mode, otherwise macOS's); the token is the run's, in no file (one per process:
+    # Ray caches the first it reads); the session directory (sockets, logs) sits in a private directory, as
+    # Ray makes the ones it creates world-writable.
+    ray_constants.ENABLE_RAY_CLUSTER = bool(cfg.address)
+    temp_dir = None
     if not cfg.address:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local runs need no token (Ray >= 2.60)
+        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+        temp_dir = os.path.join(tempfile.mkdtemp(prefix="ray-"), "ray")
         # workers inherit this environment; a runtime_env would bar them from Ray's prestarted ones (~1.3 s)
         paths = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
         os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(package.parent), *paths]))
     ray.init(address=cfg.address or None, num_cpus=cfg.num_cpus or None, include_dashboard=False,
-             logging_level="WARNING", runtime_env=runtime_env)
+             logging_level="WARNING", runtime_env=runtime_env, _temp_dir=temp_dir)
     return True
