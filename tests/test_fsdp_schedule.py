@@ -122,7 +122,11 @@ def test_epochs_minibatches_and_unequal_micro_batches_match_plain_torch(model_di
         assert run["metrics"]["loss"] == pytest.approx(sum(losses) / len(losses), abs=1e-5)
         assert run["metrics"]["kl"] > 0  # the policy moved away from the reference within the batch
         for name, tensor in weights.items():
-            assert torch.allclose(run["weights"][name], tensor, atol=1e-5), name
+            # A key bias has no gradient in exact arithmetic (adding q.b to every key of a query leaves its
+            # softmax unchanged): Adam scales its rounding noise, which differs with any summation order, to
+            # steps of up to lr. Only the weights that the loss really moves are compared.
+            if not name.endswith("k_proj.bias"):
+                assert torch.allclose(run["weights"][name], tensor, atol=1e-5), name
     assert abs(weights["model.norm.weight"] - 1).max() > 1e-3  # the steps did move the weights
 
 
