@@ -196,22 +196,16 @@ def buffer_state_with(token_id: int, version: int = 3) -> bytes:
     (VOCAB - 1, 4, "WireError: field 'versions': version 4 was never published (newest: 3)"),
 ])
 def test_a_restored_trajectory_out_of_range_names_the_file_and_field(token_id, version, problem):
-    service = buffer_service()
+    at_bounds, service = buffer_service(), buffer_service()
     try:
+        at_bounds.restore(buffer_state_with(VOCAB - 1, version=3))
+        assert [t.token_ids.tolist() for g in at_bounds.replay.ready.values() for t in g.trajectories] == [[1, 2, 109]]
         with pytest.raises(ValueError) as raised:
             service.restore(buffer_state_with(token_id, version))
     finally:
+        at_bounds.close()
         service.close()
     assert str(raised.value) == f"checkpoint file buffer.msgpack is not a buffer state ({problem})"
-
-
-def test_a_buffer_state_at_the_bounds_restores():
-    service = buffer_service()
-    try:
-        service.restore(buffer_state_with(VOCAB - 1, version=3))
-        assert [t.token_ids.tolist() for g in service.replay.ready.values() for t in g.trajectories] == [[1, 2, 109]]
-    finally:
-        service.close()
 
 
 @pytest.mark.parametrize("data,problem", [
@@ -246,16 +240,12 @@ def record_step_0(tmp_path, token_id: int, version: int = 0) -> Path:
     (99, 1, "field 'versions': version 1 was never published (newest: 0)"),
 ])
 def test_a_recorded_trajectory_out_of_range_names_the_file_and_field(tmp_path, token_id, version, problem):
+    record_step_0(tmp_path, token_id=99, version=0)  # at the bounds: read back
+    assert [int(t.token_ids[-1]) for t in read_batches(tmp_path, 1, vocab_size=100)[0]] == [2, 99]
     path = record_step_0(tmp_path, token_id, version)
     with pytest.raises(ConfigError) as raised:
         read_batches(tmp_path, 1, vocab_size=100)
     assert str(raised.value) == f"{path}: not a recorded batch: trajectory 1: {problem}"
-
-
-def test_recorded_trajectories_at_the_bounds_read_back(tmp_path):
-    record_step_0(tmp_path, token_id=99, version=0)
-    (batch,) = read_batches(tmp_path, 1, vocab_size=100)
-    assert [int(t.token_ids[-1]) for t in batch] == [2, 99]
 
 
 def test_a_recorded_trajectory_longer_than_the_run_allows_is_named(tmp_path):
@@ -278,32 +268,23 @@ def pickled_weights_dir(tmp_path, extra: dict = ()) -> Path:
     return directory
 
 
-def test_pickled_weights_that_are_tensors_only_pass(tmp_path):
-    directory = pickled_weights_dir(tmp_path)
-    assert resolve_model_path(str(directory)) == str(directory)
-
-
 def test_pickled_weights_that_call_code_are_refused_naming_the_file(tmp_path):
     marker = tmp_path / "MARKER"
-    directory = pickled_weights_dir(tmp_path, {"lm_head.extra": RunsCode(marker)})
+    directory = pickled_weights_dir(tmp_path / "tensors")
+    assert resolve_model_path(str(directory)) == str(directory)  # tensors only: loads
+    # transformers reads safetensors first, and training_args.bin is no weights file: neither pickle is read
+    beside = Path(write_model_dir(tmp_path / "beside" / "model"))
+    torch.save({"x": RunsCode(marker)}, beside / "training_args.bin")
+    torch.save({"x": RunsCode(marker)}, beside / "pytorch_model.bin")
+    assert resolve_model_path(str(beside)) == str(beside)
+    directory = pickled_weights_dir(tmp_path / "code", {"lm_head.extra": RunsCode(marker)})
+    message = (f"{directory / 'pytorch_model.bin'} is not weights a run can load ({CODE}); save them as "
+               f"safetensors, or with torch.save of the state dict alone")
     with pytest.raises(ValueError) as raised:
         resolve_model_path(str(directory))
-    assert str(raised.value) == (f"{directory / 'pytorch_model.bin'} is not weights a run can load ({CODE}); save "
-                                 f"them as safetensors, or with torch.save of the state dict alone")
-    assert not marker.exists()
+    assert str(raised.value) == message
     cfg = load_config("configs/agent_grpo.yaml", [f"model.path={directory}", f"run.output_dir={tmp_path / 'out'}"])
     with pytest.raises(ConfigError) as raised:
         launch(cfg)
-    assert str(raised.value) == f"config key 'model.path': {directory / 'pytorch_model.bin'} is not weights a run " \
-                                f"can load ({CODE}); save them as safetensors, or with torch.save of the state dict alone"
-    assert not marker.exists()
-
-
-def test_other_pickles_beside_safetensors_are_never_read(tmp_path):
-    """transformers reads safetensors first, and training_args.bin is no weights file: neither is loaded."""
-    marker = tmp_path / "MARKER"
-    directory = Path(write_model_dir(tmp_path / "model"))
-    torch.save({"x": RunsCode(marker)}, directory / "training_args.bin")
-    torch.save({"x": RunsCode(marker)}, directory / "pytorch_model.bin")
-    assert resolve_model_path(str(directory)) == str(directory)
+    assert str(raised.value) == f"config key 'model.path': {message}"
     assert not marker.exists()
