@@ -48,13 +48,14 @@ class RunsCode:
         return os.system, (f"touch {self.marker}",)
 
 
-def learner(lr: float = 1e-2) -> SimpleNamespace:
-    """What learners/checkpoint.py reads of a LearnerRank: a policy and its AdamW, after one step."""
+def learner(lr: float = 1e-2, steps: int = 1) -> SimpleNamespace:
+    """What learners/checkpoint.py reads of a LearnerRank: a policy and its AdamW, after `steps` steps."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    model(torch.ones(2, 4)).sum().backward()
-    optimizer.step()
+    for _ in range(steps):
+        model(torch.ones(2, 4)).square().sum().backward()
+        optimizer.step()
     return SimpleNamespace(model=model, optimizer=optimizer, critic=None, critic_optimizer=None)
 
 
@@ -83,15 +84,17 @@ def refused(where, reason: str) -> str:
 # ---- the learner checkpoint (DCP) ----
 
 def test_a_saved_learner_state_loads_back_and_holds_tensors_only(tmp_path):
-    saved = learner()
+    saved = learner(steps=2)
     save_training_state(saved, str(tmp_path / "learner"))
-    loaded = learner(lr=5e-3)  # a resumed run may change learner.lr: the config's value is kept
-    torch.nn.init.zeros_(loaded.model.weight)
+    loaded = learner(lr=5e-3)  # one step: other weights and moments; a resumed run may change learner.lr
     load_training_state(loaded, str(tmp_path / "learner"))
-    assert torch.equal(loaded.model.weight, saved.model.weight)
-    for key in ("step", "exp_avg", "exp_avg_sq"):
-        assert torch.equal(loaded.optimizer.state[loaded.model.weight][key], saved.optimizer.state[saved.model.weight][key])
-    assert loaded.optimizer.param_groups[0]["lr"] == 5e-3
+    for name in ("weight", "bias"):
+        mine, theirs = getattr(loaded.model, name), getattr(saved.model, name)
+        assert torch.equal(mine, theirs)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded.optimizer.state[mine][key], saved.optimizer.state[theirs][key]), (name, key)
+    assert loaded.optimizer.state[loaded.model.weight]["step"].item() == 2
+    assert loaded.optimizer.param_groups[0]["lr"] == 5e-3  # the config's, not the checkpoint's
     index = pickle.loads((tmp_path / "learner" / ".metadata").read_bytes())
     assert sorted(type(entry).__name__ for entry in index.state_dict_metadata.values()) == ["TensorStorageMetadata"] * 8
 

@@ -16,10 +16,10 @@ with lr 0) so DCP has tensors to load into.
 
 A checkpoint is data, never code. DCP's own reader unpickles `.metadata` (its index of the shards) with
 `pickle.load` and any non-tensor value with `torch.load(weights_only=False)`: a crafted file would run its
-code. `TensorReader` unpickles the index with torch's weights-only unpickler, allowing DCP's metadata classes
-only, and refuses an index naming files outside the folder; `TensorsOnly` refuses any non-tensor value (a
-checkpoint written here holds none); DCP reads the tensors themselves with weights_only. A refused file ends
-the load in one line naming it (ConfigError on every rank, before or after DCP's collectives).
+code. `TensorReader` unpickles the index with `IndexUnpickler`, which resolves DCP's metadata classes and
+nothing else, and refuses an index naming files outside the folder; `TensorsOnly` refuses any non-tensor
+value (a checkpoint written here holds none); DCP reads the tensors themselves with weights_only. A refused
+file ends the load in one line naming it (ConfigError on every rank, before or after DCP's collectives).
 
 Run alone: `python -m pytest tests/test_checkpoint.py -q -k learner` (1 and 2 ranks on gloo).
 """
