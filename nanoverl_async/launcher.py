@@ -157,12 +157,13 @@ def replay(run_dir: str) -> dict:
     cfg = dataclasses.replace(cfg, wire=dataclasses.replace(cfg.wire, host="127.0.0.1"))  # no generator connects
     if not cfg.run.record:
         raise ConfigError(f"{run_dir}: run.record was off in this run's config.yaml, so there is nothing to replay")
-    batches = record.read_batches(run_dir, cfg.run.total_steps)
+    model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    batches = record.read_batches(run_dir, cfg.run.total_steps, vocab_size(model_path), cfg.agent.max_total_tokens)
     started_ray = start_ray(cfg.ray)
     learners = None
     try:
         with role_failures("learner pool"):
-            learners = LearnerPool(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir), run_keys())
+            learners = LearnerPool(cfg, model_path, run_keys())
             for trajectories in batches:
                 learners.update(learners.prepare(trajectories))
             learners.save_pretrained(str(checkpoint.claim(run_dir, "replay") / "final"))

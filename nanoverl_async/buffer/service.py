@@ -238,15 +238,23 @@ class BufferService:
         return msgpack.packb(state, use_bin_type=True)
 
     def restore(self, data: bytes) -> None:
-        """Load `state_bytes` into this fresh service; generators below its version get no lease."""
-        state = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"buffer state format {state.get('format')!r}, expected {STATE_FORMAT}")
-        with self._cond:
-            kept = self.gate.restore(state["gate"], state["version"], time.monotonic())
-            self._published = state["version"]  # the resumed run publishes it before any generator leases
-            self.replay.restore(state["replay"], kept)
-            self._counters.update(state["service"])
+        """Load `state_bytes` into this fresh service; generators below its version get no lease. `data` is a
+        checkpoint's buffer.msgpack: msgpack is data only, and every restored trajectory is held to the bounds
+        of an arriving one (the learner trains on it); anything else: ValueError, one line naming the file."""
+        try:
+            state = msgpack.unpackb(data, raw=False, strict_map_key=False)
+            if state.get("format") != STATE_FORMAT:
+                raise ValueError(f"format {state.get('format')!r}, expected {STATE_FORMAT}")
+            with self._cond:
+                kept = self.gate.restore(state["gate"], state["version"], time.monotonic())
+                self._published = state["version"]  # the resumed run publishes it before any generator leases
+                self.replay.restore(state["replay"], kept)
+                self._counters.update(state["service"])
+                for trajectory in (t for group in self.replay.ready.values() for t in group.trajectories):
+                    wire.check_bounds(trajectory, self.vocab_size, self._published, self.max_tokens)
+        except Exception as error:  # noqa: BLE001 - whatever the file holds, the run ends in one line naming it
+            raise ValueError(f"checkpoint file buffer.msgpack is not a buffer state ({type(error).__name__}: "
+                             f"{error})") from None
         log.info("buffer: restored at version %d: %d complete groups kept, frontier %s", state["version"],
                  len(kept), {k: v for k, v in self.gate.frontier().items() if k != "live"})
 

@@ -6,11 +6,20 @@ every rank writing and reading only its own shards; and the full model as a Hugg
     save_hf(rank.model, AutoModelForCausalLM, model_path, "out/final", rank.rank)   # collective
 
 What is saved: the policy and its AdamW state, and, with algorithm.advantage=gae, the critic and its
-optimizer. The frozen reference model is not: it is rebuilt from reference.path (or model.path).
+optimizer. Tensors only: an optimizer's param_groups (lr, betas, ...) come from the config, so a resumed run
+takes a changed learner.lr. The frozen reference model is not saved: it is rebuilt from reference.path (or
+model.path).
 `get_state_dict` / `set_state_dict` turn FSDP2's DTensor shards into DCP's format and back, so a checkpoint
 written by N ranks loads into M ranks too (DCP reshards). Multi-node runs need `run.output_dir` on a
 filesystem every rank sees. Fresh optimizers have no state yet; `get_state_dict` initialises it (a step
 with lr 0) so DCP has tensors to load into.
+
+A checkpoint is data, never code. DCP's own reader unpickles `.metadata` (its index of the shards) with
+`pickle.load` and any non-tensor value with `torch.load(weights_only=False)`: a crafted file would run its
+code. `TensorReader` unpickles the index with `IndexUnpickler`, which resolves DCP's metadata classes and
+nothing else, and refuses an index naming files outside the folder; `TensorsOnly` refuses any non-tensor
+value (a checkpoint written here holds none); DCP reads the tensors themselves with weights_only. A refused
+file ends the load in one line naming it (ConfigError on every rank, before or after DCP's collectives).
 
 Run alone: `python -m pytest tests/test_checkpoint.py -q -k learner` (1 and 2 ranks on gloo).
 """
@@ -18,15 +27,30 @@ Run alone: `python -m pytest tests/test_checkpoint.py -q -k learner` (1 and 2 ra
 from __future__ import annotations
 
 import os
+import pickle
+from pathlib import Path, PosixPath
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader, Metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesStorageMetadata, ChunkStorageMetadata,
+                                                   MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.fsdp import FSDPModule
 
-from nanoverl_async.models.load import load_tokenizer
+from nanoverl_async.config import ConfigError
+from nanoverl_async.models.load import load_tokenizer, refusal
+
+# The globals DCP pickles into .metadata: its own classes, torch.Size, dtypes, layouts and the path it was written
+# to (StorageMeta.checkpoint_id). BytesStorageMetadata indexes the param_groups of checkpoints written before they
+# were left out; TensorsOnly never reads those.
+INDEX_GLOBALS = {(kind.__module__, kind.__qualname__) for kind in (
+    Metadata, StorageMeta, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata, TensorProperties,
+    MetadataIndex, _MEM_FORMAT_ENCODING, _StorageInfo, PosixPath, torch.Size, torch.serialization._get_layout)}
+INDEX_GLOBALS |= {("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 
 
 def _modules(learner) -> dict:
@@ -35,25 +59,89 @@ def _modules(learner) -> dict:
     return {name: pair for name, pair in pairs.items() if pair[0] is not None}
 
 
-def _state(learner) -> dict:
-    """name -> {"model": ..., "optimizer": ...}: the state dicts DCP saves and loads in place."""
-    return {name: dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
-            for name, (model, optimizer) in _modules(learner).items()}
+def _state_dicts(learner) -> dict:
+    """name -> (model state dict, optimizer state dict), as `set_state_dict` takes them back."""
+    return {name: get_state_dict(model, optimizer) for name, (model, optimizer) in _modules(learner).items()}
+
+
+def _tensors(state_dicts: dict) -> dict:
+    """name -> {"model": ..., "optimizer": {"state": ...}}: the tensors DCP saves and loads in place."""
+    return {name: {"model": model, "optimizer": {"state": optimizer["state"]}}
+            for name, (model, optimizer) in state_dicts.items()}
 
 
 def save_training_state(learner, path: str) -> None:
     """Collective: every rank writes its shards of models and optimizers under `path`."""
-    dcp.save(_state(learner), checkpoint_id=path)
+    dcp.save(_tensors(_state_dicts(learner)), checkpoint_id=path)
 
 
 def load_training_state(learner, path: str) -> None:
-    """Collective: every rank reads its shards from `path` into its models and optimizers, in place."""
-    state = _state(learner)
-    dcp.load(state, checkpoint_id=path)
+    """Collective: every rank reads its shards from `path` into its models and optimizers, in place; a file
+    that is not a checkpoint's: ConfigError naming it, on every rank."""
+    state_dicts = _state_dicts(learner)
+    reader = TensorReader(path)
+    reader.read_metadata()  # a refused index fails here in one line, not in DCP's report of every rank's traceback
+    try:
+        dcp.load(_tensors(state_dicts), storage_reader=reader, planner=TensorsOnly(reader.index))
+    except CheckpointException as error:  # a BaseException, holding each failed rank's error
+        failure = error.failures[min(error.failures)][0]
+        raise failure if isinstance(failure, ConfigError) else refused(path, refusal(failure)) from None
     for name, (model, optimizer) in _modules(learner).items():
-        set_state_dict(model, optimizer, model_state_dict=state[name]["model"],
-                       optim_state_dict=state[name]["optimizer"])
+        model_state, optimizer_state = state_dicts[name]
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
         drop_compute_copy(model)
+
+
+def refused(where, reason: str) -> ConfigError:
+    return ConfigError(f"config key 'run.resume': {where} is not a valid checkpoint ({reason}); resume from "
+                       f"another checkpoint (run.resume=<its step_N folder>)")
+
+
+class TensorReader(FileSystemReader):
+    """DCP's reader of a checkpoint folder, its index unpickled as data (module docstring)."""
+
+    @property
+    def index(self) -> Path:
+        return Path(self.path) / ".metadata"
+
+    def read_metadata(self) -> Metadata:  # no **kwargs: DCP then never falls back to a rank's own __N.metadata
+        try:
+            with open(self.index, "rb") as file:
+                metadata = IndexUnpickler(file).load()
+            if not isinstance(metadata, Metadata):
+                raise TypeError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+            outside = [s.relative_path for s in metadata.storage_data.values()
+                       if Path(str(s.relative_path)).name != s.relative_path or s.relative_path in ("", "..")]
+            if outside:
+                raise ValueError(f"it names {outside[0]!r}, not a file of its folder")
+            metadata.storage_meta = metadata.storage_meta or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+        except Exception as error:
+            raise refused(self.index, refusal(error)) from None
+        return metadata
+
+
+class IndexUnpickler(pickle.Unpickler):
+    """pickle resolving INDEX_GLOBALS only, the Python documentation's "restricting globals": whatever else a
+    crafted index would call (os.system, ...) is refused before anything runs. (torch's weights-only unpickler
+    reads pickle protocol 2 at most; DCP writes protocol 4.)"""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in INDEX_GLOBALS:
+            raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is none of DCP's index classes")
+        return super().find_class(module, name)
+
+
+class TensorsOnly(DefaultLoadPlanner):
+    """DCP's load planner, refusing what the index declares a pickled object where this run loads a tensor (DCP
+    would torch.load it with weights_only=False)."""
+
+    def __init__(self, index: Path):
+        super().__init__()
+        self.index = index
+
+    def load_bytes(self, read_item, value) -> None:
+        raise refused(self.index, f"it stores {read_item.dest_index.fqn} as a pickled object, not a tensor")
 
 
 def drop_compute_copy(model: torch.nn.Module) -> None:

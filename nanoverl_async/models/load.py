@@ -2,7 +2,8 @@
 
     path = resolve_model_path("builtin:tiny")   # a Hugging Face directory (built-ins are made once, cached)
                                                  # builtin:smollm2-135m is the other (user_code.BUILTINS),
-                                                 # and `file.py:fn` names a builder of one's own
+                                                 # and `file.py:fn` names a builder of one's own; weights
+                                                 # pickled by PyTorch are checked to be data (check_weights)
     tokenizer = load_tokenizer(path)             # the generator, the learner's save and tests all use this
     vocab_size(path)                             # what bounds every token id (the buffer checks them)
     check_positions(path, max_total_tokens)      # agent.max_total_tokens fits the model's positions
@@ -14,10 +15,17 @@ Why one loader: under transformers 5.x `AutoTokenizer` picks the tokenizer class
 tokenizer that is not what that class rebuilds would silently lose spaces and newlines. The built-in
 model's tokenizer is byte-level for exactly this reason (it loads as itself), and `load_tokenizer`
 refuses any tokenizer that drops whitespace, naming the directory and the class it got.
+
+Weights are data, never code. The learners (transformers) and the transformers engine read PyTorch-pickled
+weights (pytorch_model*.bin, where a directory has no safetensors) with torch's weights-only unpickler, which
+refuses a pickle that calls anything but tensor builders, in a paragraph that names no file; `check_weights`
+gives that refusal at launch, in one line naming the file (`refusal`: the same line for learner checkpoints).
 """
 
 from __future__ import annotations
 
+import re
+import zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -43,7 +51,32 @@ def resolve_model_path(path: str, cache_dir: str = "") -> str:
         return str(directory)
     if path.startswith(("/", ".", "~")) and not Path(path).expanduser().is_dir():
         raise ValueError(f"{path!r} is not a directory")
+    check_weights(path)
     return path
+
+
+def check_weights(path: str) -> None:
+    """A local model directory's PyTorch-pickled weights, where it has no safetensors (transformers reads those
+    first), load with weights_only, as every role loads them: else ValueError naming the file. Zip-format files
+    (torch.save's since 1.6) are mapped, not read: the check reads the pickle, not gigabytes of tensors."""
+    directory = Path(path).expanduser()
+    if not directory.is_dir() or any(directory.glob("*.safetensors")):
+        return
+    for file in sorted(directory.glob("pytorch_model*.bin")):
+        try:
+            torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
+        except Exception as error:
+            raise ValueError(f"{file} is not weights a run can load ({refusal(error)}); save them as "
+                             f"safetensors, or with torch.save of the state dict alone") from None
+
+
+def refusal(error: BaseException) -> str:
+    """Why a file failed to load, in one line: the code its pickle calls, where torch's weights-only unpickler
+    refused it (its message runs to paragraphs of advice), else the error's type and first line."""
+    named = re.search(r"GLOBAL (\S+)", str(error))
+    if named:
+        return f"its pickle calls {named.group(1)}: code, not data"
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
 def require_model_dir(path: str, where: str) -> None:

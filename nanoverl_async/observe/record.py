@@ -14,12 +14,15 @@ learner divergence from a generation one.
 
 Layout: `record/step_NNNNNN.msgpack`, one per training step: {"step": int, "trajectories": [bytes]}, each
 trajectory in its wire form (trajectory.encode), in batch order. A resumed run rewrites the steps from its
-checkpoint on, so the folder always holds the history that produced final/.
+checkpoint on, so the folder always holds the history that produced final/. The files are data: each
+trajectory is read back as the buffer reads one off the wire (decode, check_bounds), so a bad one is named
+with its file and field before the learner sees it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import msgpack
 import torch
@@ -27,7 +30,7 @@ from safetensors.torch import load_file
 
 from nanoverl_async import checkpoint
 from nanoverl_async.config import ConfigError
-from nanoverl_async.wire.trajectory import Trajectory, WireError, decode, encode
+from nanoverl_async.wire.trajectory import Trajectory, WireError, check_bounds, decode, encode
 
 
 def step_path(output_dir: str | Path, step: int) -> Path:
@@ -43,20 +46,27 @@ def write_batch(output_dir: str | Path, step: int, trajectories: list[Trajectory
     partial.replace(path)
 
 
-def read_batches(output_dir: str | Path, total_steps: int) -> list[list[Trajectory]]:
-    """Steps 0..total_steps-1 as recorded; ConfigError naming the first missing or unreadable file."""
+def read_batches(output_dir: str | Path, total_steps: int, vocab_size: int,
+                 max_tokens: Optional[int] = None) -> list[list[Trajectory]]:
+    """Steps 0..total_steps-1 as recorded, each trajectory valid and within the run's bounds: token ids below
+    the model's `vocab_size`, at most `max_tokens` tokens, none sampled by weights newer than its step's (the
+    learner at step s holds version s); ConfigError naming the first missing or bad file, trajectory and field."""
     batches = []
     for step in range(total_steps):
-        path = step_path(output_dir, step)
+        path, where = step_path(output_dir, step), ""
         if not path.is_file():
             raise ConfigError(f"{path}: missing; replay needs every step of a run launched with run.record=true")
         try:
             record = msgpack.unpackb(path.read_bytes(), raw=False)
             if record.get("step") != step:
                 raise WireError(f"holds step {record.get('step')!r}")
-            batches.append([decode(message) for message in record["trajectories"]])
+            batches.append([])
+            for i, message in enumerate(record["trajectories"]):
+                where = f"trajectory {i}: "
+                batches[-1].append(decode(message))
+                check_bounds(batches[-1][-1], vocab_size, step, max_tokens)
         except (ValueError, KeyError, TypeError, AttributeError) as error:
-            raise ConfigError(f"{path}: not a recorded batch: {error}") from None
+            raise ConfigError(f"{path}: not a recorded batch: {where}{error}") from None
     return batches
 
 
