@@ -49,7 +49,8 @@ def config(out, *overrides):
 
 
 def launch_status(out, *overrides) -> int:
-    return launch_run(launcher, config(out, *overrides), time.time())
+    command = ["launch", "configs/agent_grpo.yaml", f"run.output_dir={out}", "run.progress=false", *overrides]
+    return launch_run(launcher, config(out, *overrides), time.time(), command)
 
 
 def error_lines(err: str) -> str:
