@@ -19,9 +19,10 @@ from nanoverl_async.agents import code_task, long_tail_task, multiply_task, sand
 from nanoverl_async.agents.env import env_factory
 from nanoverl_async.agents.slow_tool_task import Lognormal, SlowToolEnv
 from nanoverl_async.agents.tools import as_tool, call_tool
-from nanoverl_async.config import load_config
+from nanoverl_async.config import ConfigError, load_config
 from nanoverl_async.models.cache import recipe_digest
 from nanoverl_async.models.tiny import TinyRecipe, build_tokenizer, demo_batch, demo_pieces
+from nanoverl_async.runtime.preflight import prepare
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +104,8 @@ def test_env_args_reach_every_instance_and_bad_ones_are_refused(tmp_path):
         env_factory(f"{tmp_path}/fn_env.py:rollout", env_args={"x": 1})
     cfg = load_config("configs/slow_tool.yaml", ["agent.env_args.blocking=true"])
     assert cfg.agent.env_args == {"median_s": 0.2, "p99_s": 2.0, "blocking": True, "seed": 0}
+    with pytest.raises(ConfigError, match=r"^config key 'agent.env': agent.env_args \{'median_s': 0.2, 'p99_s': 0.1, "):
+        prepare(load_config("configs/slow_tool.yaml", ["agent.env_args.p99_s=0.1"]))  # one line, before any role
 
 
 def test_long_tail_prompts_draw_one_to_three_questions_in_their_proportions():
