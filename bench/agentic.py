@@ -7,7 +7,8 @@ job with staleness.max 1, 2, 4 and 0 (synchronous; on a CPU with two threads per
 bench/async_vs_sync.py, whose run_one it uses), one after the other in this process tree, interleaved over
 repeats (A B C D, then D C B A, ...). Prints one table: trained samples per second of the training loop, and
 the steps and seconds until the reward, as a mean over WINDOW steps, first reaches the threshold (default
-0.5; "-": never). Extra key=value arguments apply to every run. Timings mean something on a quiet machine only.
+0.5; "-": never). Extra key=value arguments apply to every run (agent.env_args.blocking=true: the slow tool
+as a blocking function). Timings mean something on a quiet machine only.
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # prompts: builtin:multiply | builtin:long-tail | builtin:code | pkg.mod:fn | path/file.py:fn; fn(seed, index) -> sample
+    # prompts: builtin:multiply | builtin:long-tail | builtin:code | pkg.mod:fn | path/file.py:fn;
+    # fn(seed, index) -> sample
     task: str = "builtin:multiply"
     prompts_per_step: int = 16  # B: prompt groups per training step
     samples_per_prompt: int = 8  # G: episodes per prompt (a GRPO group)

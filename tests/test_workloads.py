@@ -53,8 +53,8 @@ def test_lognormal_refuses_what_has_no_such_quantiles(median_s, p99_s):
 
 
 def delays(env: SlowToolEnv, episode_id: str, calls: int) -> list[float]:
-    """The delays `env` would wait in an episode with this id (rollout seeds them so)."""
-    env.rng = random.Random(f"nanoverl_async.slow_tool:{env.seed}:{episode_id}")
+    """The delays `env` waits in an episode with this id."""
+    env.reseed(episode_id)
     return [env.latency.sample(env.rng) for _ in range(calls)]
 
 

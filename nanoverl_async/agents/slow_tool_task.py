@@ -84,9 +84,13 @@ class SlowToolEnv(MultiplyEnv):
         self.latency, self.seed, self.rng = Lognormal(median_s, p99_s), seed, random.Random()
         self.tools = [delayed(calculator, lambda: self.latency.sample(self.rng), blocking)]
 
+    def reseed(self, episode_id: str) -> None:
+        """Draw this episode's delays from (seed, episode id)."""
+        self.rng = random.Random(f"nanoverl_async.slow_tool:{self.seed}:{episode_id}")
+
     async def rollout(self, episode, sample: dict) -> float:
-        """The usual episode (reset, turns, step), with the delays seeded by the episode's id: a rollout
-        method is where an environment learns it."""
-        self.rng = random.Random(f"nanoverl_async.slow_tool:{self.seed}:{episode.episode_id}")
+        """The usual episode (reset, turns, step), its delays seeded by its id: a rollout method is where an
+        environment learns the id."""
+        self.reseed(episode.episode_id)
         episode.start(await self.reset(sample))
         return (await drive(episode, self, sample))[0]
