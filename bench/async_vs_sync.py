@@ -29,9 +29,10 @@ from nanoverl_async.launcher import launch, start_ray
 CONFIG = "configs/agent_grpo.yaml"
 
 
-def run_one(label: str, repeat: int, overrides: list[str]) -> dict:
-    output = f"outputs/bench/async_vs_sync/{label}-{repeat}"
-    cfg = load_config(CONFIG, overrides + [f"run.output_dir={output}", "run.overwrite=true"])
+def run_one(label: str, repeat: int, overrides: list[str], config: str = CONFIG, bench: str = "async_vs_sync") -> dict:
+    """One run of `config` -> its summary, and its per-step rewards and seconds (bench/agentic.py reads them)."""
+    output = f"outputs/bench/{bench}/{label}-{repeat}"
+    cfg = load_config(config, overrides + [f"run.output_dir={output}", "run.overwrite=true"])
     started = time.monotonic()
     output_dir = launch(cfg)
     total = time.monotonic() - started
@@ -51,6 +52,8 @@ def run_one(label: str, repeat: int, overrides: list[str]) -> dict:
         "final_reward": sum(row["reward/mean"] for row in tail) / len(tail),
         "first_reward": sum(row["reward/mean"] for row in rows[:len(tail)]) / len(tail),
         "staleness_max_seen": max(row["staleness/max"] for row in rows),
+        "rewards": [row["reward/mean"] for row in rows],
+        "step_s": [row["time/step_s"] for row in rows],
     }
 
 

@@ -67,7 +67,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "builtin:multiply"  # prompts: builtin:multiply | pkg.mod:fn | path/file.py:fn; fn(seed, index) -> sample
+    # prompts: builtin:multiply | builtin:long-tail | builtin:code | pkg.mod:fn | path/file.py:fn;
+    # fn(seed, index) -> sample
+    task: str = "builtin:multiply"
     prompts_per_step: int = 16  # B: prompt groups per training step
     samples_per_prompt: int = 8  # G: episodes per prompt (a GRPO group)
     train_files: list[str] = field(default_factory=list)  # verl-format parquet/jsonl; when set, data.task is unused
@@ -89,9 +91,12 @@ class AgentConfig:
     # missing) | unsafe_no_isolation (only rlimits and a wall clock: the code can read, write and connect
     # as this user)
     sandbox: str = "bwrap"
-    # the environment: builtin:multiply | builtin:chat | pkg.module:Name | path/file.py:Name;
+    # the environment: builtin:multiply | builtin:slow-tool | builtin:long-tail | builtin:code | builtin:chat |
+    # pkg.module:Name | path/file.py:Name;
     # "" = builtin:chat when data.train_files is set, else builtin:multiply
     env: str = ""
+    # keyword arguments of agent.env's class, given to every instance, e.g. {median_s: 0.5} for builtin:slow-tool
+    env_args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -172,7 +172,8 @@ def test_dataset_episode_with_custom_reward(tmp_path):
 def test_preflight_names_the_bad_key(tmp_path, monkeypatch):
     for override, key in ((f"data.train_files=[{tmp_path}/missing.parquet]", "data.train_files.*does not exist"),
                           ("agent.env=nanoverl_async.agents.env:Nope", "agent.env"),
-                          ("agent.env=builtin:nope", "agent.env.*the built-ins are builtin:multiply, builtin:chat"),
+                          ("agent.env=builtin:nope", "agent.env.*the built-ins are builtin:multiply, "
+                           "builtin:slow-tool, builtin:long-tail, builtin:code, builtin:chat"),
                           (f"reward.path={tmp_path}/none.py", "reward.path"),
                           ("data.task=builtin:nope", "data.task")):
         cfg = load_config(None, [override])  # values are fine: only launching looks at files and user code

@@ -21,8 +21,10 @@ or, for full control, one function (or an Environment method) driving the episod
         ...                                          # episode.run_tools(calls) runs parsed tool calls
         return reward
 
-YAML names either with `agent.env: package.module:Name` or `agent.env: path/to/file.py:Name`; the
-built-in task is `builtin:multiply` (multiply_task.MultiplyEnv) and `builtin:chat` is this base class:
+YAML names either with `agent.env: package.module:Name` or `agent.env: path/to/file.py:Name`, and
+`agent.env_args` gives the class keyword arguments; the built-in task is `builtin:multiply`
+(multiply_task.MultiplyEnv), the built-in workloads `builtin:slow-tool`, `builtin:long-tail` and `builtin:code`
+(slow_tool_task.py, long_tail_task.py, code_task.py), and `builtin:chat` is this base class:
 single-turn, no tools, scored by the verl-style reward function (`reward.path` / `reward.name`, default
 a math-verify scorer; nanoverl_async/agents/rewards.py).
 
@@ -99,18 +101,26 @@ class FunctionEnv(Environment):
         self.tools, self.tool_format = getattr(rollout, "tools", ()), getattr(rollout, "tool_format", "hermes")
 
 
-def env_factory(spec: str, reward_fn: Optional[Callable] = None) -> Callable[[], Any]:
+def env_factory(spec: str, reward_fn: Optional[Callable] = None, env_args: Optional[dict] = None
+                ) -> Callable[[], Any]:
     """`agent.env` -> a no-argument callable making one environment per episode; its `tools` are the
     declared tools, built.
 
-    A class is instantiated with no arguments; a function becomes a FunctionEnv. `reward_fn` (from
-    `reward.path`) is set on every instance that has no reward function of its own."""
-    target = load_object(spec, "agent.env")
+    A class is instantiated with `env_args` (`agent.env_args`) as keyword arguments; a function becomes a
+    FunctionEnv. `reward_fn` (from `reward.path`) is set on every instance that has no reward function of its own."""
+    target, env_args = load_object(spec, "agent.env"), env_args or {}
     if not inspect.isclass(target) and not inspect.iscoroutinefunction(target):
         raise ValueError(f"agent.env '{spec}' is neither a class nor an async rollout function")
+    if env_args:  # one instance now: a wrong name or value is a config error before any role starts
+        if not inspect.isclass(target):
+            raise ValueError(f"agent.env_args is set, but agent.env '{spec}' is a rollout function, which takes none")
+        try:
+            target(**env_args)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"agent.env_args {env_args}: {error}") from None
 
     def new_env():
-        env = target() if inspect.isclass(target) else FunctionEnv(target)
+        env = target(**env_args) if inspect.isclass(target) else FunctionEnv(target)
         if reward_fn is not None and getattr(env, "reward_fn", None) is None:
             env.reward_fn = reward_fn
         return env

@@ -46,6 +46,12 @@ def make_prompt(seed: int, index: int) -> dict:
             "answer": str(a * b)}
 
 
+def demo(rng: random.Random) -> list[tuple[str, str, str, str]]:
+    """One warm-start demo (nanoverl_async/models/tiny.py): [(question, tool call, tool result, answer)]."""
+    a, b = rng.randrange(MAX_OPERAND), rng.randrange(MAX_OPERAND)
+    return [(f"{a}*{b}?", f"{a}*{b}", str(a * b), str(a * b))]
+
+
 def calculator(expression: str) -> str:
     """Evaluate one arithmetic operation on two non-negative integers.
 

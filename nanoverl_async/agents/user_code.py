@@ -27,10 +27,17 @@ from typing import Any, Callable
 
 BUILTINS = {  # config key -> built-in name -> the object it stands for
     "agent.env": {"builtin:multiply": "nanoverl_async.agents.multiply_task:MultiplyEnv",
+                  "builtin:slow-tool": "nanoverl_async.agents.slow_tool_task:SlowToolEnv",
+                  "builtin:long-tail": "nanoverl_async.agents.long_tail_task:LongTailEnv",
+                  "builtin:code": "nanoverl_async.agents.code_task:CodeEnv",
                   "builtin:chat": "nanoverl_async.agents.env:Environment"},
-    "data.task": {"builtin:multiply": "nanoverl_async.agents.multiply_task:make_prompt"},
+    "data.task": {"builtin:multiply": "nanoverl_async.agents.multiply_task:make_prompt",
+                  "builtin:long-tail": "nanoverl_async.agents.long_tail_task:make_prompt",
+                  "builtin:code": "nanoverl_async.agents.code_task:make_prompt"},
     "model.path": {  # builders fn(cache_dir) -> a model directory, made once and cached (models/cache.py)
         "builtin:tiny": "nanoverl_async.models.tiny:build_tiny",
+        "builtin:tiny-long-tail": "nanoverl_async.models.tiny:build_tiny_long_tail",
+        "builtin:tiny-code": "nanoverl_async.models.tiny:build_tiny_code",
         "builtin:smollm2-135m": "nanoverl_async.models.smollm2:build_smollm2",
     },
 }

@@ -72,7 +72,8 @@ class GeneratorWorker:
         self.trace = SpanLog(cfg.run.trace)  # run.trace: episodes carry their spans; weight loads kept here
         self.group_size = cfg.data.samples_per_prompt
         # One environment per episode: `env` (a no-argument factory) or agent.env (filled in by preflight.py).
-        self.make_env = env or env_factory(cfg.agent.env, load_reward(cfg.reward.path, cfg.reward.name))
+        self.make_env = env or env_factory(cfg.agent.env, load_reward(cfg.reward.path, cfg.reward.name),
+                                           cfg.agent.env_args)
         sandbox.set_isolation(cfg.agent.sandbox)  # the `python` tool runs in this process
         self.tokenizer = load_tokenizer(model_path)
         self.engine = make_engine(cfg.generator, model_path, generator_id=generator_id, seed=cfg.run.seed,

@@ -37,12 +37,18 @@ from torch.nn.utils.rnn import pad_sequence
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config
 
-from nanoverl_async.agents import multiply_task
+from nanoverl_async.agents import code_task, long_tail_task, multiply_task, sandbox
 from nanoverl_async.models.cache import build_once
 
 RECIPE_VERSION = 2  # bump whenever the build code changes what it produces
 SECONDS_PER_STEP = 0.23  # warm-start step time at batch 64, measured on one busy core (log line only)
 MAX_POSITIONS = 256  # its position table; preflight.py reads this line to check agent.max_total_tokens unbuilt
+
+# The warm start's task -> (demo(rng) -> [(question, tool call, tool result, answer)], the tool it calls).
+# A task's model is `builtin:tiny-TASK` (multiply's is plain `builtin:tiny`): the cache directory names it.
+TASKS = {"multiply": (multiply_task.demo, multiply_task.calculator),
+         "long-tail": (long_tail_task.demo, multiply_task.calculator),
+         "code": (code_task.demo, sandbox.python)}
 
 PAD, END, UNK = "<|pad|>", "<|end|>", "<|unk|>"
 SYSTEM, USER, ASSISTANT = "<|system|>", "<|user|>", "<|assistant|>"
@@ -110,10 +116,13 @@ class TinyRecipe:
     call_rate: float = 0.25  # the trained P(first token is <call>): the policy's initial tool use
     tools_header_fraction: float = 0.0  # demos opening with the `tools:` line (doubles their cost)
     seed: int = 0
+    task: str = "multiply"  # whose demos (TASKS); each question of a demo decides on the tool alone
 
     def __post_init__(self):
         if not 0 < self.call_rate <= self.tool_fraction < 1:
             raise ValueError(f"TinyRecipe needs 0 < call_rate <= tool_fraction < 1, got {self}")
+        if self.task not in TASKS:
+            raise ValueError(f"TinyRecipe task {self.task!r} is not one of {', '.join(TASKS)}")
 
     @property
     def call_keep(self) -> float:
@@ -122,9 +131,16 @@ class TinyRecipe:
         f, r = self.tool_fraction, self.call_rate
         return r * (1 - f) / (f * (1 - r))
 
+    @property
+    def kind(self) -> str:
+        """The cache directory's prefix and the built-in's name: tiny, tiny-long-tail, tiny-code."""
+        return "tiny" if self.task == "multiply" else f"tiny-{self.task}"
+
     def contents(self) -> dict:
-        """What the cache directory's name hashes: this recipe, the build code's version and the chat template."""
-        return {"recipe_version": RECIPE_VERSION, "chat_template": CHAT_TEMPLATE, **dataclasses.asdict(self)}
+        """What the cache directory's name hashes: this recipe, the build code's version and the chat template.
+        The task is in the name's prefix (`kind`), not the hash: builtin:tiny kept its directory when tasks came."""
+        recipe = {key: value for key, value in dataclasses.asdict(self).items() if key != "task"}
+        return {"recipe_version": RECIPE_VERSION, "chat_template": CHAT_TEMPLATE, **recipe}
 
 
 def build_model(tokenizer: PreTrainedTokenizerFast, recipe: TinyRecipe) -> Qwen2ForCausalLM:
@@ -140,7 +156,7 @@ def build_model(tokenizer: PreTrainedTokenizerFast, recipe: TinyRecipe) -> Qwen2
     return Qwen2ForCausalLM(config)  # its generation config takes eos and pad from `config`
 
 
-def demo_pieces(tokenizer: PreTrainedTokenizerFast, tools: bool) -> dict[str, str]:
+def demo_pieces(tokenizer: PreTrainedTokenizerFast, tools: bool, tool=multiply_task.calculator) -> dict[str, str]:
     """The chat-template renderings of one demo, cut at turn boundaries, with placeholders.
 
     Rendering each demo through Jinja would cost ~0.1 ms a message; the template output is plain
@@ -149,7 +165,7 @@ def demo_pieces(tokenizer: PreTrainedTokenizerFast, tools: bool) -> dict[str, st
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "{E}"}}}
     msgs = [{"role": "user", "content": "{Q}"}, {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "content": "{R}"}, {"role": "assistant", "content": "{P}"}]
-    kw = {"tools": [multiply_task.calculator] if tools else None, "tokenize": False}
+    kw = {"tools": [tool] if tools else None, "tokenize": False}
     prompt = tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True, **kw)
     renders = [prompt] + [tokenizer.apply_chat_template(msgs[:k], **kw) for k in (2, 3, 4)]
     direct = tokenizer.apply_chat_template([msgs[0], msgs[3]], **kw)  # prefix-consistent: tests/test_tiny_model.py
@@ -158,7 +174,7 @@ def demo_pieces(tokenizer: PreTrainedTokenizerFast, tools: bool) -> dict[str, st
 
 
 def demo_batch(tokenizer, pieces: list[dict], recipe: TinyRecipe, rng: random.Random) -> list[dict]:
-    """One SFT batch as sub-batches (tool demos, direct demos), each right-padded to its own width.
+    """One SFT batch as sub-batches (demos that call the tool, direct demos), each right-padded to its own width.
 
     Labels are -100 except on tokens the model samples (the call and the answer): never on the
     prompt or the `<res>..</res>` tool result (the environment writes those, as in RL). Why the
@@ -166,23 +182,26 @@ def demo_batch(tokenizer, pieces: list[dict], recipe: TinyRecipe, rng: random.Ra
     model learns abruptly and only from enough tool demos, while the initial tool-use rate must stay
     low for RL to have something to learn; training the decision token on a share `call_keep`
     separates the two (many tool demos, a calibrated P(<call>)). Tool demos are about twice as long
-    as direct ones; padding them separately saves ~35% of the compute.
+    as direct ones; padding them separately saves ~35% of the compute. A demo of several questions
+    (long-tail) asks each after the last answer, as the environment does, and decides on the tool for each.
     """
-    demos = []  # (uses the tool, [(text, trained on)])
+    demos = []  # (calls the tool, [(text, trained on)])
     for _ in range(recipe.batch_size):
-        a, b = rng.randrange(multiply_task.MAX_OPERAND), rng.randrange(multiply_task.MAX_OPERAND)
+        questions = TASKS[recipe.task][0](rng)
         p = pieces[rng.random() < recipe.tools_header_fraction]
-        use_tool = rng.random() < recipe.tool_fraction
-        decide = int(rng.random() < recipe.call_keep)
-        if use_tool:  # `<call>` is the decision to use the tool; the rest of the call is the skill
-            call_rest = p["call"][len(CALL):]
-            segments = [(p["prompt"], 0), (CALL, decide), (call_rest, 1), (p["result"], 0), (p["answer"], 1)]
-        else:
-            segments = [(p["prompt"], 0), (p["direct"], 1)]
-        fill = {"{Q}": f"{a}*{b}?", "{E}": f"{a}*{b}", "{R}": str(a * b), "{P}": str(a * b)}
-        for key, value in fill.items():
-            segments = [(text.replace(key, value), train) for text, train in segments]
-        demos.append((use_tool, segments))
+        segments, called = [], False
+        for i, (question, call, result, answer) in enumerate(questions):
+            prompt = (p if i == 0 else pieces[0])["prompt"]  # a follow-up question has no tools line
+            segments.append((prompt.replace("{Q}", question), 0))
+            use_tool = rng.random() < recipe.tool_fraction
+            decide = int(rng.random() < recipe.call_keep)
+            if use_tool:  # `<call>` is the decision to use the tool; the rest of the call is the skill
+                segments += [(CALL, decide), (p["call"][len(CALL):].replace("{E}", call), 1),
+                             (p["result"].replace("{R}", result), 0), (p["answer"].replace("{P}", answer), 1)]
+            else:
+                segments.append((p["direct"].replace("{P}", answer), 1))
+            called |= use_tool
+        demos.append((called, segments))
     # one tokenizer call for the whole batch (per-segment calls cost ~10% of a step)
     encoded = iter(tokenizer([t for _, segs in demos for t, _ in segs], add_special_tokens=False)["input_ids"])
     groups: dict[bool, list[tuple[list[int], list[int]]]] = {True: [], False: []}
@@ -218,7 +237,7 @@ def sft_step(model, sub_batches: list[dict]) -> torch.Tensor:
 def warm_start(model: Qwen2ForCausalLM, tokenizer, recipe: TinyRecipe) -> float:
     """Supervised warm start on synthetic demos; a fixed number of steps, seeded -> the final loss."""
     rng = random.Random(recipe.seed)
-    pieces = [demo_pieces(tokenizer, tools=False), demo_pieces(tokenizer, tools=True)]
+    pieces = [demo_pieces(tokenizer, tools, TASKS[recipe.task][1]) for tools in (False, True)]
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
 
     def lr_scale(step: int) -> float:  # linear warmup, then cosine decay to 10% of the peak
@@ -254,7 +273,17 @@ def build_tiny(cache_dir: str = "", recipe: TinyRecipe = TinyRecipe()) -> str:
         return f"final SFT loss {final_loss:.3f}"
 
     estimate = max(1, round(recipe.steps * SECONDS_PER_STEP * recipe.batch_size / 64))
-    return build_once("tiny", recipe.contents(), write, cache_dir, note=f"one-time warm start, ~{estimate} s")
+    return build_once(recipe.kind, recipe.contents(), write, cache_dir, note=f"one-time warm start, ~{estimate} s")
+
+
+def build_tiny_long_tail(cache_dir: str = "") -> str:
+    """`builtin:tiny-long-tail`: the tiny model warm-started on builtin:long-tail's demos."""
+    return build_tiny(cache_dir, TinyRecipe(task="long-tail"))
+
+
+def build_tiny_code(cache_dir: str = "") -> str:
+    """`builtin:tiny-code`: the tiny model warm-started on builtin:code's demos."""
+    return build_tiny(cache_dir, TinyRecipe(task="code"))
 
 
 if __name__ == "__main__":

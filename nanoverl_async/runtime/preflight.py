@@ -60,7 +60,7 @@ def prepare(cfg: Config) -> Config:
                                  val_files=[str(Path(p).resolve()) for p in cfg.data.val_files]))
     loaded = {}
     for key, load in (("reward.path", lambda: load_reward(cfg.reward.path, cfg.reward.name)),
-                      ("agent.env", lambda: env_factory(cfg.agent.env)),
+                      ("agent.env", lambda: env_factory(cfg.agent.env, env_args=cfg.agent.env_args)),
                       ("data.task", lambda: prompt_source(cfg.data, cfg.run.seed))):
         try:
             loaded[key] = load()
