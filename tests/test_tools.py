@@ -208,3 +208,30 @@ def test_builtin_parser():
     assert parse_builtin("12</call>", "calc", "e")[1][0].error == "malformed call"
     assert parse_builtin("<call> </call>", "calc", "e")[1][0].error == "malformed call"
     assert parse_builtin("6", "calc", "e") == ("6", [])
+
+
+def test_a_finished_tool_thread_takes_the_next_call_instead_of_a_new_thread():
+    ran_on = []
+
+    def square(x: int) -> int:
+        """Square x.
+
+        Args:
+            x: a number.
+        """
+        ran_on.append(threading.current_thread())
+        return x * x
+
+    tool = as_tool(square)
+
+    async def one_after_another() -> list[str]:  # the thread of the call before is idle again each time
+        return [(await call_tool(tool, {"x": x})).text for x in range(20)]
+
+    async def calls() -> tuple[set, list[str]]:
+        await call_tool(tool, {"x": 0})  # at least one tool thread exists, idle once this returns
+        return set(threading.enumerate()), await one_after_another()
+
+    alive_before, results = asyncio.run(calls())
+    assert results == [str(x * x) for x in range(20)]
+    assert len(ran_on) == 21 and set(ran_on[1:]) <= alive_before  # no call started a thread
+    assert all(thread.daemon and thread is not threading.main_thread() for thread in ran_on)
