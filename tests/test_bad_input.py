@@ -273,8 +273,10 @@ def test_each_builtin_models_max_positions_is_its_models():
     """preflight reads MAX_POSITIONS from each built-in's source, unbuilt; the models must say the same."""
     from nanoverl_async.models import smollm2, tiny
 
-    assert set(BUILTINS["model.path"]) == {"builtin:tiny", "builtin:smollm2-135m"}  # a new one is checked here too
-    assert preflight.builtin_positions("builtin:tiny") == tiny.TinyRecipe().max_positions == 256
+    tinies = {"builtin:tiny": "multiply", "builtin:tiny-long-tail": "long-tail", "builtin:tiny-code": "code"}
+    assert set(BUILTINS["model.path"]) == {*tinies, "builtin:smollm2-135m"}  # a new one is checked here too
+    for name, task in tinies.items():
+        assert preflight.builtin_positions(name) == tiny.TinyRecipe(task=task).max_positions == 256
     gguf = pytest.importorskip("gguf")
     try:
         context = gguf.GGUFReader(str(smollm2.gguf_path())).fields["llama.context_length"]

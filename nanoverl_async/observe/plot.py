@@ -34,7 +34,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from nanoverl_async.checkpoint import changed_keys, claim
-from nanoverl_async.config import ConfigError, read_yaml
+from nanoverl_async.config import ConfigError
+from nanoverl_async.config_file import read_yaml
 
 # keys that say where and how a run was started, not what it trained: they never label a run
 UNLABELLED_KEYS = {"run.output_dir", "run.resume", "run.overwrite", "run.progress"}
@@ -62,7 +63,7 @@ class Run:
 
 
 def read_run(run_dir: str) -> Run:
-    """The run's metrics rows and its config.yaml as a plain nested dict (config.read_yaml, which reads every
+    """The run's metrics rows and its config.yaml as a plain nested dict (config_file.read_yaml, which reads every
     config file: a ConfigError naming the file when it is missing or not YAML)."""
     path = Path(run_dir)
     rows = read_rows(path / "metrics.jsonl")

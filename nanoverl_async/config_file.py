@@ -1,0 +1,98 @@
+"""A config's YAML, read strictly: a file of sections, or one override's value.
+
+    cfg_tree = read_yaml("configs/agent_grpo.yaml")        # a DictConfig; config.load_config merges it
+    value = yaml.load("[1, 2]", ConfigLoader)              # an override's value (config.load_config)
+
+yaml's SafeLoader builds no objects, but it still expands aliases, keeps the later of two equal keys and
+recurses as deep as the text nests: ConfigLoader refuses each, at its line and column, so a mistake or a crafted
+file is one ConfigError line naming the file (or the key), never a hang, a stack overflow or a silent override.
+
+Run alone: `python -m pytest tests/test_bad_input.py -q -k yaml`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+
+from nanoverl_async.validation import ConfigError
+
+
+def read_yaml(path: str) -> Any:
+    """A YAML file of config sections -> DictConfig; a missing file, bad YAML (with line and column) or
+    a non-mapping is one ConfigError line naming the file."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file '{path}' {'is a folder, not a YAML file' if file.is_dir() else 'does not exist'}")
+    try:
+        loaded = yaml.load(file.read_text(encoding="utf-8"), ConfigLoader)
+    except (UnicodeDecodeError, OSError) as error:  # a binary file, a Latin-1 one, an unreadable one
+        what = f"is not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start})" \
+            if isinstance(error, UnicodeDecodeError) else f"cannot be read ({error.strerror})"
+        raise ConfigError(f"config file '{path}' {what}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file '{path}' {yaml_problem(error)}") from None
+    if loaded is None:  # empty or only comments: most likely the wrong file, so not silently the defaults
+        raise ConfigError(f"config file '{path}' is empty; write at least one section (e.g. run:), or {{}} "
+                          f"for the defaults")
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of sections, not a {type(loaded).__name__}")
+    return OmegaConf.create(loaded)
+
+
+MAX_DEPTH = 16  # nesting levels of a config's YAML (sections, lists in them): far more than any key needs
+MAX_DIGITS = 100  # an integer's digits: beyond any value validation accepts, far below Python's parsing limit
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """yaml's SafeLoader without what only a mistake or an attack writes in a config, each refused at its
+    line: aliases (`*name`: a few lines of them expand into billions of nodes, or into themselves; repeat a
+    value with `${section.key}`), a key twice in one mapping (the later would silently win), nesting deeper
+    than MAX_DEPTH (deeper would overflow Python's stack) and integers of more than MAX_DIGITS digits."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.fail("aliases (*name) are not supported; repeat a value with an interpolation, ${section.key}")
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                self.fail(f"nests deeper than {MAX_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key in (key for key, _ in node.value if isinstance(key, yaml.ScalarNode)):
+            if key.value in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key '{key.value}' (a key may "
+                                                        f"appear once in a mapping)", key.start_mark)
+            seen.add(key.value)
+        return super().construct_mapping(node, deep)
+
+    def construct_yaml_int(self, node):
+        digits = sum(c.isdigit() for c in node.value)
+        if digits > MAX_DIGITS:
+            raise yaml.constructor.ConstructorError(None, None, f"an integer of {digits} digits is beyond any "
+                                                    f"config value", node.start_mark)
+        return super().construct_yaml_int(node)
+
+    def fail(self, problem: str):
+        raise yaml.composer.ComposerError(None, None, problem, self.peek_event().start_mark)
+
+
+ConfigLoader.add_constructor("tag:yaml.org,2002:int", ConfigLoader.construct_yaml_int)
+
+
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """'is not valid YAML at line L, column C: the problem', from the parser's or ConfigLoader's error."""
+    where = getattr(error, "problem_mark", None)
+    at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+    return f"is not valid YAML{at}: {getattr(error, 'problem', error)}"
