@@ -26,7 +26,8 @@ def read_yaml(path: str) -> Any:
     a non-mapping is one ConfigError line naming the file."""
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"config file '{path}' {'is a folder, not a YAML file' if file.is_dir() else 'does not exist'}")
+        missing = "is a folder, not a YAML file" if file.is_dir() else "does not exist"
+        raise ConfigError(f"config file '{path}' {missing}")
     try:
         loaded = yaml.load(file.read_text(encoding="utf-8"), ConfigLoader)
     except (UnicodeDecodeError, OSError) as error:  # a binary file, a Latin-1 one, an unreadable one
