@@ -36,7 +36,7 @@ from nanoverl_async.agents.user_code import BUILTINS, UserCodeError, load_object
 from nanoverl_async.runtime import preflight
 from test_agent_loop import ScriptedEngine
 from test_buffer_service import VOCAB, make_trajectory
-from test_metrics import make_batch
+from test_metrics import QUIET_COUNTERS, make_batch
 
 ONE_LINE_TIMEOUT_S = 60
 
@@ -461,7 +461,7 @@ class BrokenCalculatorEnv(multiply_task.MultiplyEnv):
 def log_steps(tmp_path, steps: list[list]) -> MetricsLogger:
     logger = MetricsLogger(tmp_path, total_steps=len(steps), progress=True)  # not a terminal: plain lines
     for step, trajectories in enumerate(steps):
-        batch = make_batch(step, trajectories, dropped_stale=0, generators_gated_frac=0.0)
+        batch = make_batch(step, trajectories, **QUIET_COUNTERS)
         logger.log(step_metrics(step, 1, batch, {}, step_seconds=1.0, samples_trained=4), trajectories)
     logger.close()
     return logger

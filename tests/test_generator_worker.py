@@ -21,7 +21,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from nanoverl_async.agents import multiply_task
 from nanoverl_async.config import AgentConfig, Config, DataConfig, GeneratorConfig, WeightSyncConfig
 from nanoverl_async.runtime.preflight import prepare
-from nanoverl_async.generators.worker import GeneratorWorker
+from nanoverl_async.generators.worker import GeneratorClock, GeneratorWorker
 from nanoverl_async.models.tiny import build_tokenizer
 from nanoverl_async.wire.trajectory import decode
 from nanoverl_async.agents.user_code import UserCodeError
@@ -146,12 +146,27 @@ def test_leases_pushes_applies_weights_and_stops(model_dir, mode):
         groups.setdefault(t.group_id, []).append(t)
         assert t.prompt_index == 100 + t.group_id and t.generator_id == 4 and len(t.token_ids) <= 40
     assert {g: sorted(t.sample_index for t in ts) for g, ts in groups.items()} == {g: [0, 1, 2] for g in range(4)}
+    for key in ("busy_ms", "tool_wait_ms"):  # the generator's clock, as totals so far: never going back
+        totals = [r[key] for r in leases]
+        assert totals == sorted(totals), key
+    assert leases[-1]["busy_ms"] > 0  # it generated 4 groups
     for group_id, trajectories in groups.items():
         token_versions = {v for t in trajectories for v in t.versions[t.versions >= 0].tolist()}
         if buffer.leased_at[group_id] >= 1:  # leased after the report: only the new weights
             assert token_versions == {1}
         elif mode == "drain":  # in-flight episodes finished under the old weights before the swap
             assert token_versions == {0}
+
+
+def test_generator_clock_gives_each_interval_to_the_state_seen_at_its_start():
+    clock = GeneratorClock(now=0.0)
+    clock.look(1.0, computing=True, episodes=True)  # 0-1: idle (not counted)
+    clock.look(3.0, computing=False, episodes=True)  # 1-3: busy
+    clock.look(3.5, computing=False, episodes=False)  # 3-3.5: every episode in flight waits on a tool
+    clock.look(5.0, computing=True, episodes=False)  # 3.5-5: idle
+    clock.look(5.25, computing=False, episodes=False)  # 5-5.25: busy
+    assert clock.seconds == {"busy": 2.25, "tool_wait": 0.5}
+    assert clock.milliseconds() == {"busy_ms": 2250, "tool_wait_ms": 500}
 
 
 def test_failures_end_run_with_the_exception(model_dir):
@@ -203,4 +218,6 @@ def test_stop_before_and_while_gated(model_dir):
         return buffer
 
     buffer = asyncio.run(main())
-    assert all(r == {"op": "lease", "generator_id": 4, "version": 0, "max_groups": 2} for r in buffer.requests)
+    # gated from the start: no episode, so no time busy or waiting on tools
+    assert all(r == {"op": "lease", "generator_id": 4, "version": 0, "max_groups": 2, "busy_ms": 0, "tool_wait_ms": 0}
+               for r in buffer.requests)

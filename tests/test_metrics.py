@@ -20,6 +20,11 @@ def trajectory(version: int, reward: float, tool_calls: int) -> Trajectory:
                       num_turns=1 + tool_calls, tool_calls=tool_calls)
 
 
+# the service's counters of a batch when nothing was dropped and the generators' clocks reported nothing
+QUIET_COUNTERS = {"dropped_stale": 0, "generators_gated_frac": 0.0, "generators_busy_frac": 0.0,
+                  "generators_tool_wait_frac": 0.0}
+
+
 def make_batch(step: int, trajectories: list[Trajectory], **counters) -> Batch:
     """What BufferService._hand_out builds: batch_stats over the groups plus the service counters."""
     groups = [Group(group_id=i, prompt_index=i, lease_version=0, samples={0: t}) for i, t in enumerate(trajectories)]
@@ -29,7 +34,7 @@ def make_batch(step: int, trajectories: list[Trajectory], **counters) -> Batch:
 def test_step_metrics_keys_and_values(tmp_path):
     batch = make_batch(5, [trajectory(5, 1.0, 1), trajectory(3, 0.0, 0), trajectory(4, 1.0, 1), trajectory(4, 0.0, 0)],
                        generator_versions={0: 4, 1: 5}, tokens_generated=120, dropped_stale=2, wait_s=0.25,
-                       generators_gated_frac=0.125)
+                       generators_gated_frac=0.125, generators_busy_frac=0.625, generators_tool_wait_frac=0.25)
     m = step_metrics(5, 2, batch, {"loss": 0.1, "grad_norm": 0.5}, step_seconds=2.0, samples_trained=24)
     assert m["step"] == 5 and m["reward/mean"] == 0.5 and m["reward/std"] == 0.5
     assert m["staleness/max"] == 2 and m["staleness/mean"] == 1.0 and m["staleness/limit"] == 2
@@ -40,6 +45,7 @@ def test_step_metrics_keys_and_values(tmp_path):
     assert m["episodes/turns_mean"] == 1.5 and m["episodes/tool_calls_mean"] == 0.5
     assert m["episodes/tool_errors_mean"] == 0.0 and m["episodes/generated_tokens_mean"] == 3.0
     assert m["learner/loss"] == 0.1 and m["learner/grad_norm"] == 0.5 and m["generators/gated_frac"] == 0.125
+    assert m["generators/busy_frac"] == 0.625 and m["generators/tool_wait_frac"] == 0.25
     # each statistic appears once: the buffer's batch stats are not copied into buffer/*, its counters are
     assert not {f"buffer/{key}" for key in BUFFER_STAT_KEYS} & set(m) and "buffer/step" not in m
     assert m["buffer/wait_s"] == 0.25 and m["buffer/tokens_generated"] == 120
@@ -56,7 +62,7 @@ def test_staleness_ignores_episodes_that_sampled_no_token():
     silent = trajectory(0, 0.0, 0)
     silent.loss_mask[:] = 0
     silent.versions[:] = -1
-    batch = make_batch(3, [trajectory(3, 1.0, 0), silent], dropped_stale=0, generators_gated_frac=0.0)
+    batch = make_batch(3, [trajectory(3, 1.0, 0), silent], **QUIET_COUNTERS)
     m = step_metrics(3, 1, batch, {}, step_seconds=1.0, samples_trained=2)
     assert m["staleness/max"] == 0 and m["staleness/histogram"] == {"0": 1} and m["reward/mean"] == 0.5
 
@@ -68,7 +74,7 @@ def test_a_run_stuck_on_tied_rewards_warns_once(tmp_path, capsys):
         trajectories = [trajectory(step, reward, 0) for reward in rewards]
         for index, t in enumerate(trajectories):
             t.group_id = index // 2  # groups of two
-        batch = make_batch(step, trajectories, dropped_stale=0, generators_gated_frac=0.0)
+        batch = make_batch(step, trajectories, **QUIET_COUNTERS)
         return step_metrics(step, 1, batch, {}, step_seconds=1.0, samples_trained=4)
 
     assert metrics(0, [0.0, 0.0, 1.0, 1.0])["batch/tied_groups_frac"] == 1.0
@@ -97,7 +103,7 @@ def test_samples_jsonl_holds_episodes_with_tool_calls_and_reward_parts(tmp_path,
         t.sample_index = i
         t.info = {"messages": messages, "final_answer": "36", "reward_info": {"format": 1.0, "acc": i % 2}}
     assert reward_info_means(trajectories) == {"reward/acc": 0.5, "reward/format": 1.0}
-    batch = make_batch(3, trajectories, dropped_stale=0, generators_gated_frac=0.0)
+    batch = make_batch(3, trajectories, **QUIET_COUNTERS)
     metrics = step_metrics(3, 1, batch, {}, step_seconds=1.0, samples_trained=8)
     assert metrics["reward/acc"] == 0.5 and metrics["reward/format"] == 1.0
 

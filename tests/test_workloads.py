@@ -17,10 +17,11 @@ import pytest
 from test_agent_loop import ScriptedEngine, episode
 
 from nanoverl_async.agents import code_task, long_tail_task, multiply_task, sandbox
+from nanoverl_async.agents.agent_loop import run_episode
 from nanoverl_async.agents.env import env_factory
 from nanoverl_async.agents.slow_tool_task import Lognormal, SlowToolEnv
 from nanoverl_async.agents.tools import as_tool, call_tool
-from nanoverl_async.config import ConfigError, load_config
+from nanoverl_async.config import AgentConfig, ConfigError, load_config
 from nanoverl_async.launcher import launch
 from nanoverl_async.models.cache import recipe_digest
 from nanoverl_async.models.tiny import TinyRecipe, build_tokenizer, demo_batch, demo_pieces
@@ -73,6 +74,30 @@ def test_slow_tool_episode_waits_its_seeded_delays_then_answers(tokenizer, block
     expected = delays(SlowToolEnv(median_s=0.05, p99_s=0.2, seed=3), "1-7-2", 1)[0]
     assert trajectory.timings["tool"] >= expected and took >= expected
     assert trajectory.timings["tool"] < expected + 0.5
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_64_episodes_waiting_on_a_2s_tool_hold_back_none_of_the_others(tokenizer, blocking):
+    """64 episodes of one generator's loop at once, each calling a tool that takes 2 s (as `async def` and as a
+    blocking function): the calls overlap, so all 64 end in under 3x the tool's latency, each with its answer."""
+    latency_s, episodes = 2.0, 64
+    agent = AgentConfig(max_turns=3, max_new_tokens=16, max_total_tokens=96, tool_timeout_s=5.0)
+    samples = [multiply_task.make_prompt(0, index) for index in range(episodes)]
+
+    async def one(sample: dict):
+        engine = ScriptedEngine(tokenizer, [f"<call>{sample['a']}*{sample['b']}</call>", f"{sample['answer']}<|end|>"])
+        env = SlowToolEnv(median_s=latency_s, p99_s=latency_s, blocking=blocking)
+        return await run_episode(engine, tokenizer, sample, env, agent, 1.0, sample_index=sample["index"])
+
+    async def all_at_once():
+        return await asyncio.gather(*(one(sample) for sample in samples))
+
+    started = time.perf_counter()
+    trajectories = asyncio.run(all_at_once())
+    took = time.perf_counter() - started
+    assert [(t.reward, t.tool_calls, t.tool_errors) for t in trajectories] == [(1.0, 1, 0)] * episodes
+    assert min(t.timings["tool"] for t in trajectories) >= latency_s
+    assert latency_s <= took < 3 * latency_s, took
 
 
 def test_slow_tool_delays_repeat_per_episode_and_differ_between_episodes():

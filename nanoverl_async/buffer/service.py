@@ -3,8 +3,9 @@
 One background thread owns both sockets, bound on `host` (wire.host as placed) at random ports (`endpoints`):
   - "trajectories": PULL; each frame is `trajectory.encode(t)` from a generator's PUSH socket;
   - "leases": ROUTER; generators (DEALER or REQ) send single msgpack maps (docs/design.md "The lease protocol")
-        {"op": "lease", "generator_id": int, "version": int, "max_groups": int}
+        {"op": "lease", "generator_id": int, "version": int, "max_groups": int[, "busy_ms": int, "tool_wait_ms": int]}
             -> {"leases": [{"group_id": int, "prompt_index": int, "sample": {...}}, ...]}  ([] = gate closed)
+            (busy_ms, tool_wait_ms: the generator's time so far computing, and waiting on tools, worker.GeneratorClock)
         {"op": "report", "generator_id": int, "version": int[, "weights_refetched": int]} -> {"ok": true}
             (weights_refetched: how often the generator asked for weights again, weights.py; absent while 0)
         anything else -> {"error": "..."}
@@ -81,7 +82,8 @@ def parse_request(payload: bytes) -> dict:
     op = request.get("op")
     if op not in keys:
         raise ValueError(f"field 'op': {op!r} is not one of {', '.join(keys)}")
-    names = keys[op] + (("weights_refetched",) if op == "report" and "weights_refetched" in request else ())
+    optional = {"lease": ("busy_ms", "tool_wait_ms"), "report": ("weights_refetched",)}[op]
+    names = keys[op] + tuple(name for name in optional if name in request)
     wire.check_fields(request, set(names))
     for name in names[1:]:
         if not isinstance(request[name], int) or isinstance(request[name], bool) or request[name] < 0:
@@ -138,6 +140,31 @@ class GatedClock:
         return share
 
 
+class WorkShares:
+    """The generators' own clocks (worker.GeneratorClock: milliseconds so far computing and waiting on tools, sent
+    with each lease request) as shares of generator time per window between batches: `generators/busy_frac` and
+    `generators/tool_wait_frac`. Totals arrive with leases, so a window counts what was reported within it."""
+
+    KEYS = ("busy_ms", "tool_wait_ms")
+
+    def __init__(self, now: float):
+        self.window_start = now
+        self.latest: dict[int, tuple[int, ...]] = {}  # generator -> its newest totals
+        self.counted: dict[int, tuple[int, ...]] = {}  # generator -> its totals at the previous window's end
+
+    def observe(self, generator_id: int, request: dict) -> None:
+        if all(key in request for key in self.KEYS):
+            self.latest[generator_id] = tuple(request[key] for key in self.KEYS)
+
+    def fractions(self, now: float, generators: int) -> dict[str, float]:
+        """{generators_busy_frac, generators_tool_wait_frac} since the last call; starts the next window."""
+        span = max(now - self.window_start, 1e-9) * max(1, generators)
+        ms = [sum(max(0, totals[i] - self.counted.get(g, (0,) * len(self.KEYS))[i]) for g, totals in self.latest.items())
+              for i in range(len(self.KEYS))]
+        self.window_start, self.counted = now, dict(self.latest)
+        return {f"generators_{key[:-3]}_frac": value / 1000 / span for key, value in zip(self.KEYS, ms)}
+
+
 class BufferService:
     def __init__(self, prompts_per_step: int, group_size: int, staleness: int, config: BufferConfig,
                  host: str, generators: GeneratorConfig, vocab_size: int,
@@ -159,6 +186,7 @@ class BufferService:
         self._refetches: dict[int, int] = {}  # generator -> the weights_refetched it last reported
         self._tokens_since_batch = 0
         self._gated = GatedClock(time.monotonic())
+        self._work = WorkShares(time.monotonic())
         self.trace = SpanLog(trace)
         self._error: BaseException | None = None
         self._context = zmq.Context()
@@ -195,8 +223,10 @@ class BufferService:
                 if groups:
                     for group in groups:
                         self.gate.consume(group.group_id)
-                    stats = {**batch_stats(step, groups), **self.stats(), "wait_s": time.monotonic() - start,
-                             "generators_gated_frac": self._gated.fraction(time.monotonic(), self.generators.replicas)}
+                    now, replicas = time.monotonic(), self.generators.replicas
+                    stats = {**batch_stats(step, groups), **self.stats(), "wait_s": now - start,
+                             "generators_gated_frac": self._gated.fraction(now, replicas),
+                             **self._work.fractions(now, replicas)}
                     self._tokens_since_batch = 0
                     return Batch([t for g in groups for t in g.trajectories], stats)
                 if self._stop.is_set():
@@ -335,6 +365,7 @@ class BufferService:
                 self._refetches[generator_id] = refetched
                 return msgpack.packb({"ok": True}, use_bin_type=True)
             now = time.monotonic()
+            self._work.observe(generator_id, request)
             room = self.generators.max_groups_in_flight - self.gate.in_flight(generator_id)
             leases = self.gate.lease(request["version"], max(0, min(request["max_groups"], room)), now, generator_id)
             refused = not leases and request["max_groups"] > 0

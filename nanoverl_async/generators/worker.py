@@ -59,6 +59,29 @@ WAIT_POLL_S = 0.005  # how often a bounded wait re-checks its condition
 REQUEST_TIMEOUT_S = 30.0  # one buffer request, or one trajectory push
 GROUP_TIMEOUT_S = 600.0  # one group's G episodes
 LEASE_RETRY_S = 0.02  # the wait before asking a closed gate again; the weights poll period
+CLOCK_TICK_S = 0.01  # how often GeneratorClock looks (between engine steps: it waits for a running one)
+
+
+class GeneratorClock:
+    """Where a generator's time goes, in seconds since it started: `busy`, its engine computing (requests
+    running or queued), and `tool_wait`, episodes in flight but nothing for the engine to compute: every one
+    of them waits on a tool or its environment, the latency asynchronous generation exists to hide. The rest
+    is idle (no episode: the gate closed, a lease on its way). Sampled: each interval between two looks goes
+    to the state seen at its start; the buffer turns the totals into shares per step (generators/busy_frac,
+    generators/tool_wait_frac)."""
+
+    def __init__(self, now: float):
+        self.seconds = {"busy": 0.0, "tool_wait": 0.0}
+        self._last, self._state = now, "idle"
+
+    def look(self, now: float, computing: bool, episodes: bool) -> None:
+        if self._state in self.seconds:
+            self.seconds[self._state] += now - self._last
+        self._last, self._state = now, "busy" if computing else "tool_wait" if episodes else "idle"
+
+    def milliseconds(self) -> dict[str, int]:
+        """The totals as a lease request carries them: {"busy_ms", "tool_wait_ms"}."""
+        return {f"{state}_ms": int(seconds * 1000) for state, seconds in self.seconds.items()}
 EVAL_TEMPERATURE = 1e-3  # evaluation is (near-)greedy: engines sample with temperature > 0 only
 
 
@@ -104,6 +127,7 @@ class GeneratorWorker:
         self.buffer_endpoints = buffer_endpoints
         self._wake, self._new_weights = asyncio.Event(), asyncio.Event()
         self._loop = asyncio.get_running_loop()
+        self.clock = GeneratorClock(time.monotonic())
         self._lock = asyncio.Lock()  # one request on the DEALER at a time: replies come back in order
         context = zmq.asyncio.Context()
         subscriber, tasks = None, []
@@ -121,7 +145,8 @@ class GeneratorWorker:
             subscriber = WeightSubscriber(weights_endpoint, curve)
             if not self._stop_requested:
                 tasks = [self._spawn(self._lease_loop(), "lease-loop"),
-                         self._spawn(self._weight_loop(subscriber), "weights")]
+                         self._spawn(self._weight_loop(subscriber), "weights"),
+                         self._spawn(self._clock_loop(), "clock")]
                 await self._wake.wait()
         finally:
             pending = tasks + list(self._groups)
@@ -183,7 +208,7 @@ class GeneratorWorker:
             version = self.engine.version
             self._live += 1  # the request in flight (see __init__); a failed one ends the worker
             reply = await self._request({"op": "lease", "generator_id": self.generator_id, "version": version,
-                                         "max_groups": limit - len(self._groups)})
+                                         "max_groups": limit - len(self._groups), **self.clock.milliseconds()})
             self._live += self.group_size * len(reply["leases"]) - 1
             for lease in reply["leases"]:
                 self._groups.add(self._spawn(self._run_group(lease), f"group-{lease['group_id']}"))
@@ -199,6 +224,11 @@ class GeneratorWorker:
             self._new_weights.clear()
             with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._new_weights.wait(), LEASE_RETRY_S)
+
+    async def _clock_loop(self) -> None:
+        while True:
+            self.clock.look(time.monotonic(), self.engine.in_flight() > 0, bool(self._groups))
+            await asyncio.sleep(CLOCK_TICK_S)
 
     async def _run_group(self, lease: dict) -> None:
         episodes = [self._track(self._episode(lease, i)) for i in range(self.group_size)]

@@ -37,6 +37,8 @@ BUFFER_STAT_KEYS = {
     "tool_calls_mean": "episodes/tool_calls_mean",
     "tool_errors_mean": "episodes/tool_errors_mean",
     "generators_gated_frac": "generators/gated_frac",  # share of generator time the gate refused new groups
+    "generators_busy_frac": "generators/busy_frac",  # share of generator time the engine computed
+    "generators_tool_wait_frac": "generators/tool_wait_frac",  # ... episodes in flight, all waiting on tools
 }
 
 
