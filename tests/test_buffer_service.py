@@ -224,9 +224,10 @@ def test_req_clients_work_too(make_service):
     ({"op": "report", "generator_id": 0, "version": -1}, "version"),
     ({"op": "lease", "generator_id": 0, "version": 0, "max_groups": True}, "max_groups"),
     ({"op": "report", "generator_id": 0, "version": 0, "extra": 1}, "extra"),
-    ({"op": "lease", "generator_id": 0, "version": 0, "max_groups": 1, "busy_ms": -1, "tool_wait_ms": 0}, "busy_ms"),
-    ({"op": "lease", "generator_id": 0, "version": 0, "max_groups": 1, "busy_ms": 0, "tool_wait_ms": 0.5},
-     "tool_wait_ms"),
+    ({"op": "lease", "generator_id": 0, "version": 0, "max_groups": 1, "clock_ms": 0, "busy_ms": -1, "tool_wait_ms": 0},
+     "busy_ms"),
+    ({"op": "lease", "generator_id": 0, "version": 0, "max_groups": 1, "clock_ms": 0, "busy_ms": 0,
+      "tool_wait_ms": 0.5}, "tool_wait_ms"),
     ({"op": "report", "generator_id": 0, "version": 0, "busy_ms": 0}, "busy_ms"),  # a lease's field only
 ])
 def test_parse_request_names_the_bad_field(request_, field):
@@ -256,32 +257,32 @@ def test_gated_clock_counts_refused_generator_time_per_window():
 
 
 def test_parse_request_takes_a_leases_clock_at_zero():
-    request = {"op": "lease", "generator_id": 0, "version": 0, "max_groups": 1, "busy_ms": 0, "tool_wait_ms": 0}
+    request = {"op": "lease", "generator_id": 0, "version": 0, "max_groups": 1, "clock_ms": 0, "busy_ms": 0,
+               "tool_wait_ms": 0}
     assert parse_request(msgpack.packb(request)) == request
 
 
-def test_work_shares_are_each_windows_reported_milliseconds_over_generator_time():
-    shares = WorkShares(now=0.0)
-    shares.observe(0, {"busy_ms": 1000, "tool_wait_ms": 500})
-    shares.observe(1, {"busy_ms": 3000, "tool_wait_ms": 0})
+def test_work_shares_are_each_windows_reported_milliseconds_over_the_clocks_own():
+    shares = WorkShares()
+    assert shares.fractions() == {"generators_busy_frac": 0.0, "generators_tool_wait_frac": 0.0}  # nothing yet
+    shares.observe(0, {"clock_ms": 2000, "busy_ms": 1000, "tool_wait_ms": 500})
+    shares.observe(1, {"clock_ms": 2000, "busy_ms": 1999, "tool_wait_ms": 0})
     shares.observe(1, {"op": "lease"})  # a request without the clock (an older client) changes nothing
-    assert shares.fractions(now=4.0, generators=2) == {"generators_busy_frac": 4.0 / 8,
-                                                       "generators_tool_wait_frac": 0.5 / 8}
-    shares.observe(0, {"busy_ms": 1500, "tool_wait_ms": 2500})  # only what came since counts
-    assert shares.fractions(now=6.0, generators=2) == {"generators_busy_frac": 0.5 / 4,
-                                                       "generators_tool_wait_frac": 2.0 / 4}
-    assert shares.fractions(now=7.0, generators=2) == {"generators_busy_frac": 0.0, "generators_tool_wait_frac": 0.0}
+    assert shares.fractions() == {"generators_busy_frac": 2999 / 4000, "generators_tool_wait_frac": 500 / 4000}
+    shares.observe(0, {"clock_ms": 3000, "busy_ms": 1500, "tool_wait_ms": 1000})  # only what came since counts
+    assert shares.fractions() == {"generators_busy_frac": 0.5, "generators_tool_wait_frac": 0.5}
+    shares.observe(0, {"clock_ms": 3010, "busy_ms": 1511, "tool_wait_ms": 1000})  # 11 ms of 10: rounding, at most 1
+    assert shares.fractions() == {"generators_busy_frac": 1.0, "generators_tool_wait_frac": 0.0}
+    assert shares.fractions() == {"generators_busy_frac": 0.0, "generators_tool_wait_frac": 0.0}
 
 
 def test_a_generators_clock_reaches_the_batch_stats(make_service):
     service, client = make_service(B=1, G=1, eta=0, replicas=1)
-    reply = client.ask({"op": "lease", "generator_id": 0, "version": 0, "max_groups": 1, "busy_ms": 3,
-                        "tool_wait_ms": 2})
+    reply = client.ask({"op": "lease", "generator_id": 0, "version": 0, "max_groups": 1, "clock_ms": 400,
+                        "busy_ms": 300, "tool_wait_ms": 100})
     client.push.send(encode(make_trajectory(reply["leases"][0], 0, [0])))
-    time.sleep(0.1)  # a window longer than the 3 ms claimed
-    batch = service.next_batch(0, timeout_s=5)  # the window: from the service's start, of one generator
-    busy, tool_wait = batch.stats["generators_busy_frac"], batch.stats["generators_tool_wait_frac"]
-    assert 0 < busy < 1 and tool_wait == pytest.approx(busy * 2 / 3, rel=1e-12)
+    batch = service.next_batch(0, timeout_s=5)
+    assert (batch.stats["generators_busy_frac"], batch.stats["generators_tool_wait_frac"]) == (0.75, 0.25)
 
 
 def test_refused_leases_show_up_as_gated_time(make_service):

@@ -146,10 +146,10 @@ def test_leases_pushes_applies_weights_and_stops(model_dir, mode):
         groups.setdefault(t.group_id, []).append(t)
         assert t.prompt_index == 100 + t.group_id and t.generator_id == 4 and len(t.token_ids) <= 40
     assert {g: sorted(t.sample_index for t in ts) for g, ts in groups.items()} == {g: [0, 1, 2] for g in range(4)}
-    for key in ("busy_ms", "tool_wait_ms"):  # the generator's clock, as totals so far: never going back
+    for key in ("clock_ms", "busy_ms", "tool_wait_ms"):  # the generator's clock, as totals so far: never going back
         totals = [r[key] for r in leases]
         assert totals == sorted(totals), key
-    assert leases[-1]["busy_ms"] > 0  # it generated 4 groups
+    assert 0 < leases[-1]["busy_ms"] + leases[-1]["tool_wait_ms"] <= leases[-1]["clock_ms"]  # it generated 4 groups
     for group_id, trajectories in groups.items():
         token_versions = {v for t in trajectories for v in t.versions[t.versions >= 0].tolist()}
         if buffer.leased_at[group_id] >= 1:  # leased after the report: only the new weights
@@ -165,8 +165,8 @@ def test_generator_clock_gives_each_interval_to_the_state_seen_at_its_start():
     clock.look(3.5, computing=False, episodes=False)  # 3-3.5: every episode in flight waits on a tool
     clock.look(5.0, computing=True, episodes=False)  # 3.5-5: idle
     clock.look(5.25, computing=False, episodes=False)  # 5-5.25: busy
-    assert clock.seconds == {"busy": 2.25, "tool_wait": 0.5}
-    assert clock.milliseconds() == {"busy_ms": 2250, "tool_wait_ms": 500}
+    assert clock.seconds == {"clock": 5.25, "busy": 2.25, "tool_wait": 0.5}
+    assert clock.milliseconds() == {"clock_ms": 5250, "busy_ms": 2250, "tool_wait_ms": 500}
 
 
 def test_failures_end_run_with_the_exception(model_dir):
@@ -219,5 +219,5 @@ def test_stop_before_and_while_gated(model_dir):
 
     buffer = asyncio.run(main())
     # gated from the start: no episode, so no time busy or waiting on tools
-    assert all(r == {"op": "lease", "generator_id": 4, "version": 0, "max_groups": 2, "busy_ms": 0, "tool_wait_ms": 0}
-               for r in buffer.requests)
+    assert all({**r, "clock_ms": 0} == {"op": "lease", "generator_id": 4, "version": 0, "max_groups": 2, "clock_ms": 0,
+                                         "busy_ms": 0, "tool_wait_ms": 0} for r in buffer.requests)

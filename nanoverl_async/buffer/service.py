@@ -3,9 +3,10 @@
 One background thread owns both sockets, bound on `host` (wire.host as placed) at random ports (`endpoints`):
   - "trajectories": PULL; each frame is `trajectory.encode(t)` from a generator's PUSH socket;
   - "leases": ROUTER; generators (DEALER or REQ) send single msgpack maps (docs/design.md "The lease protocol")
-        {"op": "lease", "generator_id": int, "version": int, "max_groups": int[, "busy_ms": int, "tool_wait_ms": int]}
+        {"op": "lease", "generator_id": int, "version": int, "max_groups": int[, "clock_ms": int,
+             "busy_ms": int, "tool_wait_ms": int]}
             -> {"leases": [{"group_id": int, "prompt_index": int, "sample": {...}}, ...]}  ([] = gate closed)
-            (busy_ms, tool_wait_ms: the generator's time so far computing, and waiting on tools, worker.GeneratorClock)
+            (the generator's time so far, and of it computing and waiting on tools: worker.GeneratorClock)
         {"op": "report", "generator_id": int, "version": int[, "weights_refetched": int]} -> {"ok": true}
             (weights_refetched: how often the generator asked for weights again, weights.py; absent while 0)
         anything else -> {"error": "..."}
@@ -82,7 +83,7 @@ def parse_request(payload: bytes) -> dict:
     op = request.get("op")
     if op not in keys:
         raise ValueError(f"field 'op': {op!r} is not one of {', '.join(keys)}")
-    optional = {"lease": ("busy_ms", "tool_wait_ms"), "report": ("weights_refetched",)}[op]
+    optional = {"lease": ("clock_ms", "busy_ms", "tool_wait_ms"), "report": ("weights_refetched",)}[op]
     names = keys[op] + tuple(name for name in optional if name in request)
     wire.check_fields(request, set(names))
     for name in names[1:]:
@@ -141,14 +142,14 @@ class GatedClock:
 
 
 class WorkShares:
-    """The generators' own clocks (worker.GeneratorClock: milliseconds so far computing and waiting on tools, sent
-    with each lease request) as shares of generator time per window between batches: `generators/busy_frac` and
-    `generators/tool_wait_frac`. Totals arrive with leases, so a window counts what was reported within it."""
+    """The generators' own clocks (worker.GeneratorClock: milliseconds since it started, and of them computing and
+    waiting on tools, sent with each lease request) as shares of generator time per window between batches:
+    `generators/busy_frac` and `generators/tool_wait_frac`, over the time the clocks reported in the window
+    (each generator's from its last report before the window to its last within it)."""
 
-    KEYS = ("busy_ms", "tool_wait_ms")
+    KEYS = ("clock_ms", "busy_ms", "tool_wait_ms")
 
-    def __init__(self, now: float):
-        self.window_start = now
+    def __init__(self):
         self.latest: dict[int, tuple[int, ...]] = {}  # generator -> its newest totals
         self.counted: dict[int, tuple[int, ...]] = {}  # generator -> its totals at the previous window's end
 
@@ -156,13 +157,15 @@ class WorkShares:
         if all(key in request for key in self.KEYS):
             self.latest[generator_id] = tuple(request[key] for key in self.KEYS)
 
-    def fractions(self, now: float, generators: int) -> dict[str, float]:
-        """{generators_busy_frac, generators_tool_wait_frac} since the last call; starts the next window."""
-        span = max(now - self.window_start, 1e-9) * max(1, generators)
-        ms = [sum(max(0, totals[i] - self.counted.get(g, (0,) * len(self.KEYS))[i]) for g, totals in self.latest.items())
-              for i in range(len(self.KEYS))]
-        self.window_start, self.counted = now, dict(self.latest)
-        return {f"generators_{key[:-3]}_frac": value / 1000 / span for key, value in zip(self.KEYS, ms)}
+    def fractions(self) -> dict[str, float]:
+        """{generators_busy_frac, generators_tool_wait_frac} since the last call (0 if no clock moved); starts
+        the next window."""
+        moved = [sum(max(0, totals[i] - self.counted.get(g, (0,) * len(self.KEYS))[i]) for g, totals in self.latest.items())
+                 for i in range(len(self.KEYS))]
+        self.counted = dict(self.latest)
+        # (min: the totals are whole milliseconds, each rounded down on its own)
+        return {f"generators_{key[:-3]}_frac": min(1.0, value / moved[0]) if moved[0] else 0.0
+                for key, value in zip(self.KEYS[1:], moved[1:])}
 
 
 class BufferService:
@@ -186,7 +189,7 @@ class BufferService:
         self._refetches: dict[int, int] = {}  # generator -> the weights_refetched it last reported
         self._tokens_since_batch = 0
         self._gated = GatedClock(time.monotonic())
-        self._work = WorkShares(time.monotonic())
+        self._work = WorkShares()
         self.trace = SpanLog(trace)
         self._error: BaseException | None = None
         self._context = zmq.Context()
@@ -223,10 +226,10 @@ class BufferService:
                 if groups:
                     for group in groups:
                         self.gate.consume(group.group_id)
-                    now, replicas = time.monotonic(), self.generators.replicas
+                    now = time.monotonic()
                     stats = {**batch_stats(step, groups), **self.stats(), "wait_s": now - start,
-                             "generators_gated_frac": self._gated.fraction(now, replicas),
-                             **self._work.fractions(now, replicas)}
+                             "generators_gated_frac": self._gated.fraction(now, self.generators.replicas),
+                             **self._work.fractions()}
                     self._tokens_since_batch = 0
                     return Batch([t for g in groups for t in g.trajectories], stats)
                 if self._stop.is_set():

@@ -63,26 +63,26 @@ CLOCK_TICK_S = 0.01  # how often GeneratorClock looks (between engine steps: it 
 
 
 class GeneratorClock:
-    """Where a generator's time goes, in seconds since it started: `busy`, its engine computing (requests
-    running or queued), and `tool_wait`, episodes in flight but nothing for the engine to compute: every one
-    of them waits on a tool or its environment, the latency asynchronous generation exists to hide. The rest
-    is idle (no episode: the gate closed, a lease on its way). Sampled: each interval between two looks goes
-    to the state seen at its start; the buffer turns the totals into shares per step (generators/busy_frac,
-    generators/tool_wait_frac)."""
+    """Where a generator's time goes, in milliseconds since it started (`clock_ms`): `busy_ms`, its engine
+    computing (requests running or queued), and `tool_wait_ms`, episodes in flight but nothing for the engine
+    to compute: every one of them waits on a tool or its environment, the latency asynchronous generation
+    exists to hide. The rest is idle (no episode: the gate closed, a lease on its way). Sampled: each interval
+    between two looks goes to the state seen at its start. Sent with each lease request; the buffer turns two
+    requests' totals into shares of the time between them (generators/busy_frac, generators/tool_wait_frac)."""
 
     def __init__(self, now: float):
-        self.seconds = {"busy": 0.0, "tool_wait": 0.0}
+        self.seconds = {"clock": 0.0, "busy": 0.0, "tool_wait": 0.0}
         self._last, self._state = now, "idle"
 
     def look(self, now: float, computing: bool, episodes: bool) -> None:
+        self.seconds["clock"] += now - self._last
         if self._state in self.seconds:
             self.seconds[self._state] += now - self._last
         self._last, self._state = now, "busy" if computing else "tool_wait" if episodes else "idle"
 
     def milliseconds(self) -> dict[str, int]:
-        """The totals as a lease request carries them: {"busy_ms", "tool_wait_ms"}."""
+        """The totals as a lease request carries them: {"clock_ms", "busy_ms", "tool_wait_ms"}."""
         return {f"{state}_ms": int(seconds * 1000) for state, seconds in self.seconds.items()}
-EVAL_TEMPERATURE = 1e-3  # evaluation is (near-)greedy: engines sample with temperature > 0 only
 
 
 class GeneratorWorker:
