@@ -15,7 +15,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from nanoverl_async.agents import multiply_task
 from nanoverl_async.config import AgentConfig
 from nanoverl_async.agents.env import FunctionEnv, rollout_tools
-from nanoverl_async.agents.agent_loop import run_episode
+from nanoverl_async.agents import agent_loop
+from nanoverl_async.agents.agent_loop import PROMPTS_CACHED, render_prompt, run_episode
 from nanoverl_async.generators.engine import Completion, SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
 from nanoverl_async.models.tiny import build_tokenizer
@@ -55,6 +56,35 @@ def episode(engine, tokenizer, sample, env=None, **agent):
     config = AgentConfig(**{"max_turns": 3, "max_new_tokens": 16, "max_total_tokens": 96, **agent})
     return asyncio.run(run_episode(engine, tokenizer, sample, env or multiply_task.MultiplyEnv(), config, 1.0,
                                    group_id=7, prompt_index=sample["index"], sample_index=2, generator_id=1))
+
+
+def test_a_prompt_is_rendered_once_for_its_group_and_the_cache_keeps_the_newest(monkeypatch):
+    tokenizer = build_tokenizer()  # its own: the cache keys on the tokenizer
+    renders = []
+    template = tokenizer.apply_chat_template
+    monkeypatch.setattr(tokenizer, "apply_chat_template", lambda *a, **k: renders.append(1) or template(*a, **k))
+    schemas = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate.",
+                                                 "parameters": {"type": "object", "properties": {}}}}]
+    prompts = [multiply_task.make_prompt(0, index)["messages"] for index in range(PROMPTS_CACHED + 1)]
+    def ids(**kwargs):
+        rendered = template(prompts[0], add_generation_prompt=True, **kwargs)
+        return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+    expected = ids(tools=schemas)
+    for _ in range(8):  # a group: 8 copies of one prompt
+        assert list(render_prompt(tokenizer, [dict(m) for m in prompts[0]], schemas)) == expected
+    assert len(renders) == 1
+    assert list(render_prompt(tokenizer, prompts[0], None)) == ids() != expected
+    reordered = [{"type": "function", "function": dict(reversed(schemas[0]["function"].items()))}]
+    render_prompt(tokenizer, prompts[0], reordered)  # the objects' order is part of the key: a template prints it
+    assert len(renders) == 3
+    for messages in prompts[1:]:  # PROMPTS_CACHED more prompts: prompts[0] with `schemas` is the oldest...
+        render_prompt(tokenizer, messages, schemas)
+    renders.clear()
+    render_prompt(tokenizer, prompts[-1], schemas)  # ...the newest is kept
+    assert renders == []
+    render_prompt(tokenizer, prompts[0], schemas)  # ...and the oldest was let go at PROMPTS_CACHED + 1
+    assert renders == [1] and len(agent_loop._PROMPTS) == PROMPTS_CACHED
 
 
 def render(tokenizer, messages):

@@ -96,6 +96,29 @@ def test_a_tool_the_model_could_only_guess_how_to_call_is_refused(fn, problem):
     assert as_tool(now).parameters == [] and as_tool(echo).parameters == ["text"]
 
 
+class Scaler:
+    def __init__(self, factor: int):
+        self.factor = factor
+
+    def scale(self, x: int) -> int:
+        """Multiply x by this scaler's factor.
+
+        Args:
+            x: the number.
+        """
+        return x * self.factor
+
+
+def test_a_methods_schema_is_read_once_and_each_tool_calls_its_own_instance():
+    """Every episode's environment declares its tools again: the schema is built once, the instance is each's."""
+    two, three = as_tool(Scaler(2).scale), as_tool(Scaler(3).scale)
+    assert two.schema is three.schema
+    assert two.schema["function"]["parameters"] == {"type": "object", "properties": {
+        "x": {"type": "integer", "description": "the number."}}, "required": ["x"]}  # no `self`
+    assert (two.fn(x=5), three.fn(x=5)) == (10, 15)
+    assert as_tool(Scaler(2).scale, name="times").schema["function"]["name"] == "times"
+
+
 @pytest.mark.parametrize("arguments,problem", [
     ({"query": "a"}, None),
     ({"query": "a", "limit": 3, "weight": 2, "tags": ["x"], "mode": "exact"}, None),  # int is fine for float

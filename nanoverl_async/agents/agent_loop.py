@@ -38,6 +38,7 @@ Run alone: `python -m pytest tests/test_agent_loop.py tests/test_chat_templates.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Callable, Optional
 
@@ -97,6 +98,34 @@ def render_delta(tokenizer, history: list[dict], new: list[dict], tools: Optiona
     return tokenizer.encode(tail + after[len(before):], add_special_tokens=False), fallback
 
 
+PROMPTS_CACHED = 256  # renderings render_prompt keeps (the newest): a generator's groups in flight, and more
+
+
+def render_prompt(tokenizer, messages: list[dict], schemas: Optional[list[dict]]) -> tuple[int, ...]:
+    """The chat template's ids of `messages` and the tools' `schemas`, ready for the first turn. The G episodes
+    of a group start from one prompt: each rendering after the first is read from a cache (a rendering costs
+    ~0.3 ms, 7% of a generator's time on the default job, on a 2-core CPU). The key is the JSON text, in the
+    objects' own order (a template may print them), with the tokenizer itself."""
+    try:
+        key = (tokenizer, json.dumps([messages, schemas]))
+    except (TypeError, ValueError):  # not plain JSON (an environment's own objects): rendered every time
+        return _render(tokenizer, messages, schemas)
+    ids = _PROMPTS.get(key)
+    if ids is None:
+        ids = _PROMPTS[key] = _render(tokenizer, messages, schemas)
+        if len(_PROMPTS) > PROMPTS_CACHED:
+            del _PROMPTS[next(iter(_PROMPTS))]  # the oldest
+    return ids
+
+
+_PROMPTS: dict[tuple, tuple[int, ...]] = {}
+
+
+def _render(tokenizer, messages: list[dict], schemas: Optional[list[dict]]) -> tuple[int, ...]:
+    rendered = tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True)
+    return tuple(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+
 class Episode:
     """The token record and message history of one episode, with the steps an environment drives."""
 
@@ -121,8 +150,7 @@ class Episode:
     def start(self, messages: list[dict]) -> None:
         """Render the prompt (mask 0)."""
         self.messages = [dict(m) for m in messages]
-        rendered = self.tokenizer.apply_chat_template(self.messages, tools=self.schemas, add_generation_prompt=True)
-        self.record.add_forced(list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered))
+        self.record.add_forced(list(render_prompt(self.tokenizer, self.messages, self.schemas)))
         if len(self.record.ids) >= self.agent.max_total_tokens:
             raise ValueError(f"the prompt has {len(self.record.ids)} tokens, no room under "
                              f"agent.max_total_tokens={self.agent.max_total_tokens}")
