@@ -35,7 +35,7 @@ from nanoverl_async.agents.data import load_samples
 from nanoverl_async.learners.pool import LearnerPool
 from nanoverl_async.observe.metrics import MetricsLogger, step_metrics
 from nanoverl_async.models.load import check_positions, load_tokenizer, resolve_model_path, vocab_size
-from nanoverl_async.runtime.preflight import prepare
+from nanoverl_async.runtime.preflight import prepare, tools_notice
 from nanoverl_async.runtime.role_actors import BufferRole, GeneratorRole
 from nanoverl_async.runtime.startup import phase, start_ray
 from nanoverl_async.observe.trace import PipelineTrace, TracedRole
@@ -54,9 +54,11 @@ def launch(cfg: Config, started: Optional[float] = None) -> Path:
     phase(started, f"model {cfg.model.path}" + (" (built on first use, then cached)" if ":" in cfg.model.path else ""))
     try:  # a missing model, or a tokenizer that drops whitespace, fails here in one line, not in each role
         model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-        load_tokenizer(model_path)
+        tokenizer = load_tokenizer(model_path)
     except (ValueError, OSError) as error:  # transformers raises OSError for a model it cannot find
         raise ConfigError(f"config key 'model.path': {str(error).strip().splitlines()[0]}") from None
+    if notice := tools_notice(cfg, tokenizer):
+        phase(started, notice)
     check_positions(model_path, cfg.agent.max_total_tokens)  # the buffer drops longer trajectories
     output_dir = Path(cfg.run.output_dir)
     resume_from = checkpoint.open_output_dir(cfg)  # None: a fresh run (into an empty or overwritten dir)

@@ -23,7 +23,10 @@ from transformers import PreTrainedTokenizerFast
 from nanoverl_async.models import smollm2
 from nanoverl_async.config import AgentConfig
 from nanoverl_async.agents.env import Environment, Step
-from nanoverl_async.agents.agent_loop import run_episode
+from nanoverl_async.agents.agent_loop import run_episode, template_shows_tools
+from nanoverl_async.agents.tool_parsers import describe_tools
+from nanoverl_async.config import Config
+from nanoverl_async.runtime.preflight import tools_notice
 from nanoverl_async.generators.engine import Completion
 from nanoverl_async.models.load import load_tokenizer, resolve_model_path
 from nanoverl_async.agents.user_code import load_object
@@ -43,14 +46,18 @@ QWEN25 = (
     "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-LLAMA3 = (
-    "<|begin_of_text|>{% for m in messages %}"
+LLAMA3 = (  # Llama 3.1 shows the tools too (its own text puts them in the first user message)
+    "<|begin_of_text|>{% if tools %}<|start_header_id|>system<|end_header_id|>\n\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|eot_id|>{% endif %}{% for m in messages %}"
     "<|start_header_id|>{{ 'ipython' if m.role == 'tool' else m.role }}<|end_header_id|>\n\n"
     "{% if m.tool_calls %}{% for c in m.tool_calls %}"
     "{\"name\": \"{{ c.function.name }}\", \"parameters\": {{ c.function.arguments | tojson }}}{% endfor %}"
     "{% else %}{{ m.content }}{% endif %}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
+# SmolLM2-like: ChatML that renders no tools, whatever it is given.
+NO_TOOLS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # Qwen3-like: the reasoning of every assistant message but the last is dropped.
 DROPS_REASONING = QWEN25.replace(
     "<|im_start|>assistant\n{{ m.content }}",
@@ -173,6 +180,67 @@ def test_user_follow_up_and_tool_errors_with_hermes():
     assert (t.reward, t.tool_calls, t.tool_errors, t.num_turns) == (1.0, 2, 2, 3)
 
 
+def test_which_templates_show_tools():
+    assert template_shows_tools(char_tokenizer(QWEN25, QWEN_SPECIALS, "<|im_end|>"))
+    assert template_shows_tools(char_tokenizer(LLAMA3, LLAMA_SPECIALS, "<|eot_id|>"))
+    assert not template_shows_tools(char_tokenizer(NO_TOOLS, QWEN_SPECIALS, "<|im_end|>"))
+
+
+ADD_SCHEMA = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "description": "the first."},
+                                     "b": {"type": "integer", "description": "the second."}}, "required": ["a", "b"]}}}
+
+
+def test_tools_are_described_in_each_format():
+    listing = f"<tools>\n{json.dumps(ADD_SCHEMA)}\n</tools>\n"
+    hermes, as_json, builtin = (describe_tools([ADD_SCHEMA], f) for f in ("hermes", "json", "builtin"))
+    assert listing in hermes and '<tool_call>{"name": <tool name>, "arguments": <its arguments' in hermes
+    assert listing in as_json and 'reply with only {"name": <tool name>, "parameters":' in as_json
+    assert listing in builtin and "To call add, end your reply with <call><its argument></call>." in builtin
+    with pytest.raises(ValueError, match="tool format 'xml' is not one of hermes, builtin, json"):
+        describe_tools([ADD_SCHEMA], "xml")
+
+
+@pytest.mark.parametrize("system", [None, "Be brief."])
+def test_a_template_that_drops_the_tools_gets_them_in_the_system_message(system):
+    """The episode the model sees holds the tools' schemas and how to call them, in the system message (its
+    own, closed by the description, or one put first), and stays the template's rendering of its messages."""
+    tokenizer = char_tokenizer(NO_TOOLS, QWEN_SPECIALS, "<|im_end|>")
+    described = describe_tools([ADD_SCHEMA], "hermes")
+    first = [{"role": "system", "content": system}] if system else []
+    messages = first + [{"role": "user", "content": "What is 2+3?"},
+                        {"role": "assistant", "content": "", "tool_calls": [call("add", {"a": 2, "b": 3})]},
+                        {"role": "tool", "content": "5"},
+                        {"role": "assistant", "content": "It is 5"}]
+    engine = ScriptedEngine(tokenizer, ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>',
+                                        "It is 5<|im_end|>"])
+    config = AgentConfig(max_turns=4, max_new_tokens=200, max_total_tokens=3000)
+    t = asyncio.run(run_episode(engine, tokenizer, {"messages": messages[:len(first) + 1]}, AddEnv(), config, 1.0,
+                                keep_messages=True))
+    assert (t.reward, t.tool_calls, t.tool_errors) == (1.0, 1, 0)
+    system_text = f"{system}\n\n{described}" if system else described
+    assert t.info["messages"][0] == {"role": "system", "content": system_text}
+    prompt = tokenizer.decode(engine.requests[0], skip_special_tokens=False)
+    assert prompt == f"<|im_start|>system\n{system_text}<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n" \
+                     "<|im_start|>assistant\n"
+    assert t.info["template_fallbacks"] == 0
+
+
+def test_the_launch_says_in_one_line_when_the_tools_are_described(tmp_path):
+    (tmp_path / "env.py").write_text(
+        "from nanoverl_async import Environment\n\n\n"
+        "def search(query: str) -> str:\n    \"\"\"Search the web.\"\"\"\n    return query\n\n\n"
+        "def fetch(url: str) -> str:\n    \"\"\"Fetch a page.\"\"\"\n    return url\n\n\n"
+        "class WebEnv(Environment):\n    tools = [search, fetch]\n")
+    cfg = Config(agent=AgentConfig(env=f"{tmp_path}/env.py:WebEnv"))
+    assert tools_notice(cfg, char_tokenizer(QWEN25, QWEN_SPECIALS, "<|im_end|>")) == ""
+    assert tools_notice(cfg, char_tokenizer(NO_TOOLS, QWEN_SPECIALS, "<|im_end|>")) == (
+        "the chat template of builtin:tiny shows no tools: each episode describes search, fetch in its system message, "
+        "in the hermes format (tool_parsers.describe_tools)")
+    shown_off = Config(agent=AgentConfig(env="builtin:multiply"))  # show_tools = False: nothing to describe
+    assert tools_notice(shown_off, char_tokenizer(NO_TOOLS, QWEN_SPECIALS, "<|im_end|>")) == ""
+
+
 def test_template_that_drops_reasoning_is_explicit():
     tokenizer = char_tokenizer(DROPS_REASONING, QWEN_SPECIALS, "<|im_end|>")
     thinking = "<think>2+3, use the tool</think>\n"
@@ -285,3 +353,8 @@ def test_bpe_episode_trains_on_exactly_the_ids_the_engine_saw(smollm2_tokenizer,
     first = next(i for i, (a, b) in enumerate(zip(ids_list, again)) if a != b)
     boundaries = [len(request) - 1 for request in engine.requests]  # the last forced token before each turn
     assert first == boundaries[0 if template == "llama3" else -1]
+
+
+def test_smollm2s_own_template_drops_tools_so_they_are_described(smollm2_tokenizer):
+    assert not template_shows_tools(smollm2_tokenizer)
+    assert template_shows_tools(with_template(smollm2_tokenizer, "qwen2.5"))

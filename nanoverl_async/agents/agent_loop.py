@@ -38,6 +38,7 @@ Run alone: `python -m pytest tests/test_agent_loop.py tests/test_chat_templates.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from typing import Any, Callable, Optional
@@ -49,7 +50,7 @@ from nanoverl_async.agents.env import FunctionEnv, Step
 from nanoverl_async.agents.rewards import is_reward
 from nanoverl_async.agents.user_code import UserCodeError, call_user, defined_at
 from nanoverl_async.generators.engine import Completion, Engine, SamplingParams
-from nanoverl_async.agents.tool_parsers import ParsedCall, parse_turn, stop_strings
+from nanoverl_async.agents.tool_parsers import ParsedCall, describe_tools, parse_turn, stop_strings
 from nanoverl_async.agents.tools import Tool, ToolResult, as_tool, call_tool
 from nanoverl_async.wire.trajectory import Trajectory
 
@@ -126,6 +127,31 @@ def _render(tokenizer, messages: list[dict], schemas: Optional[list[dict]]) -> t
     return tuple(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
 
 
+PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool_w7", "description": "Probe.",
+                                              "parameters": {"type": "object", "properties": {}}}}
+
+
+@functools.lru_cache(maxsize=16)
+def template_shows_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template puts the `tools=` schemas in the prompt (Qwen2.5's and Llama 3.1's
+    do; SmolLM2's drops them, and its model would never see the tools it is trained to call)."""
+    messages = [{"role": "user", "content": "Hello"}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=[PROBE_TOOL], tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that fails on tools shows none: they are described instead
+        return False
+    return PROBE_TOOL["function"]["name"] in text
+
+
+def with_system_text(messages: list[dict], text: str) -> list[dict]:
+    """`messages` with `text` closing the system message (one is put first if there is none)."""
+    if not text:
+        return messages
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{text}".lstrip()}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
 class Episode:
     """The token record and message history of one episode, with the steps an environment drives."""
 
@@ -136,6 +162,9 @@ class Episode:
         self.tool_format: str = getattr(env, "tool_format", "hermes")
         self.max_chars: int = getattr(env, "max_observation_chars", 2000)
         self.schemas = [t.schema for t in self.tools] if getattr(env, "show_tools", True) and self.tools else None
+        self.tools_described = ""  # the tools in the system message instead, for a template that drops them
+        if self.schemas and not template_shows_tools(tokenizer):
+            self.tools_described, self.schemas = describe_tools(self.schemas, self.tool_format), None
         self.stop_ids = (tokenizer.eos_token_id, *map(tokenizer.convert_tokens_to_ids, stop_strings(self.tool_format)))
         self.record, self.messages = _Tokens(), []
         self.turns = self.tool_calls = self.tool_errors = self.fallbacks = 0
@@ -149,7 +178,7 @@ class Episode:
 
     def start(self, messages: list[dict]) -> None:
         """Render the prompt (mask 0)."""
-        self.messages = [dict(m) for m in messages]
+        self.messages = with_system_text([dict(m) for m in messages], self.tools_described)
         self.record.add_forced(list(render_prompt(self.tokenizer, self.messages, self.schemas)))
         if len(self.record.ids) >= self.agent.max_total_tokens:
             raise ValueError(f"the prompt has {len(self.record.ids)} tokens, no room under "

@@ -70,7 +70,9 @@ class Environment:
     tools: Sequence[Any] = ()  # functions or tools.Tool the model may call
     tool_format: str = "hermes"  # "hermes" (<tool_call>{json}</tool_call>) | "builtin" (<call>EXPR</call>)
     max_observation_chars: int = 2000  # tool results and errors are cut to this many characters
-    show_tools: bool = True  # pass the tools' JSON schemas to the chat template (it renders them in the prompt)
+    # pass the tools' JSON schemas to the chat template (it renders them in the prompt; a template that drops
+    # them, such as SmolLM2's, gets them in the system message instead: tool_parsers.describe_tools)
+    show_tools: bool = True
     reward_fn: Optional[Callable] = None  # verl compute_score(data_source, solution_str, ground_truth, extra_info)
 
     async def reset(self, sample: dict) -> list[dict]:

@@ -9,6 +9,9 @@ Two formats, chosen by `Environment.tool_format`:
   - "json" (Llama-3.1/3.2 style): a turn that is one JSON object `{"name": ..., "parameters": {...}}`
     is one call; any other turn is a final answer.
 
+`describe_tools` writes the other direction, for a chat template that drops the tools it is given
+(SmolLM2's): the schemas and how to call them in the format, as a system message (agent_loop.Episode).
+
 Invariant: parsing never raises. A block that is not valid JSON, lacks a "name", or has arguments that
 are not an object becomes a `ParsedCall` with `error` set (the agent loop turns it into an error
 observation); an unclosed `<tool_call>` at the end of a turn is a malformed call too. Arguments given
@@ -99,3 +102,19 @@ def parse_json(text: str) -> tuple[str, list[ParsedCall]]:
     if call.error is not None and not stripped.startswith('{"name"'):
         return text, []  # JSON that is not a call attempt is an answer
     return "", [call]
+
+
+def describe_tools(schemas: list[dict], tool_format: str) -> str:
+    """A system-message text showing a model `schemas` (OpenAI-style function schemas) and how to call one in
+    `tool_format`: what a chat template that renders `tools=` would have shown it."""
+    if tool_format not in FORMATS:
+        raise ValueError(f"tool format {tool_format!r} is not one of {', '.join(FORMATS)}")
+    listing = "\n".join(json.dumps(schema) for schema in schemas)
+    if tool_format == "hermes":
+        how = (f'To call a tool, write {HERMES_OPEN}{{"name": <tool name>, "arguments": <its arguments as a JSON '
+               f'object>}}{HERMES_CLOSE}; each result comes back in a message of its own.')
+    elif tool_format == "json":
+        how = 'To call a tool, reply with only {"name": <tool name>, "parameters": <its arguments as a JSON object>}.'
+    else:  # builtin: the first tool, with its first argument (parse_builtin)
+        how = f"To call {schemas[0]['function']['name']}, end your reply with {BUILTIN_OPEN}<its argument>{BUILTIN_CLOSE}."
+    return f"You can call these tools, given as JSON schemas:\n<tools>\n{listing}\n</tools>\n{how}"

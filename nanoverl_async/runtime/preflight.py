@@ -152,6 +152,19 @@ def check_prompt_lengths(cfg: Config, new_env: Callable, rows: dict[str, list]) 
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, skip_rows=skip))
 
 
+def tools_notice(cfg: Config, tokenizer) -> str:
+    """One line if model.path's chat template drops the tools it is given (then every episode describes
+    agent.env's tools in its system message, agent_loop.Episode), else ""."""
+    from nanoverl_async.agents.agent_loop import Episode  # numpy: only once the model is known
+
+    episode = Episode(None, tokenizer, cfg.agent, 1.0, env_factory(cfg.agent.env, env_args=cfg.agent.env_args)())
+    if not episode.tools_described:
+        return ""
+    names = ", ".join(tool.name for tool in episode.tools)
+    return (f"the chat template of {cfg.model.path} shows no tools: each episode describes {names} in its system "
+            f"message, in the {episode.tool_format} format (tool_parsers.describe_tools)")
+
+
 def prompt_overflow(cfg: Config, env: Any, sample: dict) -> Optional[str]:
     """Why `sample`'s prompt leaves no room under agent.max_total_tokens, or None if it fits. A rendering of
     more bytes than the budget's tokens can hold (at the most bytes a token stands for) is too long without
