@@ -106,7 +106,7 @@ def test_routing_least_outstanding_and_sticky_episodes(model_dirs):
     try:
         engine = engine_on(fakes)
         engine.outstanding = [3, 1]
-        assert engine.route(None) == 1 and engine.route("ep") == 1
+        assert engine.route(None) == 1 and engine.route("ep") == 1 and engine.in_flight() == 4
         engine.outstanding = [0, 5]
         assert engine.route("ep") == 1 and engine.route("other") == 0  # the episode stays on its server
 
@@ -115,6 +115,7 @@ def test_routing_least_outstanding_and_sticky_episodes(model_dirs):
                                           for i in range(6)))
         engine.outstanding = [0, 0]
         asyncio.run(episodes())
+        assert engine.in_flight() == 0
         assert sum(f.calls.count("/generate") for f in fakes) == 6 and all(f.calls.count("/generate") for f in fakes)
     finally:
         for fake in fakes:

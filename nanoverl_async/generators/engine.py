@@ -63,3 +63,6 @@ class Engine(Protocol):
 
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load `state_dict` as weights `version` at the next safe point (between decode steps)."""
+
+    def in_flight(self) -> int:
+        """Requests generating or waiting to (0: the engine has nothing to compute; worker.GeneratorClock)."""

@@ -149,6 +149,9 @@ class SGLangEngine:
         finally:
             self.outstanding[index] -= 1
 
+    def in_flight(self) -> int:
+        return sum(self.outstanding)
+
     async def _post_generate(self, index: int, body: dict) -> Optional[dict]:
         """The parsed reply, or None after restarting a server that died under the request."""
         server = self.servers[index]
