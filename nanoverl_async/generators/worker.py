@@ -60,6 +60,7 @@ REQUEST_TIMEOUT_S = 30.0  # one buffer request, or one trajectory push
 GROUP_TIMEOUT_S = 600.0  # one group's G episodes
 LEASE_RETRY_S = 0.02  # the wait before asking a closed gate again; the weights poll period
 CLOCK_TICK_S = 0.01  # how often GeneratorClock looks (between engine steps: it waits for a running one)
+EVAL_TEMPERATURE = 1e-3  # evaluation is (near-)greedy: engines sample with temperature > 0 only
 
 
 class GeneratorClock:
