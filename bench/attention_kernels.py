@@ -9,7 +9,7 @@ the engine's backends (hf_engine.ATTENTION_BACKENDS: no cuDNN), SDPA with torch'
 on Hopper), SDPA over the kv heads repeated (`_expanded_sdpa`, the engine's for blocks of queries on CUDA) and the
 grouped matmuls (`_one_query_attention`, the engine's for decode). On CUDA each is also captured in a CUDA graph
 and replayed, as the engine's decode step is (decode_graphs.py). Prints ms per call and each variant's largest
-difference from the first. On an H200 (session 16) this showed why the engine's decode had lost 5x: without
+difference from the first. On an H200 (2026-11-27) this showed why the engine's decode had lost 5x: without
 cuDNN, SDPA given a mask and grouped heads fell back to its math kernel.
 """
 
