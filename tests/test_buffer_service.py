@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import zmq
 
-from nanoverl_async.buffer.service import BufferService, GatedClock, WorkShares, parse_request
+from nanoverl_async.buffer.generator_time import GatedClock, WorkShares
+from nanoverl_async.buffer.service import BufferService, parse_request
 from nanoverl_async.agents.data import prompt_source
 from nanoverl_async.agents import multiply_task
 from nanoverl_async.config import BufferConfig, ConfigError, DataConfig, GeneratorConfig

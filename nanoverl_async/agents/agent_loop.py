@@ -137,7 +137,8 @@ def template_shows_tools(tokenizer) -> bool:
     do; SmolLM2's drops them, and its model would never see the tools it is trained to call)."""
     messages = [{"role": "user", "content": "Hello"}]
     try:
-        text = tokenizer.apply_chat_template(messages, tools=[PROBE_TOOL], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=[PROBE_TOOL], tokenize=False,
+                                             add_generation_prompt=True)
     except Exception:  # noqa: BLE001 - a template that fails on tools shows none: they are described instead
         return False
     return PROBE_TOOL["function"]["name"] in text

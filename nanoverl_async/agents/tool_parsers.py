@@ -114,7 +114,9 @@ def describe_tools(schemas: list[dict], tool_format: str) -> str:
         how = (f'To call a tool, write {HERMES_OPEN}{{"name": <tool name>, "arguments": <its arguments as a JSON '
                f'object>}}{HERMES_CLOSE}; each result comes back in a message of its own.')
     elif tool_format == "json":
-        how = 'To call a tool, reply with only {"name": <tool name>, "parameters": <its arguments as a JSON object>}.'
+        how = ('To call a tool, reply with only {"name": <tool name>, "parameters": <its arguments as a JSON '
+               'object>}.')
     else:  # builtin: the first tool, with its first argument (parse_builtin)
-        how = f"To call {schemas[0]['function']['name']}, end your reply with {BUILTIN_OPEN}<its argument>{BUILTIN_CLOSE}."
+        name = schemas[0]["function"]["name"]
+        how = f"To call {name}, end your reply with {BUILTIN_OPEN}<its argument>{BUILTIN_CLOSE}."
     return f"You can call these tools, given as JSON schemas:\n<tools>\n{listing}\n</tools>\n{how}"

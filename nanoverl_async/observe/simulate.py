@@ -5,7 +5,7 @@
 RUN_DIR is a run launched with run.trace=true. For each setting the simulation replays the pipeline of
 docs/design.md "Processes and data flow" with the project's own rules on a simulated clock: `AdmissionGate`
 (buffer/gate.py), `ReplayBuffer.take` (buffer/replay.py: the consumption check, stale groups dropped and
-re-issued) and `GatedClock` (buffer/service.py: generators/gated_frac). It prints the predicted samples/s,
+re-issued) and `GatedClock` (buffer/generator_time.py: generators/gated_frac). It prints the predicted samples/s,
 staleness and gated_frac per setting under the run's measured values, and recommends a setting.
 
 The model; every cost is drawn from the run (run_costs.py) with a seeded RNG:
@@ -49,7 +49,7 @@ import numpy as np
 
 from nanoverl_async.buffer.gate import AdmissionGate
 from nanoverl_async.buffer.replay import ReplayBuffer
-from nanoverl_async.buffer.service import GatedClock
+from nanoverl_async.buffer.generator_time import GatedClock
 from nanoverl_async.config import ConfigError
 from nanoverl_async.observe.run_costs import COMPUTE, STEP_COSTS, Source, read_source, speeds
 from nanoverl_async.wire.trajectory import Trajectory
