@@ -73,6 +73,22 @@ def test_env_factory_classes_functions_and_reward(tmp_path):
         env_factory("nanoverl_async.agents.multiply_task:score")
 
 
+def test_the_builtin_format_takes_one_tool_exactly(tmp_path):
+    """`<call>EXPR</call>` names no tool: with two the model could only ever call the first, so two are refused
+    at start, and one (the built-in task's calculator) is taken."""
+    (tmp_path / "two.py").write_text(
+        "from nanoverl_async import Environment\n\n\n"
+        "def add(a: int) -> int:\n    \"\"\"Add one.\"\"\"\n    return a + 1\n\n\n"
+        "def double(a: int) -> int:\n    \"\"\"Double.\"\"\"\n    return 2 * a\n\n\n"
+        "class Two(Environment):\n    tools = [add, double]\n    tool_format = 'builtin'\n\n\n"
+        "class TwoHermes(Two):\n    tool_format = 'hermes'\n")
+    with pytest.raises(ValueError, match=r"declares 2 tools in the builtin format, whose <call>EXPR</call> names "
+                                         r"none: use one tool, or tool_format = \"hermes\""):
+        env_factory(f"{tmp_path}/two.py:Two")
+    assert len(env_factory(f"{tmp_path}/two.py:TwoHermes").tools) == 2
+    assert [tool.name for tool in env_factory("builtin:multiply").tools] == ["calculator"]  # builtin, one tool
+
+
 @pytest.mark.parametrize("writer,suffix", [(write_jsonl, "jsonl"), (write_parquet, "parquet")])
 def test_dataset_prompts(tmp_path, writer, suffix):
     path = writer(tmp_path / f"train.{suffix}", ROWS)

@@ -131,4 +131,8 @@ def env_factory(spec: str, reward_fn: Optional[Callable] = None, env_args: Optio
     # before any role starts, not in every episode (preflight.py reads them; tools set in __init__ come later).
     tools = getattr(target, "tools", ())
     new_env.tools = [as_tool(tool) for tool in tools] if isinstance(tools, (list, tuple)) else []
+    if getattr(target, "tool_format", "hermes") == "builtin" and len(new_env.tools) > 1:
+        # <call>EXPR</call> names no tool: the model could only ever call the first
+        raise ValueError(f"agent.env '{spec}' declares {len(new_env.tools)} tools in the builtin format, whose "
+                         f"<call>EXPR</call> names none: use one tool, or tool_format = \"hermes\"")
     return new_env

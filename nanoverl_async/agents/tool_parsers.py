@@ -5,7 +5,8 @@ Two formats, chosen by `Environment.tool_format`:
         <tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>
     blocks in the turn, which ends at the eos token; the text before the first block is the content.
   - "builtin" (the embedded tiny model, nanoverl_async/agents/multiply_task.py): `...<call>EXPR</call>`;
-    generation stops at the `</call>` token and EXPR is the first argument of the first tool;
+    generation stops at the `</call>` token and EXPR is the first argument of the environment's one tool
+    (env.env_factory refuses more than one in this format: the call names none);
   - "json" (Llama-3.1/3.2 style): a turn that is one JSON object `{"name": ..., "parameters": {...}}`
     is one call; any other turn is a final answer.
 
