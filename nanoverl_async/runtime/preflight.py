@@ -169,7 +169,7 @@ def prompt_overflow(cfg: Config, env: Any, sample: dict) -> Optional[str]:
     """Why `sample`'s prompt leaves no room under agent.max_total_tokens, or None if it fits. A rendering of
     more bytes than the budget's tokens can hold (at the most bytes a token stands for) is too long without
     tokenizing it (10 MiB take a minute); any other is tokenized by Episode.start, as in the run."""
-    from nanoverl_async.agents.agent_loop import Episode, call_hook  # numpy: only for a long prompt
+    from nanoverl_async.agents.agent_loop import Episode, call_hook, with_system_text  # numpy: only for a long prompt
 
     tokenizer, most_bytes = prompt_tokenizer(cfg.model.path, cfg.model.cache_dir)
     try:
@@ -177,7 +177,9 @@ def prompt_overflow(cfg: Config, env: Any, sample: dict) -> Optional[str]:
     except UserCodeError as error:
         raise ConfigError(f"config key 'agent.env': {error}") from None
     episode = Episode(None, tokenizer, cfg.agent, 1.0, env)
-    rendered = len(tokenizer.apply_chat_template(messages, tools=episode.schemas, tokenize=False,
+    # as Episode.start renders it: with the tools in the system message where the template drops them
+    rendered = len(tokenizer.apply_chat_template(with_system_text(messages, episode.tools_described),
+                                                 tools=episode.schemas, tokenize=False,
                                                  add_generation_prompt=True).encode())
     if rendered >= cfg.agent.max_total_tokens * most_bytes:
         return (f"the prompt has at least {-(-rendered // most_bytes)} tokens ({rendered} bytes), no room under "
