@@ -169,7 +169,7 @@ def prompt_overflow(cfg: Config, env: Any, sample: dict) -> Optional[str]:
     """Why `sample`'s prompt leaves no room under agent.max_total_tokens, or None if it fits. A rendering of
     more bytes than the budget's tokens can hold (at the most bytes a token stands for) is too long without
     tokenizing it (10 MiB take a minute); any other is tokenized by Episode.start, as in the run."""
-    from nanoverl_async.agents.agent_loop import Episode, call_hook, with_system_text  # numpy: only for a long prompt
+    from nanoverl_async.agents.agent_loop import Episode, call_hook, with_system_text  # numpy: long prompts only
 
     tokenizer, most_bytes = prompt_tokenizer(cfg.model.path, cfg.model.cache_dir)
     try:
