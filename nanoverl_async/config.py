@@ -142,6 +142,17 @@ class GeneratorConfig:
 
 
 @dataclass
+class LoRAConfig:
+    # Low-rank adapters on a frozen base (models/lora.py): only A and B train, and a version carries only them
+    rank: int = 0  # r of every adapter; 0 = off (the whole model trains)
+    alpha: float = 32.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input while training; > 0 costs a separate proximal forward
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # PEFT's names; all-linear: every
+    #   linear layer but the LM head
+    save_merged: bool = False  # final/ holds the adapter (PEFT's format) and, with this, final/merged: the whole model
+
+
+@dataclass
 class LearnerConfig:
     world_size: int = 1  # FSDP2 ranks
     lr: float = 1e-4
@@ -156,6 +167,7 @@ class LearnerConfig:
     micro_batch_tokens: int = 0  # forward/backward chunks of at most this many padded tokens (0 = no bound)
     activation_checkpointing: bool = False  # keep only each decoder layer's input for backward, recompute the rest
     logits_chunk_tokens: int = 0  # LM head + log-softmax over at most this many sampled tokens at once (0 = all)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass

@@ -116,6 +116,12 @@ def _rules(cfg: Config) -> Iterator[tuple[str, bool, str]]:
         (f"'{cfg.weight_sync.mode}' cannot be honoured with generator.sglang.weight_transport=nccl (learner rank 0 "
          "loads each version into the servers when it publishes, mid-episode); use weight_sync.mode=interrupt or "
          "generator.sglang.weight_transport=disk")
+    yield "learner.lora.dropout", learner.lora.dropout >= 1, f"must be < 1, got {learner.lora.dropout}"
+    yield "learner.lora.alpha", learner.lora.rank > 0 and learner.lora.alpha <= 0, "must be > 0 with learner.lora.rank"
+    yield "learner.lora.target_modules", learner.lora.rank > 0 and not learner.lora.target_modules, \
+        "must name at least one module (or all-linear) with learner.lora.rank"
+    yield "learner.lora.rank", learner.lora.rank > 0 and cfg.generator.engine == "sglang", \
+        "LoRA versions are merged by the project's own engine only (generator.engine=transformers) for now"
     yield "run.overwrite", run.overwrite and run.resume != "", \
         f"clears run.output_dir for a fresh run, so it cannot be combined with run.resume={run.resume!r}"
     yield "run.print_sample_every", run.print_sample_every > 0 and run.log_samples == 0, \

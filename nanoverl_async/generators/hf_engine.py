@@ -73,6 +73,7 @@ from nanoverl_async.generators.engine import Completion, SamplingParams
 from nanoverl_async.generators.kv_blocks import PagedCache, pool_blocks, version_seed
 from nanoverl_async.generators.llama_forward import LlamaModel, Tokens
 from nanoverl_async.models.load import DTYPES, on_device
+from nanoverl_async.models.lora import MergedAdapters
 
 LOCKSTEP_POLL_S = 0.001  # how often a lockstep engine checks whether every episode is waiting
 DEFAULT_KV_MEMORY = {"cuda": 0.5, "cpu": 2.0}  # kv_cache_memory=0: a fraction of free GPU memory; CPU GiB
@@ -124,12 +125,15 @@ class TransformersEngine:
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32", seed: int = 0, *,
                  max_batch_size: int = 256, cuda_graphs: bool = True, kv_cache_memory: float = 0.0,
-                 block_size: int = 16, num_blocks: Optional[int] = None, prefill_tokens: int = 8192):
+                 block_size: int = 16, num_blocks: Optional[int] = None, prefill_tokens: int = 8192,
+                 lora_scaling: float = 0.0):
         """`num_blocks` (tests, benchmarks) sizes the pool in blocks instead of `kv_cache_memory`;
         `prefill_tokens` bounds the tokens a step computes for the requests it admits (a longer context is
-        admitted alone): the activations of 256 8k-token prompts in one forward would not fit a GPU."""
+        admitted alone): the activations of 256 8k-token prompts in one forward would not fit a GPU.
+        `lora_scaling` > 0 (learner.lora): a version holds LoRA adapters, merged into the weights at this scale."""
         self.device = torch.device(device)
         self.model = LlamaModel(model_path, self.device, DTYPES[dtype])
+        self.adapters = MergedAdapters(dict(self.model.named_parameters()), lora_scaling) if lora_scaling else None
         self.version, self.max_batch_size, self.prefill_tokens = 0, max_batch_size, prefill_tokens
         self._generator, self.seed = torch.Generator(device=self.device).manual_seed(seed), seed
         self.lockstep: Optional[Callable[[], int]] = None  # run.deterministic: see "Lockstep" above
@@ -186,8 +190,19 @@ class TransformersEngine:
 
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load `state_dict` as weights `version` now (a safe point: see the module docstring). The worker stages
-        only versions newer than the engine's (WeightSubscriber.poll_newest), so they are >= 0."""
-        # Checked before loading: a refused version leaves the model intact.
+        only versions newer than the engine's (WeightSubscriber.poll_newest), so they are >= 0. With LoRA, the
+        version's adapters are merged into the base weights (models/lora.py)."""
+        if self.adapters is not None:
+            self.adapters.merge(state_dict)  # checked first, as below
+        else:
+            self._load(state_dict, version)
+        self.version = version
+        self.cache.pool.forget()  # their hashes name the old version: none could match again
+        self._requeue(len(self._rows))  # computed again under the new weights, from the queue's front
+
+    def _load(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """A whole state dict into the model, in place, checked before loading: a refused version leaves the model
+        intact."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         given = {params[k].data_ptr() for k in state_dict if k in params}
         # A tied parameter (lm_head = embed_tokens) may appear once in a state dict.
@@ -198,9 +213,6 @@ class TransformersEngine:
             raise KeyError(f"weights version {version} do not fit the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}, wrong shape {shapes[:5]}")
         self.model.load_state_dict(state_dict, strict=False)  # in place: the forward reads the same tensors
-        self.version = version
-        self.cache.pool.forget()  # their hashes name the old version: none could match again
-        self._requeue(len(self._rows))  # computed again under the new weights, from the queue's front
 
     async def _run(self) -> None:
         try:

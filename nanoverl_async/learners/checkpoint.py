@@ -5,7 +5,7 @@ every rank writing and reading only its own shards; and the full model as a Hugg
     load_training_state(rank, "out/checkpoints/step_4/learner")        # collective, on every rank
     save_hf(rank.model, AutoModelForCausalLM, model_path, "out/final", rank.rank)   # collective
 
-What is saved: the policy and its AdamW state, and, with algorithm.advantage=gae, the critic and its
+What is saved: the policy (with LoRA, its adapters: the base is model.path) and its AdamW state, and, with algorithm.advantage=gae, the critic and its
 optimizer. Tensors only: an optimizer's param_groups (lr, betas, ...) come from the config, so a resumed run
 takes a changed learner.lr. The frozen reference model is not saved: it is rebuilt from reference.path (or
 model.path).
@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.fsdp import FSDPModule
 
-from nanoverl_async.config import ConfigError
+from nanoverl_async.config import ConfigError, LoRAConfig
+from nanoverl_async.models import lora
 from nanoverl_async.models.load import load_tokenizer, refusal
 
 # The globals DCP pickles into .metadata: its own classes, torch.Size, dtypes, layouts and the path it was written
@@ -59,9 +60,21 @@ def _modules(learner) -> dict:
     return {name: pair for name, pair in pairs.items() if pair[0] is not None}
 
 
+# A frozen parameter is not part of a checkpoint: a LoRA run's base is model.path itself. Loading is then not
+# strict about the model's other keys; DCP's load still fails on any trained tensor the checkpoint lacks.
+TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+LOAD_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def _state_dicts(learner) -> dict:
-    """name -> (model state dict, optimizer state dict), as `set_state_dict` takes them back."""
-    return {name: get_state_dict(model, optimizer) for name, (model, optimizer) in _modules(learner).items()}
+    """name -> (model state dict, optimizer state dict), as `set_state_dict` takes them back; no frozen tensor,
+    not even a second name of one (a tied LM head, which `ignore_frozen_params` keeps)."""
+    out = {}
+    for name, (model, optimizer) in _modules(learner).items():
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINED_ONLY)
+        frozen = {key for key, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        out[name] = ({key: value for key, value in model_state.items() if key not in frozen}, optimizer_state)
+    return out
 
 
 def _tensors(state_dicts: dict) -> dict:
@@ -88,7 +101,8 @@ def load_training_state(learner, path: str) -> None:
         raise failure if isinstance(failure, ConfigError) else refused(path, refusal(failure)) from None
     for name, (model, optimizer) in _modules(learner).items():
         model_state, optimizer_state = state_dicts[name]
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                       options=LOAD_TRAINED)
         drop_compute_copy(model)
 
 
@@ -147,9 +161,11 @@ class TensorsOnly(DefaultLoadPlanner):
 def drop_compute_copy(model: torch.nn.Module) -> None:
     """One FSDP2 rank keeps the unsharded compute copy of its weights after a forward (it does not reshard);
     once the weights change other than by an optimizer step (a loaded checkpoint; the first step after the
-    packing probe's forward), that copy is stale: reshard. A plain model computes on its weights themselves."""
-    if isinstance(model, FSDPModule):
-        model.reshard()
+    packing probe's forward), that copy is stale: reshard, every FSDP2 module (`reshard` is not recursive, and each
+    decoder layer holds its own copy). A plain model computes on its weights themselves."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -157,14 +173,30 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save_hf(module: torch.nn.Module, model_class, source: str, path: str, rank: int, **kwargs) -> None:
+def save_hf(module: torch.nn.Module, model_class, source: str, path: str, rank: int, merge: float = 0.0,
+            **kwargs) -> None:
     """Collective: gather `module`'s full state dict and have rank 0 save it as `model_class` built from
-    `source` (its config and tokenizer files are copied too)."""
+    `source` (its config and tokenizer files are copied too). `merge`: the module has LoRA layers, merged
+    with this scaling (models/lora.py) into the base model's weights."""
     state_dict = full_state_dict(module)
     if rank == 0:
+        state_dict = lora.merged_state(state_dict, merge) if merge else state_dict
         model = model_class.from_pretrained(source, dtype=torch.float32, **kwargs)
         model.load_state_dict(state_dict)
         model.save_pretrained(path)
-        if any(os.path.exists(os.path.join(source, name)) for name in ("tokenizer.json", "tokenizer_config.json")):
-            load_tokenizer(source).save_pretrained(path)
+        _copy_tokenizer(source, path)
     dist.barrier()
+
+
+def save_adapter(adapters: dict[str, torch.Tensor], cfg: LoRAConfig, source: str, path: str, rank: int) -> None:
+    """Collective: rank 0 writes PEFT's adapter folder of `adapters` (gathered to it) for the base model at
+    `source`, with that model's tokenizer, as peft's own `save_pretrained` leaves it."""
+    if rank == 0:
+        lora.save_adapter(adapters, cfg, source, path)
+        _copy_tokenizer(source, path)
+    dist.barrier()
+
+
+def _copy_tokenizer(source: str, path: str) -> None:
+    if any(os.path.exists(os.path.join(source, name)) for name in ("tokenizer.json", "tokenizer_config.json")):
+        load_tokenizer(source).save_pretrained(path)

@@ -32,6 +32,7 @@ Run alone (no Ray): `python -m pytest tests/test_fsdp.py tests/test_fsdp_schedul
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 from functools import partial
@@ -51,11 +52,13 @@ from nanoverl_async.algorithms import (LossInputs, aggregate, kl_estimates, kl_p
 from nanoverl_async.config import SGLangConfig
 from nanoverl_async.learners.batch import (TrainBatch, epoch_order, shard, split_to, take_rows, to_device,
                                            token_budget_bounds, trimmed)
-from nanoverl_async.learners.checkpoint import drop_compute_copy, load_training_state, save_hf, save_training_state
+from nanoverl_async.learners.checkpoint import (drop_compute_copy, load_training_state, save_adapter, save_hf,
+                                               save_training_state)
 from nanoverl_async.learners.memory import peak_memory
 from nanoverl_async.learners.packing import (Packing, attends_to_whole_context, attention_cost_per_position,
                                              keeps_packed_sequences_apart, pack, prompt_lengths)
 from nanoverl_async.learners.setup import PROCESS_GROUP_TIMEOUT_S, LearnerSetup
+from nanoverl_async.models import lora
 from nanoverl_async.models.load import DTYPES
 from nanoverl_async.wire.weights import WeightPublisher, serialise
 
@@ -79,13 +82,15 @@ class LearnerRank:
                                 rank=rank, world_size=world_size, device_id=self.device if cuda else None,
                                 timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
         self.mesh = init_device_mesh(self.device.type, (world_size,))
-        self.model = self._sharded_model(setup.model.path)
+        self.lora = cfg.lora if cfg.lora.rank > 0 else None  # learner.lora: adapters train, the base is frozen
+        self.model = self._sharded_model(setup.model.path, adapters=self.lora)
         # every optimizer (policy, critic): AdamW with learner.betas, fused: one kernel per step instead of a
         # DTensor dispatch per parameter and op (~10% of a small step)
         adamw = partial(torch.optim.AdamW, betas=tuple(cfg.betas), fused=True)
-        self.optimizer = adamw(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.reference = None  # the frozen reference policy, only when KL is on
-        if setup.kl.loss_coef > 0 or setup.kl.reward_coef > 0:
+        trained = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
+        self.optimizer = adamw(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.reference = None  # the frozen reference policy, only when KL is on; with LoRA, the base model itself
+        if (setup.kl.loss_coef > 0 or setup.kl.reward_coef > 0) and not (self.lora and not setup.reference.path):
             self.reference = self._sharded_model(setup.reference.path or setup.model.path).requires_grad_(False)
         # the value model of advantage=gae: LM backbone + scalar head, its own optimizer
         self.critic = self.critic_optimizer = None
@@ -112,15 +117,21 @@ class LearnerRank:
         self.sender = None  # rank 0's SGLangWeightSender once connected
         peak_memory(self.device)  # the first step's memory/* peaks leave the start-up out
 
-    def _sharded_model(self, path: str, model_class=AutoModelForCausalLM, **kwargs) -> torch.nn.Module:
+    def _sharded_model(self, path: str, model_class=AutoModelForCausalLM, adapters=None, **kwargs) -> torch.nn.Module:
         """A causal LM (or, for the critic, its backbone with a token-level head) with fp32 master weights,
         sharded per decoder layer and at the root; bfloat16 only for compute when asked (FSDP2 mixed
         precision), gradients reduced in fp32. On one rank the shard is the whole model: freeing the compute
         copy after each forward would save no memory and cost a second cast of every weight in backward. One
         rank in fp32 has nothing to shard, reduce or cast: the plain model (FSDP2 costs 5-10% of a CPU update).
         learner.activation_checkpointing: each decoder layer keeps only its input for backward and recomputes
-        the rest (torch's composable, non-reentrant checkpoint: parameter names unchanged, FSDP2 composes)."""
-        model = model_class.from_pretrained(path, dtype=torch.float32, **kwargs).to(self.device)
+        the rest (torch's composable, non-reentrant checkpoint: parameter names unchanged, FSDP2 composes).
+        `adapters` (learner.lora): a frozen base in the compute dtype, LoRA's A and B the fp32 master weights,
+        A's random start the same on every rank."""
+        dtype = self.dtype if adapters else torch.float32
+        model = model_class.from_pretrained(path, dtype=dtype, **kwargs).to(self.device)
+        if adapters:
+            torch.manual_seed(self.setup.seed)
+            lora.add_adapters(model, adapters)
         model.config.use_cache = False
         model.eval()  # no dropout: see the module docstring
         layer_classes = set(getattr(model, "_no_split_modules", None) or [])
@@ -156,16 +167,19 @@ class LearnerRank:
         """The TrainBatch field `field` of this rank's shard, from a forward before the update: float32 [rows,
         L], token-indexed (see batch.sequence_logprobs), 0 off the loss mask. "proximal_logprobs": p_old, of
         the weights this rank holds now (version `self.version`); "reference_logprobs": those of the frozen
-        reference model (KL only); "values": the critic's V before this step (advantage=gae only)."""
-        model = {"proximal_logprobs": self.model, "reference_logprobs": self.reference, "values": self.critic}[field]
+        reference model (KL only; with LoRA and no reference.path, the base: the policy, its adapters off); "values": the critic's V before this step (advantage=gae only)."""
+        base = field == "reference_logprobs" and self.reference is None and self.lora is not None  # the base model
+        model = {"proximal_logprobs": self.model, "reference_logprobs": self.model if base else self.reference,
+                 "values": self.critic}[field]
         assert model is not None, f"no model computes {field} in this run (the reference needs KL, the critic gae)"
         local = shard(batch, self.rank, self.world_size)
         out = torch.zeros(local.input_ids.shape, dtype=torch.float32)
-        for start, stop in self._micro_bounds(local):
-            mb, packing = self._micro_batch(local, start, stop)
-            values = self._values(packing) if field == "values" else \
-                packing.logprobs(model, self.setup.temperature, self.cfg.logits_chunk_tokens)
-            out[start:stop, :values.shape[1]] = torch.where(mb.loss_mask.bool(), values, 0.0).cpu()
+        with lora.adapters_off(self.model) if base else contextlib.nullcontext():
+            for start, stop in self._micro_bounds(local):
+                mb, packing = self._micro_batch(local, start, stop)
+                values = self._values(packing) if field == "values" else \
+                    packing.logprobs(model, self.setup.temperature, self.cfg.logits_chunk_tokens)
+                out[start:stop, :values.shape[1]] = torch.where(mb.loss_mask.bool(), values, 0.0).cpu()
         return out.numpy()
 
     def _values(self, packing: Packing) -> torch.Tensor:
@@ -214,8 +228,9 @@ class LearnerRank:
         """One optimizer step of the policy on this rank's rows and, with gae, one of the critic on the same
         micro-batches."""
         normalisers, bounds = self._normalisers(local), self._micro_bounds(local)
-        out, grad_norm = self._train(self.model, self.optimizer, self.cfg.grad_clip, local, bounds, normalisers,
-                                     self._loss)
+        with lora.adapter_dropout(self.model) if self.lora else contextlib.nullcontext():
+            out, grad_norm = self._train(self.model, self.optimizer, self.cfg.grad_clip, local, bounds, normalisers,
+                                         self._loss)
         out.update(grad_norm=grad_norm, tokens=int(normalisers["tokens"]))
         if self.critic is not None:
             critic, critic_norm = self._train(self.critic, self.critic_optimizer, self.setup.critic.grad_clip, local,
@@ -299,7 +314,7 @@ class LearnerRank:
         (`take_spare`; every version has the same layout), else a new one (weights.empty_payload): in shared
         memory on CPU, on the GPU itself when every generator shares it (CUDA IPC), else pinned. From a GPU the
         copies do not block, and the host waits once for all of them (into pageable memory each would wait)."""
-        state = self.model.state_dict()
+        state = self._published_state()
         if self.nccl_transport:
             gathered = list(self._full_tensors(state))  # collective: every rank gathers, rank 0 keeps them
             if self.sender is not None:
@@ -318,6 +333,13 @@ class LearnerRank:
         if self.publisher is not None:
             self.publisher.publish(version, payload)
 
+    def _published_state(self) -> dict:
+        """What a version holds: the policy's state dict; with LoRA, its adapters alone, under PEFT's names."""
+        state = self.model.state_dict()
+        if self.lora is None:
+            return state
+        return {key: state[name] for name in state if (key := lora.adapter_key(name)) is not None}
+
     def _full_tensors(self, state: dict) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective, one tensor gathered at a time: on rank 0, (name, the full tensor in the run's dtype on
         this rank's device); nothing on the others."""
@@ -331,9 +353,18 @@ class LearnerRank:
 
     def save_pretrained(self, path: str) -> None:
         """Collective: rank 0 writes a Hugging Face directory (config, weights, tokenizer) at `path`, and
-        the critic's (advantage=gae; AutoModelForTokenClassification, one label) at `path/critic`."""
+        the critic's (advantage=gae; AutoModelForTokenClassification, one label) at `path/critic`. With LoRA,
+        `path` is PEFT's adapter folder (the adapters as published) and, with learner.lora.save_merged, the
+        merged model is the Hugging Face directory `path/merged`."""
         model_path = self.setup.model.path
-        save_hf(self.model, AutoModelForCausalLM, model_path, path, self.rank)
+        if self.lora is not None:
+            adapters = dict(self._full_tensors(self._published_state()))
+            save_adapter(adapters, self.lora, model_path, path, self.rank)
+            if self.lora.save_merged:
+                save_hf(self.model, AutoModelForCausalLM, model_path, f"{path}/merged", self.rank,
+                        merge=lora.scaling(self.lora))
+        else:
+            save_hf(self.model, AutoModelForCausalLM, model_path, path, self.rank)
         if self.critic is not None:
             save_hf(self.critic, AutoModelForTokenClassification, self.setup.critic.path or model_path,
                      f"{path}/critic", self.rank, num_labels=1)
