@@ -102,12 +102,12 @@ def test_a_chunk_keeps_no_logits_for_backward(model_dir):
 
 
 def test_the_persistent_state_fits_up_to_the_exact_byte():
-    # 16 bytes per trained parameter and 4 per frozen one, over 2 ranks: 1,000 x 16 + 500 x 4 = 18,000 / 2
-    assert learner_state_bytes(1_000, 500, 2) == 9_000
+    # 16 bytes per trained parameter and the frozen weights' bytes, over 2 ranks: 1,000 x 16 + 2,000 = 18,000 / 2
+    assert learner_state_bytes(1_000, 2_000, 2) == 9_000
     assert learner_state_bytes(1_001, 0, 2) == 8_008
     assert learner_state_bytes(1, 0, 3) == 6  # rounded up: 16 / 3
-    assert learner_fit_error(1_000, 500, 2, 9_000, "GPU memory") is None
-    refused = learner_fit_error(1_000, 500, 2, 8_999, "GPU memory")
+    assert learner_fit_error(1_000, 2_000, 2, 9_000, "GPU memory") is None
+    refused = learner_fit_error(1_000, 2_000, 2, 8_999, "GPU memory")
     assert refused is not None and "\n" not in refused and "learner.world_size >= 3" in refused
     # CPU ranks on one host: every rank's share lands in the same memory, so more ranks do not help
     assert learner_fit_error(1_000, 0, 4, 16_000, "host memory", ranks_share_it=True) is None
@@ -126,7 +126,7 @@ def test_launch_refuses_a_learner_that_cannot_fit_before_any_role_starts(model_d
     # counted from the config alone: the policy; with KL the reference, frozen; with gae the critic, trained
     assert preflight.learner_parameters(cfg) == (trained, 0)
     assert preflight.learner_parameters(load_config(None, [f"model.path={model_dir}", "kl.loss_coef=0.1"])) == \
-        (trained, trained)
+        (trained, 4 * trained)
     critic = trained + 64 + 1  # the same body (its tied head was the embedding) and a score head [1, 64] + bias
     assert preflight.learner_parameters(load_config(None, [f"model.path={model_dir}", "algorithm.advantage=gae"])) \
         == (trained + critic, 0)

@@ -244,3 +244,26 @@ def test_lora_config_bounds(override, wrong):
             load_config("configs/agent_grpo.yaml", overrides)
     else:
         assert load_config("configs/agent_grpo.yaml", overrides).learner.lora.rank == 8
+
+
+@pytest.mark.parametrize("targets", [["all-linear"], ["q_proj", "v_proj"], ["mlp.down_proj"]])
+def test_the_adapter_count_of_the_fit_check_is_what_peft_adds(model_dir, targets):
+    cfg = dataclasses.replace(ADAPTERS, target_modules=targets)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    before = sum(p.numel() for p in model.parameters())
+    counted = lora.adapter_parameters(model, cfg)
+    lora.add_adapters(model, cfg)
+    assert counted == sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
+    assert sum(p.numel() for p in model.parameters() if not p.requires_grad) == before
+
+
+def test_the_fit_check_counts_a_lora_base_at_its_dtype_s_bytes_and_no_reference_copy(model_dir):
+    from nanoverl_async.runtime import preflight
+
+    base = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+    adapted = 4 * ((64 + 64) + (64 + 32) * 2 + (64 + 64) + (64 + 128) * 2 + (128 + 64)) * 2  # r (in + out), 2 layers
+    lora_run = [f"model.path={model_dir}", "learner.lora.rank=4", "kl.loss_coef=0.1"]
+    assert preflight.learner_parameters(load_config(None, [*lora_run, "model.dtype=bfloat16"])) == (adapted, 2 * base)
+    assert preflight.learner_parameters(load_config(None, lora_run)) == (adapted, 4 * base)  # float32
+    with_reference = load_config(None, [*lora_run, f"reference.path={model_dir}"])
+    assert preflight.learner_parameters(with_reference) == (adapted, 4 * base + 4 * base)

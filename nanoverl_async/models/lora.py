@@ -65,6 +65,17 @@ def add_adapters(model: torch.nn.Module, cfg: LoRAConfig) -> None:
             parameter.data = parameter.data.float()
 
 
+def adapter_parameters(model: torch.nn.Module, cfg: LoRAConfig) -> int:
+    """How many parameters A and B add to `model` (a model on the meta device will do): r x (in + out) for each
+    linear layer PEFT adapts, chosen as PEFT chooses: all-linear, every one but the output layer; else each whose
+    name is a listed one or ends in "." and a listed one. Counted without importing PEFT (seconds at start-up)."""
+    targets, output = list(cfg.target_modules), model.get_output_embeddings()
+    return sum(cfg.rank * (module.in_features + module.out_features) for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear) and (
+                   module is not output if targets == ["all-linear"] else
+                   any(name == target or name.endswith(f".{target}") for target in targets)))
+
+
 def adapter_key(name: str) -> str | None:
     """A learner parameter's name -> its key in PEFT's adapter files; None for a base-model tensor.
     `model.layers.0.mlp.up_proj.lora_A.default.weight` -> `base_model.model.model.layers.0.mlp.up_proj.lora_A.weight`."""

@@ -207,7 +207,7 @@ def prompt_tokenizer(path: str, cache_dir: str) -> tuple[Any, int]:
 
 def check_learner_fits(cfg: Config) -> None:
     """One ConfigError line if the learner's persistent state (learners/memory.py: 16 bytes a trained
-    parameter, 4 a frozen one, over learner.world_size ranks) exceeds the memory its ranks run in: on cuda,
+    parameter, a frozen one's weight, over learner.world_size ranks) exceeds the memory its ranks run in: on cuda,
     each GPU's (the smallest nvidia-smi lists here); on cpu, this machine's, which every local rank shares.
     Skipped where that is not knowable here: on a Ray cluster (ray.address: the ranks' machines are not this
     one), without nvidia-smi, and for a model.path given as builtin:NAME (small) or a builder file.py:fn
@@ -223,10 +223,13 @@ def check_learner_fits(cfg: Config) -> None:
 
 
 def learner_parameters(cfg: Config) -> Optional[tuple[int, int]]:
-    """(trained, frozen) parameter counts: the policy and, for gae, the critic trained; the KL reference
-    frozen. None if a path is not a directory or Hub id, or its config cannot be read (launch says why)."""
+    """(trained parameters, frozen bytes): the policy and, for gae, the critic trained; the KL reference frozen
+    in float32; with learner.lora, the policy's adapters trained and its base frozen in model.dtype (and no
+    reference of its own without reference.path: the base is it). None if a path is not a directory or Hub id,
+    or its config cannot be read (launch says why)."""
+    adapters = cfg.learner.lora if cfg.learner.lora.rank else None
     paths = [(cfg.model.path, False, True)]  # (path, is the critic, trained)
-    if cfg.kl.loss_coef > 0 or cfg.kl.reward_coef > 0:
+    if (cfg.kl.loss_coef > 0 or cfg.kl.reward_coef > 0) and not (adapters and not cfg.reference.path):
         paths.append((cfg.reference.path or cfg.model.path, False, False))
     if cfg.algorithm.advantage == "gae":
         paths.append((cfg.critic.path or cfg.model.path, True, True))
@@ -235,16 +238,28 @@ def learner_parameters(cfg: Config) -> Optional[tuple[int, int]]:
     import torch  # here, not at the top: the CLI checks a config before starting Ray, in a fraction of a second
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-    counts = [0, 0]  # trained, frozen
+    from nanoverl_async.learners.memory import REFERENCE_BYTES
+    from nanoverl_async.models.load import DTYPES
+    from nanoverl_async.models.lora import adapter_parameters
+
+    trained_count, frozen_bytes = 0, 0
     for path, critic, trained in paths:
         model_class = AutoModelForTokenClassification if critic else AutoModelForCausalLM
         try:
             config = AutoConfig.from_pretrained(path, **({"num_labels": 1} if critic else {}))
             with torch.device("meta"):  # shapes only: no memory, no initialisation
-                counts[not trained] += sum(p.numel() for p in model_class.from_config(config).parameters())
+                model = model_class.from_config(config)
         except (OSError, ValueError):
             return None
-    return counts[0], counts[1]
+        count = sum(p.numel() for p in model.parameters())
+        if trained and adapters and not critic:
+            trained_count += adapter_parameters(model, adapters)
+            frozen_bytes += count * DTYPES[cfg.model.dtype].itemsize
+        elif trained:
+            trained_count += count
+        else:
+            frozen_bytes += count * REFERENCE_BYTES
+    return trained_count, frozen_bytes
 
 
 def learner_memory(cfg: Config) -> Optional[tuple[int, str]]:
