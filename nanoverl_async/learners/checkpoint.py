@@ -3,7 +3,7 @@ every rank writing and reading only its own shards; and the full model as a Hugg
 
     save_training_state(rank, "out/checkpoints/.step_4.tmp/learner")   # collective, on every rank
     load_training_state(rank, "out/checkpoints/step_4/learner")        # collective, on every rank
-    save_hf(rank.model, AutoModelForCausalLM, model_path, "out/final", rank.rank)   # collective
+    save_hf(rank.model, AutoModelForCausalLM, model_path, "out/final", rank.rank, rank.dtype)   # collective
 
 What is saved: the policy and its AdamW state, and, with algorithm.advantage=gae, the critic and its
 optimizer. Tensors only: an optimizer's param_groups (lr, betas, ...) come from the config, so a resumed run
@@ -157,12 +157,15 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save_hf(module: torch.nn.Module, model_class, source: str, path: str, rank: int, **kwargs) -> None:
+def save_hf(module: torch.nn.Module, model_class, source: str, path: str, rank: int, dtype: torch.dtype,
+            **kwargs) -> None:
     """Collective: gather `module`'s full state dict and have rank 0 save it as `model_class` built from
-    `source` (its config and tokenizer files are copied too)."""
+    `source` in `dtype` (its config and tokenizer files are copied too). `dtype` is the run's model.dtype, not
+    the fp32 master weights': a bfloat16 run's final/ is bfloat16, half the bytes, as save_pretrained users
+    expect; load_state_dict casts each weight into the model built in it."""
     state_dict = full_state_dict(module)
     if rank == 0:
-        model = model_class.from_pretrained(source, dtype=torch.float32, **kwargs)
+        model = model_class.from_pretrained(source, dtype=dtype, **kwargs)
         model.load_state_dict(state_dict)
         model.save_pretrained(path)
         if any(os.path.exists(os.path.join(source, name)) for name in ("tokenizer.json", "tokenizer_config.json")):

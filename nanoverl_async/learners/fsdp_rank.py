@@ -331,12 +331,13 @@ class LearnerRank:
 
     def save_pretrained(self, path: str) -> None:
         """Collective: rank 0 writes a Hugging Face directory (config, weights, tokenizer) at `path`, and
-        the critic's (advantage=gae; AutoModelForTokenClassification, one label) at `path/critic`."""
+        the critic's (advantage=gae; AutoModelForTokenClassification, one label) at `path/critic`, both in
+        the run's dtype (model.dtype; the fp32 master weights cast)."""
         model_path = self.setup.model.path
-        save_hf(self.model, AutoModelForCausalLM, model_path, path, self.rank)
+        save_hf(self.model, AutoModelForCausalLM, model_path, path, self.rank, self.dtype)
         if self.critic is not None:
             save_hf(self.critic, AutoModelForTokenClassification, self.setup.critic.path or model_path,
-                     f"{path}/critic", self.rank, num_labels=1)
+                    f"{path}/critic", self.rank, self.dtype, num_labels=1)
 
     def save_checkpoint(self, path: str) -> None:
         """Collective: this rank's shards of models and optimizers, DCP, under `path` (learners/checkpoint.py)."""
