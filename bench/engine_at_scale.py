@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="1024,8192", help="prompt + new tokens")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--group", type=int, default=1, help="samples per prompt (they share its blocks)")
-    parser.add_argument("--kv-cache-memory", type=float, default=0.0, help="generator.kv_cache_memory (0 = auto)")
+    parser.add_argument("--kv-cache-memory", default="0", help="generator.kv_cache_memory: 0.9, 40GiB (0 = auto)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-blocks", type=int, default=0, help="the pool in blocks instead (0: from the memory)")
     parser.add_argument("--generate-at", default="256x1024", help="RxC cells where generate runs too: all, none")

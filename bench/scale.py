@@ -12,8 +12,13 @@ and, for each memory setting (plain; learner.activation_checkpointing with learn
 micro-batch size (learner.micro_batch_tokens), a batch of sequences of 128 prompt + 896 sampled tokens, two
 micro-batches of the largest size: whether it fits (else OOM), trained (sampled) tokens/s over --updates
 updates after a warm-up one, and the last update's peak device memory (memory/learner_peak_device_gb; on the
-CPU, host). Then, once per shape, the seconds from publish_weights to a subscriber (in this process) holding
-the version, the learner's default transport (weights.py), the median of three.
+CPU, host). Then, once per shape, the seconds from publish_weights to a subscriber (in the measuring process)
+holding the version, the learner's default transport (weights.py), the median of three.
+
+Each (shape, memory setting) is measured in a process of its own (`measured`: spawned, it inherits no memory,
+CUDA state or allocator cache), so that its peak is its own: measured one after the other in one process, the
+second setting's peak sat on what the first left behind (issue 41: on the CPU, activation checkpointing read
+10.67 GB right after the plain setting and 8.88 GB alone, so the table showed checkpointing raising memory).
 
 Not measured here (listed under the table): publish-to-applied with learner and generator on one GPU
 (issue 32 item 2, in place), and the default agent job's samples/s async against sync at each shape
@@ -24,13 +29,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
+import multiprocessing
 import os
 import shutil
 import socket
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Optional
 
 import torch
@@ -92,11 +99,25 @@ def publish_to_received(rank: LearnerRank, versions: int = 3) -> float:
     return statistics.median(seconds)
 
 
-def measure(path: str, device: str, tokens: list[int], batch, updates: int, threads: int,
+def measured(path: str, device: str, tokens: list[int], batch_shape: dict, updates: int, threads: int,
+             checkpointing: bool, chunk: int, publish: bool) -> tuple[dict[int, tuple], Optional[float]]:
+    """`measure` in a fresh spawned process (module docstring). A process killed meanwhile (the host's OOM
+    killer) leaves no result: its sizes read "killed"."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(measure, path, device, tokens, batch_shape, updates, threads, checkpointing, chunk,
+                               publish).result()
+        except BrokenProcessPool:
+            return {size: ("killed", None, None) for size in tokens}, None
+
+
+def measure(path: str, device: str, tokens: list[int], batch_shape: dict, updates: int, threads: int,
             checkpointing: bool, chunk: int, publish: bool) -> tuple[dict[int, tuple], Optional[float]]:
-    """{micro-batch tokens: (fits, trained tok/s, peak GB)} of one LearnerRank with these memory settings, and
-    (publish) the median seconds publish_weights -> a subscriber holds the version. A size that runs out of
-    memory is OOM, and so is every larger one (not tried)."""
+    """{micro-batch tokens: (fits, trained tok/s, peak GB)} of one LearnerRank with these memory settings on
+    qwen_batch(**batch_shape) (built here: a batch is cheaper to build than to send), and (publish) the median
+    seconds publish_weights -> a subscriber holds the version. A size that runs out of memory is OOM, and so is
+    every larger one (not tried)."""
+    batch = qwen_batch(**batch_shape)
     learner = LearnerConfig(device=device, torch_threads=threads, activation_checkpointing=checkpointing,
                             logits_chunk_tokens=chunk)
     setup = LearnerSetup(model=ModelConfig(path=path, dtype="bfloat16"), learner=learner,
@@ -117,10 +138,6 @@ def measure(path: str, device: str, tokens: list[int], batch, updates: int, thre
     finally:
         if rank is not None:
             rank.shutdown()
-        del rank
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
     return results, publish_s
 
 
@@ -136,12 +153,12 @@ def shape_rows(name: str, config: Qwen2Config, args, scratch: str) -> list[list[
     path = random_model(config, f"{scratch}/{name}", args.device)
     prompt, sampled = (SMOKE_PROMPT, SMOKE_SAMPLED) if args.smoke else (PROMPT, SAMPLED)
     sequences = -(-2 * max(args.tokens) // (prompt + sampled) // GROUP_SIZE) * GROUP_SIZE  # whole groups
-    batch = qwen_batch(config.vocab_size, sequences=sequences, prompt=prompt, sampled=sampled)
+    batch_shape = {"vocab": config.vocab_size, "sequences": sequences, "prompt": prompt, "sampled": sampled}
     rows = []
     for label, checkpointing, chunk in (("plain", False, 0), (f"checkpointed, logits in {args.chunk}s", True,
                                                                args.chunk)):
-        results, publish_s = measure(path, args.device, args.tokens, batch, args.updates, args.threads,
-                                     checkpointing, chunk, publish=not checkpointing)
+        results, publish_s = measured(path, args.device, args.tokens, batch_shape, args.updates, args.threads,
+                                      checkpointing, chunk, publish=not checkpointing)
         for size, (fits, speed, peak) in results.items():
             rows.append([name, billions(count), "passes", label, f"{size:,}", fits,
                          f"{speed:,.0f}" if speed else "", f"{peak:.1f}" if peak else "",

@@ -134,10 +134,12 @@ class GeneratorConfig:
     # GPUs Ray reserves for each transformers-engine replica on cuda; a fraction shares one GPU (e.g. 0.5
     # beside learner.gpus_per_rank=0.5 on a one-GPU machine). SGLang replicas take servers x tp_size.
     gpus_per_replica: float = 1.0
-    # The paged KV cache of a transformers-engine replica (generators/hf_engine.py): <= 1 is a fraction of the
-    # device memory free once the model is loaded (cuda: GPU memory; cpu: RAM available), > 1 is GiB; 0 = auto
-    # (0.5 on cuda, 2 GiB on cpu). While it is full, requests wait and the latest rows are preempted.
-    kv_cache_memory: float = 0.0
+    # The paged KV cache of a transformers-engine replica (generators/hf_engine.py): a fraction in (0, 1] of the
+    # device memory free once the model is loaded (cuda: GPU memory; cpu: RAM available; 1 = all of it), or a size
+    # with its unit: 4GiB, 512MiB, 0.5GiB; a number above 1 is read as GiB (the key's first form); 0 = auto (0.5
+    # on cuda, 2GiB on cpu). validation.kv_cache_budget reads it. While it is full, requests wait and the latest
+    # rows are preempted. int in the type too: OmegaConf turns an int into a float for a float key, not a union.
+    kv_cache_memory: float | int | str = 0.0
     kv_block_size: int = 16  # positions per KV block: the unit of allocation and of shared prefixes
 
 

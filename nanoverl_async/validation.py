@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import math
+import re
 from functools import cache
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,6 +26,9 @@ class ConfigError(ValueError):
 
 
 MIN_LEASE_TIMEOUT_S = 1.0
+KV_KEY = "generator.kv_cache_memory"
+MEMORY_UNITS = {"GiB": 2**30, "MiB": 2**20}  # binary only: "GB" could mean either, so it is refused
+SIZE = re.compile(r"\s*(\d+\.?\d*|\.\d+)\s*(GiB|MiB)\s*")
 
 
 def _numbers(node: Any, prefix: str = ""):
@@ -83,9 +87,33 @@ def choices() -> dict[str, Any]:
     }
 
 
+def kv_cache_budget(value: float | int | str) -> tuple[float, int]:
+    """generator.kv_cache_memory -> (fraction of the device memory free once the model is loaded, bytes), one of
+    them 0: a number in (0, 1] is a fraction (1: all of it, as vLLM's gpu_memory_utilization or SGLang's
+    mem_fraction_static), a size with a unit ("4GiB", "512MiB", "0.5GiB") is bytes, and a number above 1 is GiB
+    (the key's first form, still read: 1 is the whole fraction, so a size of 1 GiB or less needs its unit);
+    0 is (0, 0): the engine's default. Anything else: ConfigError naming the key."""
+    size = SIZE.fullmatch(value) if isinstance(value, str) else None
+    if size:
+        size_bytes = float(size[1]) * MEMORY_UNITS[size[2]]
+        if size_bytes == 0:
+            raise ConfigError(f"config key '{KV_KEY}': a size must be more than 0 bytes, got {value!r} (0 without "
+                              f"a unit is the engine's default)")
+        return 0.0, int(size_bytes)
+    try:
+        number = float(value)  # a number, or one quoted in the YAML
+    except ValueError:
+        number = math.nan
+    if not (math.isfinite(number) and number >= 0):
+        raise ConfigError(f"config key '{KV_KEY}': must be a fraction in (0, 1] of the free device memory, a size "
+                          f"in GiB or MiB (4GiB, 512MiB) or 0 (the engine's default), got {value!r}")
+    return (number, 0) if number <= 1 else (0.0, int(number * MEMORY_UNITS["GiB"]))
+
+
 def validate(cfg: Config) -> None:
     """Value checks that types cannot express; raises ConfigError naming the key."""
     _check_numbers(cfg)
+    kv_cache_budget(cfg.generator.kv_cache_memory)
     for key, allowed in choices().items():
         value = get_key(cfg, key)
         if value not in allowed:

@@ -65,6 +65,8 @@ CONFIG_CASES = [
     ("run.total_steps=100000000000000000000000", "'run.total_steps': must be at most 2147483647, got 1000000000"),
     ("run.step_timeout_s=1e23", "'run.step_timeout_s': must be at most 2147483.647, got 1e+23"),
     ("generator.sglang.port_base=65536", "'generator.sglang.port_base': must be at most 65535, got 65536"),
+    ("generator.kv_cache_memory=4GB", "'generator.kv_cache_memory': must be a fraction in (0, 1] of the free device"),
+    ("generator.kv_cache_memory=[1]", "'generator.kv_cache_memory'"),
 ]
 # --- the world the config names, checked at launch before Ray starts
 LAUNCH_CASES = [

@@ -16,16 +16,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from test_fsdp import LEARNER, TEMPERATURE, free_port, model_dir, setup  # noqa: F401 (model_dir is a fixture)
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from nanoverl_async.algorithms import LossInputs, loss_normaliser, policy_loss, token_entropy
-from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig
+from nanoverl_async.config import AlgorithmConfig, CriticConfig, KLConfig, ModelConfig
 from nanoverl_async.learners.batch import (TrainBatch, collate, epoch_order, explained_variance, sequence_logprobs,
                                            with_advantages)
 from nanoverl_async.learners.checkpoint import full_state_dict
 from nanoverl_async.learners.fsdp_rank import LearnerRank
+from nanoverl_async.models.load import DTYPES
 from synthetic import episodes
 
 torch.set_num_threads(1)
@@ -182,3 +184,28 @@ def test_critic_learns_the_returns_and_two_ranks_match_one(saves):
         assert torch.allclose(tensor, two["critic"][name]), name
     saved = AutoModelForCausalLM.from_pretrained(out_dir / "final2", dtype=torch.float32)
     assert all(torch.allclose(tensor, two["policy"][name]) for name, tensor in saved.state_dict().items())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_final_is_saved_in_the_runs_dtype_policy_and_critic(model_dir, tmp_path, dtype):
+    """save_pretrained writes final/ and final/critic in model.dtype, not the fp32 master weights' (a bfloat16
+    final/ in float32 was twice the size): every tensor of their safetensors in that dtype, equal to the
+    trained master weights cast to it."""
+    run = dataclasses.replace(setup(model_dir, GAE, LEARNER, critic=CRITIC), model=ModelConfig(model_dir, dtype))
+    learner = LearnerRank(run, 0, "127.0.0.1", free_port())
+    try:
+        batch = make_batch(algo=None)
+        batch.values = torch.from_numpy(learner.compute(batch, "values"))
+        learner.update(with_advantages(batch, 2, GAE, KLConfig(), max_total_tokens=16))
+        masters = {"": full_state_dict(learner.model), "critic": full_state_dict(learner.critic)}
+        learner.save_pretrained(str(tmp_path))
+    finally:
+        learner.shutdown()
+    for folder, master in masters.items():
+        assert all(tensor.dtype == torch.float32 for tensor in master.values())
+        saved = load_file(tmp_path / folder / "model.safetensors")
+        assert set(saved) == set(master) - {"lm_head.weight"}  # tied to the embedding: saved once
+        for name, tensor in saved.items():
+            assert tensor.dtype == DTYPES[dtype], (folder, name)
+            assert torch.equal(tensor, master[name].to(DTYPES[dtype])), (folder, name)
+    assert not torch.equal(masters[""]["model.norm.weight"], torch.ones(64))  # the step moved the weights

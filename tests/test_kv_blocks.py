@@ -1,6 +1,8 @@
 """The paged KV cache: kv_blocks.BlockPool on its own, and TransformersEngine under a block budget.
 
-Pool: the budget's units (a fraction <= 1 of free memory, GiB above) at their boundaries; never-used blocks
+Pool: the budget's units (a fraction in (0, 1] of free memory, a size with its unit, a bare number above 1 in
+GiB; the engine's default for 0 in any spelling) at their boundaries, and the one line naming the key for every
+value that is none of them; never-used blocks
 are handed out first, then released ones, least recent first, those holding no full prefix before those that
 do; refcounts; prefix hashes chain (one different token early changes every later hash) and name the seed.
 Engine, against a full forward under each token's weights version (tests/test_engine.py's machinery): a
@@ -28,17 +30,60 @@ from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
 from nanoverl_async.generators.kv_blocks import GIB, BlockPool, pool_blocks, prefix_hashes, version_seed
 from nanoverl_async.generators.llama_forward import Tokens
-from nanoverl_async.validation import validate
+from nanoverl_async.validation import kv_cache_budget, validate
 from test_engine import TOL, model_dir, one_thread, randomized, reference_logprobs, staggered  # noqa: F401
 
 
-def test_the_budget_is_a_fraction_up_to_one_and_gib_above():
+def test_the_budget_is_a_fraction_up_to_one_a_size_with_its_unit_and_gib_above_one():
     assert pool_blocks(0.5, free_bytes=1000, block_bytes=100) == 5
     assert pool_blocks(1.0, free_bytes=1000, block_bytes=100) == 10  # 1 is the whole free memory, not 1 GiB
-    assert pool_blocks(1.5, free_bytes=1000, block_bytes=GIB // 4) == 6  # above 1: GiB
+    assert pool_blocks(1, free_bytes=1000, block_bytes=100) == 10
+    assert pool_blocks(1.0001, free_bytes=1000, block_bytes=GIB // 4) == 4  # just above 1: GiB
+    assert pool_blocks(1.5, free_bytes=1000, block_bytes=GIB // 4) == 6
+    assert pool_blocks("1GiB", free_bytes=1000, block_bytes=GIB // 4) == 4  # 1 GiB needs its unit
+    assert pool_blocks("0.5GiB", free_bytes=1000, block_bytes=GIB // 4) == 2  # under 1 GiB, in GiB
+    assert pool_blocks("512MiB", free_bytes=1000, block_bytes=2**20) == 512
+    assert pool_blocks(" 3 MiB ", free_bytes=1000, block_bytes=2**20) == 3
     assert pool_blocks(0.2, free_bytes=1000, block_bytes=100) == 2  # the least: the null block and one
     with pytest.raises(ValueError, match=r"generator.kv_cache_memory=0.19 .*less than two KV blocks"):
         pool_blocks(0.19, free_bytes=1000, block_bytes=100)
+    with pytest.raises(ValueError, match=r"generator.kv_cache_memory=1MiB .*less than two KV blocks"):
+        pool_blocks("1MiB", free_bytes=1000, block_bytes=2**20)
+
+
+@pytest.mark.parametrize("value, budget", [
+    (0, (0, 0)), (0.0, (0, 0)), ("0", (0, 0)), ("0.0", (0, 0)),  # the engine's default, however written
+    (1e-9, (1e-9, 0)), (0.5, (0.5, 0)), ("0.5", (0.5, 0)), (1, (1.0, 0)), (1.0, (1.0, 0)),  # fractions up to 1
+    (1.0001, (0, int(1.0001 * GIB))), (2, (0, 2 * GIB)), ("1e3", (0, 1000 * GIB)),  # a bare number above 1: GiB
+    ("4GiB", (0, 4 * GIB)), ("0.5GiB", (0, GIB // 2)), (".5GiB", (0, GIB // 2)), ("1GiB", (0, GIB)),
+    ("512MiB", (0, 2**29)), ("1MiB", (0, 2**20)), ("4 GiB", (0, 4 * GIB))])
+def test_the_kv_cache_memory_key_reads_fractions_sizes_and_gib(value, budget):
+    cfg = load_config(None, [f"generator.kv_cache_memory={value}"])
+    assert kv_cache_budget(cfg.generator.kv_cache_memory) == budget
+
+
+@pytest.mark.parametrize("value, error", [
+    (-0.01, "must be >= 0, got -0.01"), (".inf", "must be a finite number"), (".nan", "must be a finite number"),
+    ("0GiB", "a size must be more than 0 bytes, got '0GiB'"), ("0.0MiB", "more than 0 bytes"),
+    ("-1GiB", "must be a fraction in (0, 1] of the free device memory, a size in GiB or MiB (4GiB, 512MiB) or 0 "
+              "(the engine's default), got '-1GiB'"),
+    ("4GB", "got '4GB'"), ("4gib", "got '4gib'"), ("4 G", "got '4 G'"), ("GiB", "got 'GiB'"), ("4GiBs", "got '4GiBs'"),
+    ("4KiB", "got '4KiB'"), ("50%", "got '50%'"), ("nan", "got 'nan'"), ("inf", "got 'inf'"), ("-1", "got '-1'")])
+def test_a_bad_kv_cache_memory_is_refused_in_one_line_naming_the_key(value, error):
+    if isinstance(value, str) and value[0] == "-":
+        value = f"'{value}'"  # quoted: a string, past the check of every number
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, [f"generator.kv_cache_memory={value}"])
+    message = str(refused.value)
+    assert message.startswith("config key 'generator.kv_cache_memory': ") and "\n" not in message
+    assert error in message
+
+
+def test_the_engine_takes_its_default_for_zero_however_written_and_a_size_in_bytes(model_dir):
+    blocks = [TransformersEngine(model_dir, kv_cache_memory=memory, block_size=4).cache.pool.num_blocks
+              for memory in (0, "0", 0.0, "2GiB", "2048MiB", "1MiB")]
+    assert blocks[:5] == [blocks[0]] * 5  # 0 on the CPU is 2GiB
+    assert blocks[5] * 1024 * 2 == blocks[0]
 
 
 def test_the_pool_hands_out_fresh_blocks_first_then_the_least_recently_released():

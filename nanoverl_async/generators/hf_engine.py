@@ -16,9 +16,10 @@ sync per forward: the `.tolist()` of the sampled tokens and logprobs. On CUDA ea
 (decode_graphs.py; `cuda_graphs=False` runs it eagerly).
 
 Paged KV cache (kv_blocks.py; the design of vLLM and nano-vllm). One pool of `block_size`-position blocks,
-allocated once, its size from `kv_cache_memory` (generator.kv_cache_memory: a fraction <= 1 of the device memory
-free after the model loads, or GiB; 0 = 0.5 on CUDA, 2 GiB on the CPU, whose pages are taken only as blocks are
-first used). Running rows are 0..R-1 of a block table: row r's position p lies in block table[r, p // block_size].
+allocated once, its size from `kv_cache_memory` (generator.kv_cache_memory: a fraction in (0, 1] of the device
+memory free after the model loads, or a size such as "4GiB", a number above 1 being GiB; 0 = 0.5 on CUDA, 2GiB on
+the CPU, whose pages are taken only as blocks are first used). Running rows are 0..R-1 of a block table: row r's
+position p lies in block table[r, p // block_size].
 A request is admitted, in arrival order, while a row and blocks for its context are free and the step computes at
 most `prefill_tokens` for the requests it admits; each step, a row whose next token starts a block gets one, and
 while the pool is short the most recently admitted rows are preempted: their blocks released, they go back to the
@@ -74,9 +75,10 @@ from nanoverl_async.generators.kv_blocks import PagedCache, pool_blocks, version
 from nanoverl_async.generators.llama_forward import LlamaModel, Tokens
 from nanoverl_async.models.load import DTYPES, on_device
 from nanoverl_async.models.lora import MergedAdapters
+from nanoverl_async.validation import kv_cache_budget
 
 LOCKSTEP_POLL_S = 0.001  # how often a lockstep engine checks whether every episode is waiting
-DEFAULT_KV_MEMORY = {"cuda": 0.5, "cpu": 2.0}  # kv_cache_memory=0: a fraction of free GPU memory; CPU GiB
+DEFAULT_KV_MEMORY = {"cuda": 0.5, "cpu": "2GiB"}  # kv_cache_memory=0: half the free GPU memory; on the CPU a size
 # cuDNN's attention, which torch prefers on Hopper GPUs, builds a new plan for each new sequence length
 # (pytorch/pytorch#155958), and the engine meets new lengths at every eager step: it uses the others.
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -124,7 +126,7 @@ class TransformersEngine:
     """The `Engine` protocol (engine.py) on a transformers causal LM, continuously batched."""
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32", seed: int = 0, *,
-                 max_batch_size: int = 256, cuda_graphs: bool = True, kv_cache_memory: float = 0.0,
+                 max_batch_size: int = 256, cuda_graphs: bool = True, kv_cache_memory: float | str = 0.0,
                  block_size: int = 16, num_blocks: Optional[int] = None, prefill_tokens: int = 8192,
                  lora_scaling: float = 0.0):
         """`num_blocks` (tests, benchmarks) sizes the pool in blocks instead of `kv_cache_memory`;
@@ -141,7 +143,8 @@ class TransformersEngine:
         self._rows: list[_Request] = []  # the running rows; row i is row i of the block table
         self._runner: Optional[asyncio.Task] = None
         if num_blocks is None:
-            budget = kv_cache_memory or DEFAULT_KV_MEMORY[self.device.type]
+            auto = kv_cache_budget(kv_cache_memory) == (0, 0)  # 0, also when written "0" or 0.0
+            budget = DEFAULT_KV_MEMORY[self.device.type] if auto else kv_cache_memory
             free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else \
                 psutil.virtual_memory().available  # bytes free once the model is loaded
             num_blocks = pool_blocks(budget, free, self.model.block_bytes(block_size))

@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 import torch
 
 from nanoverl_async.models.load import on_device
+from nanoverl_async.validation import kv_cache_budget
 
 NULL_BLOCK = 0
 GIB = 2 ** 30
@@ -60,11 +61,12 @@ def prefix_hashes(tokens: Sequence[int], block_size: int, seed: bytes, known: Se
     return hashes
 
 
-def pool_blocks(kv_cache_memory: float, free_bytes: int, block_bytes: int) -> int:
-    """Blocks of `block_bytes` in the budget `generator.kv_cache_memory`: <= 1 is that fraction of `free_bytes`
-    (the device memory free once the model is loaded), > 1 is GiB. At least one block besides the null one.
-    `kv_cache_memory` > 0: validation.py refuses a negative one, and the engine replaces 0 by its default."""
-    budget = kv_cache_memory * free_bytes if kv_cache_memory <= 1 else kv_cache_memory * GIB
+def pool_blocks(kv_cache_memory: float | str, free_bytes: int, block_bytes: int) -> int:
+    """Blocks of `block_bytes` in the budget `generator.kv_cache_memory` (validation.kv_cache_budget): a fraction
+    in (0, 1] of `free_bytes` (the device memory free once the model is loaded), or a size (4GiB, 512MiB; a
+    number above 1: GiB). At least one block besides the null one. The engine replaces 0 by its default."""
+    fraction, size = kv_cache_budget(kv_cache_memory)
+    budget = fraction * free_bytes if fraction else size
     blocks = int(budget // block_bytes)
     if blocks < 2:
         raise ValueError(f"generator.kv_cache_memory={kv_cache_memory} is {budget / GIB:.3g} GiB: less than two "

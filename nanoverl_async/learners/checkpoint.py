@@ -1,12 +1,13 @@
 """What a learner rank writes to disk: its training state, torch.distributed.checkpoint (DCP), sharded,
-every rank writing and reading only its own shards; and the full model as a Hugging Face directory.
+every rank writing and reading only its own shards; and the final model as a Hugging Face directory (with
+LoRA, PEFT's adapter folder).
 
     save_training_state(rank, "out/checkpoints/.step_4.tmp/learner")   # collective, on every rank
     load_training_state(rank, "out/checkpoints/step_4/learner")        # collective, on every rank
-    save_hf(rank.model, AutoModelForCausalLM, model_path, "out/final", rank.rank)   # collective
+    save_final(rank, "out/final")                                      # collective
 
-What is saved: the policy (with LoRA, its adapters: the base is model.path) and its AdamW state, and, with algorithm.advantage=gae, the critic and its
-optimizer. Tensors only: an optimizer's param_groups (lr, betas, ...) come from the config, so a resumed run
+What is saved: the policy (with LoRA, its adapters: the base is model.path) and its AdamW state, and, with
+algorithm.advantage=gae, the critic and its optimizer. Tensors only: an optimizer's param_groups (lr, betas, ...) come from the config, so a resumed run
 takes a changed learner.lr. The frozen reference model is not saved: it is rebuilt from reference.path (or
 model.path).
 `get_state_dict` / `set_state_dict` turn FSDP2's DTensor shards into DCP's format and back, so a checkpoint
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesSt
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.fsdp import FSDPModule
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from nanoverl_async.config import ConfigError, LoRAConfig
 from nanoverl_async.models import lora
@@ -173,19 +175,38 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save_hf(module: torch.nn.Module, model_class, source: str, path: str, rank: int, merge: float = 0.0,
-            **kwargs) -> None:
+def save_hf(module: torch.nn.Module, model_class, source: str, path: str, rank: int, dtype: torch.dtype,
+            merge: float = 0.0, **kwargs) -> None:
     """Collective: gather `module`'s full state dict and have rank 0 save it as `model_class` built from
-    `source` (its config and tokenizer files are copied too). `merge`: the module has LoRA layers, merged
-    with this scaling (models/lora.py) into the base model's weights."""
+    `source` in `dtype` (its config and tokenizer files are copied too). `dtype` is the run's model.dtype, not
+    the fp32 master weights': a bfloat16 run's final/ is bfloat16, half the bytes, as save_pretrained users
+    expect; load_state_dict casts each weight into the model built in it. `merge`: the module has LoRA layers,
+    merged with this scaling (models/lora.py) into the base model's weights."""
     state_dict = full_state_dict(module)
     if rank == 0:
         state_dict = lora.merged_state(state_dict, merge) if merge else state_dict
-        model = model_class.from_pretrained(source, dtype=torch.float32, **kwargs)
+        model = model_class.from_pretrained(source, dtype=dtype, **kwargs)
         model.load_state_dict(state_dict)
         model.save_pretrained(path)
         _copy_tokenizer(source, path)
     dist.barrier()
+
+
+def save_final(learner, path: str) -> None:
+    """Collective: `LearnerRank.save_pretrained`: the policy (with LoRA, its adapter folder, and the merged model in
+    `path/merged` with learner.lora.save_merged) and the critic (`path/critic`), in the run's dtype."""
+    model_path, dtype, rank = learner.setup.model.path, learner.dtype, learner.rank
+    if learner.lora is not None:
+        adapters = dict(learner._full_tensors(learner._published_state()))
+        save_adapter(adapters, learner.lora, model_path, path, rank)
+        if learner.lora.save_merged:
+            save_hf(learner.model, AutoModelForCausalLM, model_path, f"{path}/merged", rank, dtype,
+                    merge=lora.scaling(learner.lora))
+    else:
+        save_hf(learner.model, AutoModelForCausalLM, model_path, path, rank, dtype)
+    if learner.critic is not None:
+        save_hf(learner.critic, AutoModelForTokenClassification, learner.setup.critic.path or model_path,
+                f"{path}/critic", rank, dtype, num_labels=1)
 
 
 def save_adapter(adapters: dict[str, torch.Tensor], cfg: LoRAConfig, source: str, path: str, rank: int) -> None:

@@ -52,8 +52,7 @@ from nanoverl_async.algorithms import (LossInputs, aggregate, kl_estimates, kl_p
 from nanoverl_async.config import SGLangConfig
 from nanoverl_async.learners.batch import (TrainBatch, epoch_order, shard, split_to, take_rows, to_device,
                                            token_budget_bounds, trimmed)
-from nanoverl_async.learners.checkpoint import (drop_compute_copy, load_training_state, save_adapter, save_hf,
-                                               save_training_state)
+from nanoverl_async.learners.checkpoint import drop_compute_copy, load_training_state, save_final, save_training_state
 from nanoverl_async.learners.memory import peak_memory
 from nanoverl_async.learners.packing import (Packing, attends_to_whole_context, attention_cost_per_position,
                                              keeps_packed_sequences_apart, pack, prompt_lengths)
@@ -353,21 +352,11 @@ class LearnerRank:
 
     def save_pretrained(self, path: str) -> None:
         """Collective: rank 0 writes a Hugging Face directory (config, weights, tokenizer) at `path`, and
-        the critic's (advantage=gae; AutoModelForTokenClassification, one label) at `path/critic`. With LoRA,
-        `path` is PEFT's adapter folder (the adapters as published) and, with learner.lora.save_merged, the
-        merged model is the Hugging Face directory `path/merged`."""
-        model_path = self.setup.model.path
-        if self.lora is not None:
-            adapters = dict(self._full_tensors(self._published_state()))
-            save_adapter(adapters, self.lora, model_path, path, self.rank)
-            if self.lora.save_merged:
-                save_hf(self.model, AutoModelForCausalLM, model_path, f"{path}/merged", self.rank,
-                        merge=lora.scaling(self.lora))
-        else:
-            save_hf(self.model, AutoModelForCausalLM, model_path, path, self.rank)
-        if self.critic is not None:
-            save_hf(self.critic, AutoModelForTokenClassification, self.setup.critic.path or model_path,
-                     f"{path}/critic", self.rank, num_labels=1)
+        the critic's (advantage=gae; AutoModelForTokenClassification, one label) at `path/critic`, both in
+        the run's dtype (model.dtype; the fp32 master weights cast). With LoRA, `path` is PEFT's adapter folder
+        (the adapters as published) and, with learner.lora.save_merged, the merged model is the Hugging Face
+        directory `path/merged` (learners/checkpoint.py)."""
+        save_final(self, path)
 
     def save_checkpoint(self, path: str) -> None:
         """Collective: this rank's shards of models and optimizers, DCP, under `path` (learners/checkpoint.py)."""
