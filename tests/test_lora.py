@@ -4,6 +4,7 @@ engine without drift, final/ as PEFT's adapter folder, checkpoints of adapters a
 as the KL reference, and the config's bounds."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -14,11 +15,14 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from nanoverl_async.cli import main
 from nanoverl_async.config import ConfigError, KLConfig, LoRAConfig, load_config
+from nanoverl_async.launcher import launch
 from nanoverl_async.generators.hf_engine import TransformersEngine
 from nanoverl_async.learners.batch import sequence_logprobs
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.models import lora
+from nanoverl_async.observe.record import compare_weights
 from test_fsdp import LEARNER, TEMPERATURE, free_port, make_batch, setup, write_model_dir
 
 ADAPTERS = LoRAConfig(rank=4, alpha=8.0)
@@ -267,3 +271,24 @@ def test_the_fit_check_counts_a_lora_base_at_its_dtype_s_bytes_and_no_reference_
     assert preflight.learner_parameters(load_config(None, lora_run)) == (adapted, 4 * base)  # float32
     with_reference = load_config(None, [*lora_run, f"reference.path={model_dir}"])
     assert preflight.learner_parameters(with_reference) == (adapted, 4 * base + 4 * base)
+
+
+@pytest.mark.slow
+def test_an_asynchronous_lora_run_samples_with_its_adapters_and_replays_to_its_final_adapters(ray_session, tmp_path,
+                                                                                             capsys):
+    """The default job with LoRA for 6 steps at staleness 1: the generators sample with each version's adapters
+    merged (tokens sampled by the weights the learner holds match its logprobs: mismatch_kl ~ 0), final/ is
+    PEFT's adapter folder, and `replay` of the recorded run gives the same adapters bit for bit."""
+    run_dir = tmp_path / "lora"
+    launch(load_config("configs/agent_grpo.yaml", [
+        f"run.output_dir={run_dir}", "run.total_steps=6", "staleness.max=1", "learner.lora.rank=8",
+        "learner.lr=1e-3", "run.record=true", "data.prompts_per_step=4", "data.samples_per_prompt=4",
+        "run.progress=false"]))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["learner/version"] == 6 and max(row["staleness/max"] for row in rows) >= 1
+    later = [row for row in rows[2:] if row["learner/same_version_fraction"] > 0]
+    assert later and all(row["learner/mismatch_kl"] < 1e-4 for row in later)  # sampled by the merged adapters
+    assert (run_dir / "final" / lora.ADAPTER_FILE).exists() and (run_dir / "final" / "adapter_config.json").exists()
+    assert main(["replay", str(run_dir)]) == 0 and "bit for bit" in capsys.readouterr().out
+    result = compare_weights(run_dir / "final", run_dir / "replay" / "final")
+    assert result["identical"] == result["tensors"] == 2 * 7 * 4  # A and B of 7 linear layers x 4 (builtin:tiny)
