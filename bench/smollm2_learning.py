@@ -3,6 +3,8 @@
     python bench/smollm2_learning.py                          # configs/smollm2_tools.yaml as it stands
     python bench/smollm2_learning.py --steps 30 learner.lr=3e-5   # key=value: config overrides
     python bench/smollm2_learning.py --summarize outputs/bench/smollm2_learning/run   # a finished run's table again
+    python bench/smollm2_learning.py --out outputs/bench/smollm2_lora learner.lora.rank=16 learner.lr=2e-4 \
+        learner.lora.save_merged=true                             # LoRA: held-out on final/merged
 
 The run is `nanoverl-async launch configs/smollm2_tools.yaml` in this process tree (Ray, generator,
 buffer, learner), alone on the machine. Before and after it, the warm-started policy and the run's
@@ -86,7 +88,8 @@ def main() -> None:
     started = time.monotonic()
     launch(cfg)
     wall = time.monotonic() - started
-    after = held_out(str(run_dir / "final"), cfg, args.episodes) if args.episodes else None
+    final = run_dir / "final" / ("merged" if cfg.learner.lora.rank else "")  # a LoRA run: its merged model
+    after = held_out(str(final), cfg, args.episodes) if args.episodes else None
     (args.out / "held_out.json").write_text(json.dumps({"before": before, "after": after, "wall_s": wall}))
     summarize(run_dir, wall, before, after)
 

@@ -148,8 +148,9 @@ def _rules(cfg: Config) -> Iterator[tuple[str, bool, str]]:
     yield "learner.lora.alpha", learner.lora.rank > 0 and learner.lora.alpha <= 0, "must be > 0 with learner.lora.rank"
     yield "learner.lora.target_modules", learner.lora.rank > 0 and not learner.lora.target_modules, \
         "must name at least one module (or all-linear) with learner.lora.rank"
-    yield "learner.lora.rank", learner.lora.rank > 0 and cfg.generator.engine == "sglang", \
-        "LoRA versions are merged by the project's own engine only (generator.engine=transformers) for now"
+    yield "learner.lora.rank", learner.lora.rank > 0 and nccl, \
+        ("LoRA versions are adapter folders SGLang loads (/load_lora_adapter): use generator.sglang.weight_transport="
+         "disk")
     yield "run.overwrite", run.overwrite and run.resume != "", \
         f"clears run.output_dir for a fresh run, so it cannot be combined with run.resume={run.resume!r}"
     yield "run.print_sample_every", run.print_sample_every > 0 and run.log_samples == 0, \

@@ -38,6 +38,7 @@ class _Request:
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)
+    lora: Optional[str] = None  # the adapter the request names (fake_sglang_lora.py); None: the base
     finish: Optional[dict] = None
     aborted: bool = False
     waiting: bool = True  # in the waiting queue (not yet prefilled)
@@ -94,6 +95,8 @@ class GenerateMixin:
                              int(body.get("logprob_start_len", -1)), bool(body.get("return_text_in_logprobs")))
                     for r, p in zip(rids, prompts)]
         for request in requests:
+            request.lora = body.get("lora_path")
+            self.engine_for(request.lora)  # a request naming an adapter not loaded is refused before it starts
             self.check_request(request)
         with self.lock:
             seen = set(self.requests)
@@ -162,7 +165,8 @@ class GenerateMixin:
             else:
                 request.parked = False
                 version = self.weight_version
-                completion = await self.engine.generate(request.ids + request.out, SamplingParams(1, temperature))
+                engine = self.engine_for(request.lora)
+                completion = await engine.generate(request.ids + request.out, SamplingParams(1, temperature))
                 token = completion.token_ids[0]
                 request.out.append(token)
                 request.logprobs.append(completion.logprobs[0])

@@ -15,6 +15,7 @@ made. As a process (`real_groups`), the fake really joins that group with the bo
 CPU; learners/sglang_nccl.py's `init_custom_process_group`, as SGLang does) and receives the broadcasts; in
 process, it takes them from `server.nccl`, a queue a test fills in broadcast order (the sender's `broadcast`
 hook). `--fake-events FILE` appends one JSON line per weight update (tests check what really loaded).
+`--enable-lora --max-lora-rank R`: SGLang's LoRA adapter loading, `lora_path` per request (fake_sglang_lora.py).
 Greedy (temperature 0) is approximated by temperature 1e-4.
 
 In-process: `server = FakeSGLangServer(model_dir); server.start(); ...; server.stop()`.
@@ -37,6 +38,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from fake_sglang_generate import GenerateMixin
+from fake_sglang_lora import LoRAMixin
 
 VERSIONS = ("0.5.2", "0.5.10", "0.5.23")
 BEGIN_END_MESSAGE = "{} must run between begin_weight_update() and end_weight_update()"
@@ -55,7 +57,7 @@ def value_error(message: str) -> HTTPError:  # a handler ValueError: {"error": {
     return HTTPError(400, {"error": {"message": message}})
 
 
-class FakeSGLangServer(GenerateMixin):
+class FakeSGLangServer(GenerateMixin, LoRAMixin):
     def __init__(self, model_path: str, *, host: str = "127.0.0.1", port: int = 0, weight_version: str = "default",
                  fake_version: str = "0.5.23", max_running_requests: int = 1 << 20, seed: int = 0):
         assert fake_version in VERSIONS, fake_version
@@ -124,6 +126,7 @@ class FakeSGLangServer(GenerateMixin):
             "/update_weights_from_distributed": self.update_from_distributed,
             "/update_weights_from_tensor": self.update_from_tensor,
             "/begin_weight_update": self.begin_update, "/end_weight_update": self.end_update,
+            "/load_lora_adapter": self.load_lora, "/unload_lora_adapter": self.unload_lora,
             "/release_memory_occupation": lambda b: None, "/resume_memory_occupation": lambda b: None,
         }.get(path)
         if handler is None or (path in ("/begin_weight_update", "/end_weight_update") and not self.v23):
@@ -380,10 +383,13 @@ def main() -> None:
     parser.add_argument("--fake-version", default="0.5.23")
     parser.add_argument("--fake-token-delay-s", type=float, default=0.0)
     parser.add_argument("--fake-events", default="")
+    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--max-lora-rank", type=int, default=0)
     args, _ = parser.parse_known_args()
     server = FakeSGLangServer(args.model_path, host=args.host, port=args.port, weight_version=args.weight_version,
                               fake_version=args.fake_version, seed=args.random_seed)
     server.token_delay_s, server.events_path, server.real_groups = args.fake_token_delay_s, args.fake_events, True
+    server.lora_enabled, server.max_lora_rank = args.enable_lora, args.max_lora_rank
     server.start(load=False)  # /health answers 503 until the model is loaded
     server.load()
     print(f"fake sglang {args.fake_version} ready at {server.url} {uuid.uuid4().hex[:4]}", flush=True)

@@ -239,9 +239,10 @@ def test_the_kl_reference_of_a_lora_run_is_the_base_model_without_a_copy(model_d
 @pytest.mark.parametrize("override, wrong", [
     ("learner.lora.dropout=1.0", True), ("learner.lora.dropout=0.999", False),
     ("learner.lora.alpha=0", True), ("learner.lora.alpha=0.001", False),
-    ("learner.lora.target_modules=[]", True), ("generator.engine=sglang", True)])
+    ("learner.lora.target_modules=[]", True), ("generator.engine=sglang", False),
+    ("generator.sglang.weight_transport=nccl", True)])
 def test_lora_config_bounds(override, wrong):
-    overrides = ["learner.lora.rank=8", override]
+    overrides = ["learner.lora.rank=8", "generator.engine=sglang" if "sglang." in override else "run.seed=0", override]
     key = override.split("=")[0] if "lora" in override else "learner.lora.rank"
     if wrong:
         with pytest.raises(ConfigError, match=f"'{key}'"):

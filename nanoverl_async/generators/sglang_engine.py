@@ -28,6 +28,11 @@ Invariants:
 Weights: `stage_weights` (transport disk) writes a Hugging Face directory (safetensors + the base model's
 config and tokenizer files) and runs pause -> `/update_weights_from_disk` -> continue on every server. It
 blocks the caller for the update's duration (it is called between decode steps by the worker).
+With LoRA (`lora`, learner.lora): a version is its adapters. `stage_weights` writes PEFT's adapter folder and
+loads it on every server as `v{version}` (`/load_lora_adapter`; the servers run with `--enable-lora`, SGLang's
+multi-LoRA serving), without a pause: a request names the adapter of the version current when it was sent
+(`lora_path`), and its tokens carry that version, so a segment never spans two versions; the next segment or
+turn names the newest. Adapters no request names any more are unloaded at the next version.
 Transport nccl: learner rank 0 loads each version into these servers itself (`update_weights_from_distributed`,
 learners/sglang_nccl.py; `endpoints` tells it where they are), then publishes a version notice (an empty
 state dict): `stage_weights` only records that version, after checking a server holds it. A server that
@@ -52,10 +57,11 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
-from nanoverl_async.config import SGLangConfig
+from nanoverl_async.config import LoRAConfig, SGLangConfig
 from nanoverl_async.generators.engine import Completion, SamplingParams
 from nanoverl_async.generators.sglang_server import SGLangServer
 from nanoverl_async.generators.sglang_client import SGLangError, checked, paused
+from nanoverl_async.models.lora import save_adapter
 
 STICKY_EPISODES = 65_536  # episode -> server entries kept (oldest forgotten first)
 MAX_EMPTY_RESUMES = 1_000  # consecutive aborted replies without a token before giving up
@@ -65,8 +71,10 @@ COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 
 class SGLangEngine:
     def __init__(self, model_path: str, cfg: SGLangConfig, *, generator_id: int = 0, seed: int = 0, dtype: str = "auto",
-                 servers: Optional[list[SGLangServer]] = None, start: bool = True):
-        self.cfg, self.base_model_path, self.version = cfg, model_path, 0
+                 servers: Optional[list[SGLangServer]] = None, start: bool = True, lora: Optional[LoRAConfig] = None):
+        self.cfg, self.base_model_path, self.version, self.lora = cfg, model_path, 0, lora
+        self.adapter: Optional[str] = None  # with LoRA, the adapter new requests name (None: the base, version 0)
+        self.adapter_requests: dict[str, int] = {}  # requests in flight per adapter, current or not
         # The servers are this process's children, on this node: a local directory is enough.
         root = cfg.weights_dir or os.path.join(tempfile.gettempdir(), f"nanoverl_sglang_{os.getpid()}")
         self.weights_dir = Path(root) / f"generator_{generator_id}"
@@ -75,7 +83,7 @@ class SGLangEngine:
             if not cfg.server_command and importlib.util.find_spec("sglang") is None:
                 raise SGLangError("generator.engine=sglang needs `pip install -e '.[sglang]'` on a GPU machine")
             servers = [SGLangServer(model_path, cfg.port_base + generator_id * cfg.servers + i, cfg,
-                                    seed=seed * 1_000 + i, dtype=dtype) for i in range(cfg.servers)]
+                                    seed=seed * 1_000 + i, dtype=dtype, lora=lora) for i in range(cfg.servers)]
         self.servers = servers
         self.outstanding = [0] * len(servers)
         self.latest_path = model_path  # the weights a restarted server loads
@@ -132,10 +140,15 @@ class SGLangEngine:
                                             "top_p": 1.0, "top_k": -1, "stop_token_ids": list(params.stop_token_ids),
                                             "skip_special_tokens": False, "no_stop_trim": True}}
                 segment += 1
-                reply = await self._post_generate(index, body)
+                adapter, version = self.adapter, self.version
+                if adapter is not None:
+                    body["lora_path"] = adapter
+                reply = await self._post_adapted(index, body, adapter)
                 if reply is None:  # the server was restarted: re-issue from the partial tokens
                     continue
                 tokens, logprobs, versions, finish = parse_reply(reply, self.version)
+                if self.lora is not None:  # the server's own version is its base's: the adapter's is the one
+                    versions = [version] * len(tokens)
                 completion.token_ids += tokens
                 completion.logprobs += logprobs
                 completion.versions += versions
@@ -151,6 +164,16 @@ class SGLangEngine:
 
     def in_flight(self) -> int:
         return sum(self.outstanding)
+
+    async def _post_adapted(self, index: int, body: dict, adapter: Optional[str]) -> Optional[dict]:
+        """`_post_generate`, counting the request against its adapter meanwhile (an adapter in use stays loaded)."""
+        if adapter is not None:
+            self.adapter_requests[adapter] = self.adapter_requests.get(adapter, 0) + 1
+        try:
+            return await self._post_generate(index, body)
+        finally:
+            if adapter is not None:
+                self.adapter_requests[adapter] -= 1
 
     async def _post_generate(self, index: int, body: dict) -> Optional[dict]:
         """The parsed reply, or None after restarting a server that died under the request."""
@@ -191,12 +214,17 @@ class SGLangEngine:
                                   "rank 0's weight-update group and would serve stale weights. Restart the run, or use "
                                   "generator.sglang.weight_transport=disk (servers restart with the newest weights)")
             await asyncio.to_thread(server.restart, self.latest_path)
+            if self.adapter is not None:  # a restarted server holds the base alone: requests re-issued name this one
+                await asyncio.to_thread(server.load_lora, self.adapter, str(self.weights_dir / self.adapter))
             return True
 
     # --- weights -----------------------------------------------------------------------------------
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Write `state_dict` as a Hugging Face directory and load it on every server as `version`; with
-        transport nccl, take `version` as loaded already (a version notice: `state_dict` is empty)."""
+        transport nccl, take `version` as loaded already (a version notice: `state_dict` is empty); with LoRA,
+        `state_dict` holds the version's adapters (module docstring)."""
+        if self.lora is not None:
+            return self.stage_adapter(state_dict, version)
         if self.cfg.weight_transport != "nccl":
             path = write_hf_dir(state_dict, self.base_model_path, self.weights_dir / f"v{version}")
             self.update_from_disk(str(path), version)
@@ -211,6 +239,21 @@ class SGLangEngine:
             raise SGLangError(f"{self.servers[0].url} holds weights version {held!r}, but learner rank 0 announced "
                               f"version {version} as loaded (weight_transport=nccl)")
         self.version = version
+
+    def stage_adapter(self, adapters: dict[str, torch.Tensor], version: int) -> None:
+        """Load `adapters` on every server as adapter `v{version}`, which new requests then name; unload (and
+        delete) the older adapters no request in flight names. A failed load leaves the current adapter current."""
+        name = f"v{version}"
+        save_adapter(adapters, self.lora, self.base_model_path, str(self.weights_dir / name))
+        for server in self.servers:
+            server.load_lora(name, str(self.weights_dir / name))
+        old, self.adapter, self.version = self.adapter, name, version
+        unused = [adapter for adapter, count in self.adapter_requests.items() if count == 0 and adapter != name]
+        for adapter in unused + ([old] if old is not None and old not in self.adapter_requests else []):
+            for server in self.servers:
+                server.unload_lora(adapter)
+            shutil.rmtree(self.weights_dir / adapter, ignore_errors=True)
+            self.adapter_requests.pop(adapter, None)
 
     def update_from_disk(self, path: str, version: int) -> None:
         """pause (cfg.pause_mode) -> /update_weights_from_disk -> continue, on every server."""

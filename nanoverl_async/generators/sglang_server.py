@@ -36,27 +36,28 @@ from typing import Optional
 
 import httpx
 
-from nanoverl_async.config import SGLangConfig
+from nanoverl_async.config import LoRAConfig, SGLangConfig
 from nanoverl_async.runtime.reaper import Reaper, signal_group
 from nanoverl_async.generators.sglang_client import SGLangClient, SGLangError
 
 log = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 0.2
+LORAS_PER_BATCH = 8  # SGLang's default: the adapters of the versions still in flight, within the staleness bound
 
 
 class SGLangServer(SGLangClient):
     """A client (nanoverl_async/generators/sglang_client.py) of a server this process launches, watches and restarts."""
 
     def __init__(self, model_path: str, port: int, cfg: SGLangConfig, *, command: Optional[list[str]] = None,
-                 url: str = "", seed: int = 0, dtype: str = "auto"):
+                 url: str = "", seed: int = 0, dtype: str = "auto", lora: Optional[LoRAConfig] = None):
         super().__init__(url or f"http://{cfg.host}:{port}", cfg.control_timeout_s, tp_size=cfg.tp_size)
         self.model_path, self.port, self.cfg = model_path, port, cfg
         self.version = 0  # the weights version this server holds
         # generator.sglang.server_command, else SGLang's own launcher; a given url is not ours to launch
         default = [] if url else list(cfg.server_command) or [sys.executable, "-m", "sglang.launch_server"]
         self.command = command if command is not None else default
-        self.seed, self.dtype = seed, dtype
+        self.seed, self.dtype, self.lora = seed, dtype, lora
         self.process: Optional[subprocess.Popen] = None
         self._watcher: Optional[Reaper] = None  # ends the server's group if this process dies
         self.restarts = 0
@@ -67,7 +68,16 @@ class SGLangServer(SGLangClient):
         return [*self.command, "--model-path", self.model_path, "--host", cfg.host, "--port", str(self.port),
                 "--tp-size", str(cfg.tp_size), "--mem-fraction-static", str(cfg.mem_fraction_static),
                 "--weight-version", str(self.version), "--random-seed", str(self.seed), "--dtype", self.dtype,
-                "--skip-server-warmup", *cfg.server_args]
+                "--skip-server-warmup", *self.lora_args(), *cfg.server_args]
+
+    def lora_args(self) -> list[str]:
+        """SGLang's multi-LoRA serving, sized for learner.lora: its rank, its layers (PEFT's all-linear is
+        SGLang's all), and room in a batch for the base and the adapters of the versions in flight."""
+        if self.lora is None:
+            return []
+        targets = ["all"] if list(self.lora.target_modules) == ["all-linear"] else list(self.lora.target_modules)
+        return ["--enable-lora", "--max-lora-rank", str(self.lora.rank), "--lora-target-modules", *targets,
+                "--max-loras-per-batch", str(LORAS_PER_BATCH)]
 
     def launch(self) -> None:
         """Start the server process (if ours to start), watched (runtime/reaper.py)."""
@@ -129,6 +139,13 @@ class SGLangServer(SGLangClient):
         super().close()
 
     # --- weights (transport disk; the other control calls are SGLangClient's) -------------------
+    def load_lora(self, name: str, path: str) -> None:
+        """Load PEFT's adapter folder at `path` as adapter `name` (SGLang's /load_lora_adapter)."""
+        self.post("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    def unload_lora(self, name: str) -> None:
+        self.post("/unload_lora_adapter", {"lora_name": name})
+
     def update_from_disk(self, model_path: str, version: int) -> None:
         """Load a Hugging Face directory as weights `version` (the old weights stay on failure)."""
         self.post("/update_weights_from_disk", {"model_path": model_path, "weight_version": str(version),

@@ -41,7 +41,7 @@ import zmq
 import zmq.asyncio
 
 from nanoverl_async.agents import sandbox
-from nanoverl_async.config import Config, GeneratorConfig
+from nanoverl_async.config import Config, GeneratorConfig, LoRAConfig
 from nanoverl_async.agents.env import env_factory
 from nanoverl_async.models.load import load_tokenizer
 from nanoverl_async.models.lora import scaling
@@ -101,9 +101,9 @@ class GeneratorWorker:
                                            cfg.agent.env_args)
         sandbox.set_isolation(cfg.agent.sandbox)  # the `python` tool runs in this process
         self.tokenizer = load_tokenizer(model_path)
-        lora_scaling = scaling(cfg.learner.lora) if cfg.learner.lora.rank else 0.0  # versions hold adapters
+        lora = cfg.learner.lora if cfg.learner.lora.rank else None  # versions hold adapters
         self.engine = make_engine(cfg.generator, model_path, generator_id=generator_id, seed=cfg.run.seed,
-                                  dtype=cfg.model.dtype, lora_scaling=lora_scaling)  # transformers or sglang
+                                  dtype=cfg.model.dtype, lora=lora)  # generator.engine: transformers or sglang
         # Episodes that will still call the engine, plus a lease request in flight (it may bring more):
         # with run.deterministic the engine waits for all of them before each wave (hf_engine "Lockstep"),
         # and leases and evaluations each wait until none is left, so they never share a wave.
@@ -312,16 +312,17 @@ class GeneratorWorker:
 
 
 def make_engine(generator: GeneratorConfig, model_path: str, *, generator_id: int, seed: int,
-                dtype: str = "float32", lora_scaling: float = 0.0) -> Engine:
+                dtype: str = "float32", lora: Optional[LoRAConfig] = None) -> Engine:
     """The engine `generator.engine` names (validation.py checks the name), for generator `generator_id`
-    (imports are lazy: sglang is an optional extra, and its engine launches its servers here); `lora_scaling`
-    > 0: weight versions are LoRA adapters (models/lora.py)."""
+    (imports are lazy: sglang is an optional extra, and its engine launches its servers here); `lora`
+    (learner.lora): weight versions are LoRA adapters (models/lora.py)."""
     seed = seed * 10_007 + generator_id  # replicas sample differently from one config seed
     if generator.engine == "sglang":
         from nanoverl_async.generators.sglang_engine import SGLangEngine
 
-        return SGLangEngine(model_path, generator.sglang, generator_id=generator_id, seed=seed, dtype=dtype)
+        return SGLangEngine(model_path, generator.sglang, generator_id=generator_id, seed=seed, dtype=dtype, lora=lora)
     from nanoverl_async.generators.hf_engine import TransformersEngine
 
     return TransformersEngine(model_path, generator.device, dtype, seed=seed, kv_cache_memory=generator.kv_cache_memory,
-                              block_size=generator.kv_block_size, lora_scaling=lora_scaling)
+                              block_size=generator.kv_block_size,
+                              lora_scaling=scaling(lora) if lora else 0.0)
