@@ -18,9 +18,11 @@
 #   SHAPES, default 0.5b; one shape a call);
 # - scale (issue 32): the learner at the Qwen2.5 shapes, with and without activation checkpointing and chunked
 #   logits, 4k and 16k tokens per micro-batch (bench/scale.py; SIZES, default 0.5b,1.5b,3b; 7b in a call of its own).
+# - lora (issue 41): the 7B shape with LoRA (rank 16, all-linear) on one GPU (bench/scale.py --lora 16; SIZES,
+#   default 7b): the base frozen in bfloat16, adapters and their AdamW state the only trained state;
 # - trl (issue 32): nanoverl-async vs TRL's GRPOTrainer, both on the GPU, on the default job with the Qwen2.5-0.5B
 #   body (bench/vs_trl.py --device cuda; TRL travels in the kit).
-# Not in the default STEPS: kv, scale and trl each want a call of their own.
+# Not in the default STEPS: kv, scale, lora and trl each want a call of their own.
 # All of them take some 11 minutes on one H200, more than one device call: split them with STEPS. Each step stops
 # at its own limit or at the call's deadline (DEADLINE_S, 575 s after the start), whichever comes first. Python
 # output is unbuffered so that a step cut short still logs.
@@ -73,6 +75,11 @@ if want kv; then
 step kv
 timeout -k 5 $(limit 570) python3 bench/engine_at_scale.py --device cuda --shapes ${SHAPES:-0.5b} 2>&1 \
     | grep -v -E "$quiet" | tee "$out/engine_at_scale.log"
+fi
+if want lora; then
+step lora
+timeout -k 5 $(limit 570) python3 bench/scale.py --sizes ${SIZES:-7b} --lora 16 --tokens 4096,16384 2>&1 \
+    | grep -v -E "$quiet" | tee "$out/lora.log"
 fi
 if want scale; then
 step scale

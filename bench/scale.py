@@ -3,6 +3,7 @@ with random weights (bench/qwen_shape.py), one table.
 
     python bench/scale.py [--sizes 0.5b,1.5b,3b,7b] [--tokens 4096,16384] [--updates 2] [--chunk 4096]
     python bench/scale.py --smoke      # on the CPU: a tiny shape and sizes, and 7B refused at start-up
+    python bench/scale.py --sizes 7b --lora 16   # LoRA (learner.lora.rank=16, all-linear) over a bfloat16 base
 
 For each shape, first the start-up check (preflight.check_learner_fits' arithmetic, learners/memory.py: fp32
 weights, gradients and AdamW's two moments of one rank against the GPU's memory). A shape that fails it is
@@ -48,10 +49,11 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from learner_vs_torch import GROUP_SIZE, qwen_batch, rate  # bench/, the script's folder
 from qwen_shape import QWEN2_5, qwen2_5_config, random_model
 
-from nanoverl_async.config import LearnerConfig, ModelConfig
+from nanoverl_async.config import LearnerConfig, LoRAConfig, ModelConfig
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.learners.memory import GB, learner_fit_error
 from nanoverl_async.learners.setup import LearnerSetup
+from nanoverl_async.models.lora import adapter_parameters
 from nanoverl_async.wire.weights import WeightSubscriber
 
 PROMPT, SAMPLED = 128, 896
@@ -100,26 +102,26 @@ def publish_to_received(rank: LearnerRank, versions: int = 3) -> float:
 
 
 def measured(path: str, device: str, tokens: list[int], batch_shape: dict, updates: int, threads: int,
-             checkpointing: bool, chunk: int, publish: bool) -> tuple[dict[int, tuple], Optional[float]]:
+             checkpointing: bool, chunk: int, publish: bool, lora: int = 0) -> tuple[dict[int, tuple], Optional[float]]:
     """`measure` in a fresh spawned process (module docstring). A process killed meanwhile (the host's OOM
     killer) leaves no result: its sizes read "killed"."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         try:
             return pool.submit(measure, path, device, tokens, batch_shape, updates, threads, checkpointing, chunk,
-                               publish).result()
+                               publish, lora).result()
         except BrokenProcessPool:
             return {size: ("killed", None, None) for size in tokens}, None
 
 
 def measure(path: str, device: str, tokens: list[int], batch_shape: dict, updates: int, threads: int,
-            checkpointing: bool, chunk: int, publish: bool) -> tuple[dict[int, tuple], Optional[float]]:
+            checkpointing: bool, chunk: int, publish: bool, lora: int = 0) -> tuple[dict[int, tuple], Optional[float]]:
     """{micro-batch tokens: (fits, trained tok/s, peak GB)} of one LearnerRank with these memory settings on
     qwen_batch(**batch_shape) (built here: a batch is cheaper to build than to send), and (publish) the median
     seconds publish_weights -> a subscriber holds the version. A size that runs out of memory is OOM, and so is
     every larger one (not tried)."""
     batch = qwen_batch(**batch_shape)
     learner = LearnerConfig(device=device, torch_threads=threads, activation_checkpointing=checkpointing,
-                            logits_chunk_tokens=chunk)
+                            logits_chunk_tokens=chunk, lora=LoRAConfig(rank=lora))
     setup = LearnerSetup(model=ModelConfig(path=path, dtype="bfloat16"), learner=learner,
                          max_total_tokens=batch.input_ids.shape[1] + 1)
     results, publish_s, rank = {}, None, None
@@ -146,6 +148,10 @@ def shape_rows(name: str, config: Qwen2Config, args, scratch: str) -> list[list[
     count = parameters(config)
     available, where = device_memory(args.device)
     refused = learner_fit_error(count, 0, 1, available, where, ranks_share_it=args.device == "cpu")
+    if args.lora:  # the base frozen in bfloat16, the adapters trained (preflight.learner_parameters' count)
+        with torch.device("meta"):
+            adapters = adapter_parameters(Qwen2ForCausalLM(config), LoRAConfig(rank=args.lora))
+        refused = learner_fit_error(adapters, 2 * count, 1, available, where, ranks_share_it=args.device == "cpu")
     if refused:
         print(f"{name}: {refused}", flush=True)
         return [[name, billions(count), refused, "", "", "", "", "", ""]]
@@ -155,10 +161,11 @@ def shape_rows(name: str, config: Qwen2Config, args, scratch: str) -> list[list[
     sequences = -(-2 * max(args.tokens) // (prompt + sampled) // GROUP_SIZE) * GROUP_SIZE  # whole groups
     batch_shape = {"vocab": config.vocab_size, "sequences": sequences, "prompt": prompt, "sampled": sampled}
     rows = []
-    for label, checkpointing, chunk in (("plain", False, 0), (f"checkpointed, logits in {args.chunk}s", True,
-                                                               args.chunk)):
+    prefix = f"LoRA r{args.lora}, " if args.lora else ""
+    for label, checkpointing, chunk in ((f"{prefix}plain", False, 0), (f"{prefix}checkpointed, logits in {args.chunk}s",
+                                                                        True, args.chunk)):
         results, publish_s = measured(path, args.device, args.tokens, batch_shape, args.updates, args.threads,
-                                      checkpointing, chunk, publish=not checkpointing)
+                                      checkpointing, chunk, publish=not checkpointing, lora=args.lora)
         for size, (fits, speed, peak) in results.items():
             rows.append([name, billions(count), "passes", label, f"{size:,}", fits,
                          f"{speed:,.0f}" if speed else "", f"{peak:.1f}" if peak else "",
@@ -177,10 +184,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny shape, tiny sizes, one update")
+    parser.add_argument("--lora", type=int, default=0, help="learner.lora.rank (all-linear); 0: the whole model")
     args = parser.parse_args()
     if args.smoke:
         args.device, args.tokens, args.updates, args.chunk = "cpu", SMOKE_TOKENS, 1, SMOKE_CHUNK
         shapes = {"tiny": SMOKE, "7b": qwen2_5_config("7b")}  # 7B: refused by the start-up check, not built
+        shapes = {"tiny": SMOKE} if args.lora else shapes  # with LoRA 7B passes the check here, and would be built
     else:
         args.tokens = [int(size) for size in args.tokens.split(",")]
         shapes = {size: qwen2_5_config(size) for size in args.sizes.split(",")}
