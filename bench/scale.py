@@ -5,9 +5,9 @@ with random weights (bench/qwen_shape.py), one table.
     python bench/scale.py --smoke      # on the CPU: a tiny shape and sizes, and 7B refused at start-up
     python bench/scale.py --sizes 7b --lora 16   # LoRA (learner.lora.rank=16, all-linear) over a bfloat16 base
 
-For each shape, first the start-up check (preflight.check_learner_fits' arithmetic, learners/memory.py: fp32
-weights, gradients and AdamW's two moments of one rank against the GPU's memory). A shape that fails it is
-not built; its row shows the one line a launch prints. Otherwise the shape is written with random weights
+For each shape, first the start-up check (runtime/fit_check.py, learners/memory.py: the predicted peak of one
+rank's update against the GPU's memory) at the smallest setting measured below. A shape that fails it is not
+built; its row shows the one line a launch prints. Otherwise the shape is written with random weights
 and, for each memory setting (plain; learner.activation_checkpointing with learner.logits_chunk_tokens =
 --chunk), one LearnerRank (world size 1, bfloat16 compute over fp32 master weights, FSDP2) trains, at each
 micro-batch size (learner.micro_batch_tokens), a batch of sequences of 128 prompt + 896 sampled tokens, two
@@ -49,11 +49,11 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from learner_vs_torch import GROUP_SIZE, qwen_batch, rate  # bench/, the script's folder
 from qwen_shape import QWEN2_5, qwen2_5_config, random_model
 
-from nanoverl_async.config import LearnerConfig, LoRAConfig, ModelConfig
+from nanoverl_async.config import LearnerConfig, LoRAConfig, ModelConfig, load_config
 from nanoverl_async.learners.fsdp_rank import LearnerRank
-from nanoverl_async.learners.memory import GB, learner_fit_error
+from nanoverl_async.learners.memory import GB, learner_fit_error, predict_peak
 from nanoverl_async.learners.setup import LearnerSetup
-from nanoverl_async.models.lora import adapter_parameters
+from nanoverl_async.runtime.fit_check import learner_workload
 from nanoverl_async.wire.weights import WeightSubscriber
 
 PROMPT, SAMPLED = 128, 896
@@ -147,11 +147,16 @@ def shape_rows(name: str, config: Qwen2Config, args, scratch: str) -> list[list[
     """The table's rows of one shape: its start-up check, then each setting x micro-batch size."""
     count = parameters(config)
     available, where = device_memory(args.device)
-    refused = learner_fit_error(count, 0, 1, available, where, ranks_share_it=args.device == "cpu")
-    if args.lora:  # the base frozen in bfloat16, the adapters trained (preflight.learner_parameters' count)
-        with torch.device("meta"):
-            adapters = adapter_parameters(Qwen2ForCausalLM(config), LoRAConfig(rank=args.lora))
-        refused = learner_fit_error(adapters, 2 * count, 1, available, where, ranks_share_it=args.device == "cpu")
+    config.save_pretrained(f"{scratch}/{name}-config")  # the config alone: the check counts on the meta device
+    sequence = SMOKE_PROMPT + SMOKE_SAMPLED if args.smoke else PROMPT + SAMPLED
+    smallest = load_config(None, [f"model.path={scratch}/{name}-config", "model.dtype=bfloat16",
+                                  f"agent.max_total_tokens={sequence + 1}",
+                                  f"learner.micro_batch_tokens={min(args.tokens)}", f"learner.device={args.device}",
+                                  "learner.activation_checkpointing=true", f"learner.logits_chunk_tokens={args.chunk}",
+                                  f"learner.lora.rank={args.lora}"])  # with LoRA: the base frozen in bfloat16
+    work = learner_workload(smallest)
+    refused = learner_fit_error(lambda ranks: predict_peak(work, ranks), 1, available, where,
+                                ranks_share_it=args.device == "cpu")
     if refused:
         print(f"{name}: {refused}", flush=True)
         return [[name, billions(count), refused, "", "", "", "", "", ""]]

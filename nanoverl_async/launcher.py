@@ -32,9 +32,11 @@ from nanoverl_async import checkpoint
 from nanoverl_async.observe import record
 from nanoverl_async.config import Config, ConfigError, RayConfig, load_config, to_dict, to_yaml
 from nanoverl_async.agents.data import load_samples
+from nanoverl_async.learners.memory import GB
 from nanoverl_async.learners.pool import LearnerPool
 from nanoverl_async.observe.metrics import MetricsLogger, step_metrics
 from nanoverl_async.models.load import check_positions, load_tokenizer, resolve_model_path, vocab_size
+from nanoverl_async.runtime.fit_check import check_learner_fits
 from nanoverl_async.runtime.preflight import prepare, tools_notice
 from nanoverl_async.runtime.role_actors import BufferRole, GeneratorRole
 from nanoverl_async.runtime.startup import phase, start_ray
@@ -60,6 +62,7 @@ def launch(cfg: Config, started: Optional[float] = None) -> Path:
     if notice := tools_notice(cfg, tokenizer):
         phase(started, notice)
     check_positions(model_path, cfg.agent.max_total_tokens)  # the buffer drops longer trajectories
+    predicted = predicted_memory(cfg, model_path, started)  # a builder's model too, before Ray and the roles
     output_dir = Path(cfg.run.output_dir)
     resume_from = checkpoint.open_output_dir(cfg)  # None: a fresh run (into an empty or overwritten dir)
     checkpoint.claim(output_dir, "config.yaml").write_text(to_yaml(cfg))
@@ -82,7 +85,8 @@ def launch(cfg: Config, started: Optional[float] = None) -> Path:
             train(cfg, roles, logger, start, trace, started)
         with checkpoint.writing("the final model", output_dir / checkpoint.FINAL), roles.failures("learner pool"):
             final = checkpoint.publish_final(output_dir, lambda folder: roles.learners.save_pretrained(str(folder)))
-        print(logger.summary(final), file=sys.stderr, flush=True)  # steps, reward first -> last, where things are
+        # steps, reward first -> last, the learner's peak memory beside its prediction, where things are
+        print(logger.summary(final, predicted), file=sys.stderr, flush=True)
     finally:
         if trace:
             trace.close()
@@ -91,6 +95,20 @@ def launch(cfg: Config, started: Optional[float] = None) -> Path:
         if started_ray:
             ray.shutdown()
     return output_dir
+
+
+def predicted_memory(cfg: Config, model_path: str, started: float) -> dict[str, float]:
+    """The learner's fit check on the resolved model (whatever form model.path took: runtime/fit_check.py), in
+    one ConfigError line if it cannot fit; else the prediction is logged once and returned as GB by the memory/*
+    key it predicts (on a GPU the device peak, which leaves the runtime out), for the run's summary."""
+    prediction = check_learner_fits(cfg, model_path)
+    if prediction is None:
+        return {}
+    phase(started, f"learner memory: an update's peak predicted at {prediction.total / GB:.1f} GB a rank "
+                   f"({prediction.parts()} GB; learners/memory.py)")
+    if cfg.learner.device == "cuda":
+        return {"memory/learner_peak_device_gb": (prediction.total - prediction.runtime) / GB}
+    return {"memory/learner_peak_host_gb": prediction.total / GB}
 
 
 def train(cfg: Config, roles: "Roles", logger: MetricsLogger, start: int = 0,

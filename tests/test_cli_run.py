@@ -44,8 +44,8 @@ def test_a_run_with_every_observation_key_on(observed_run):
     assert [s["step"] for s in samples] == [step for step in range(steps) for _ in range(3)]
     assert all(s["messages"][0]["role"] == "user" and s["versions"] for s in samples)
     assert any(m["role"] == "tool" for s in samples for m in s["messages"])  # the warm start calls tools
-    phases = ["] starting Ray", "] model builtin:tiny", "] placing the buffer, 2 generator(s) and 1 learner rank(s)",
-              "] roles ready", "] first batch ready; training step 0"]
+    phases = ["] starting Ray", "] model builtin:tiny", "] learner memory: an update's peak predicted at",
+              "] placing the buffer, 2 generator(s) and 1 learner rank(s)", "] roles ready", "] first batch ready; training step 0"]
     console = (observed_run / "console.txt").read_text()
     assert all(line in console for line in phases), console[-2000:]
     assert sorted(phases, key=console.index) == phases  # in order, one line each, with seconds since launch
@@ -56,9 +56,14 @@ def test_a_run_with_every_observation_key_on(observed_run):
     assert "resuming from" not in console  # a fresh run
     seconds = sum(row["time/step_s"] for row in rows)  # the summary: from these rows, reward first -> last step
     out = observed_run.resolve()
+    # the prediction logged at start (learners/memory.py), beside the largest peak of any step
+    predicted = float(console.split("] learner memory: an update's peak predicted at ")[1].split(" GB")[0])
+    peak = max(row["memory/learner_peak_host_gb"] for row in rows)
     assert "\n".join([
         f"done: 4 steps in {seconds:.0f} s, {16 * steps / seconds:.1f} samples/s; reward {rows[0]['reward/mean']:.3f} "
-        f"-> {rows[-1]['reward/mean']:.3f} (mean of the first and the last 1 step(s))", f"  final model: {out}/final",
+        f"-> {rows[-1]['reward/mean']:.3f} (mean of the first and the last 1 step(s))",
+        f"  learner memory: predicted {predicted:.1f} GB, measured peak {peak:.1f} GB (memory/learner_peak_host_gb, "
+        f"max over steps)", f"  final model: {out}/final",
         f"  samples:     {out}/samples.jsonl (3 episodes a step)",
         f"  metrics:     {out}/metrics.jsonl; plot them: nanoverl-async plot {out}"]) + "\n" in console, console[-2000:]
 

@@ -7,19 +7,23 @@ Run alone: `python -m pytest tests/test_learner_memory.py -q`.
 """
 
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from test_cli_run import read_metrics
 from test_fsdp import ALGO, LEARNER, free_port, make_batch, model_dir, setup  # noqa: F401 (model_dir: a fixture)
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from nanoverl_async.config import ConfigError, ModelConfig, load_config
 from nanoverl_async.learners.fsdp_rank import LearnerRank
-from nanoverl_async.learners.memory import GB, learner_fit_error, learner_state_bytes
+from nanoverl_async.learners.memory import (GB, RUNTIME_BYTES, Architecture, Prediction, Workload, activation_bytes,
+                                            compute_copy_bytes, layer_activation_bytes, learner_fit_error,
+                                            logits_bytes, predict_peak)
 from nanoverl_async.learners.packing import pack, prompt_lengths
-from nanoverl_async.runtime.preflight import check_learner_fits
+from nanoverl_async.runtime import fit_check
+from nanoverl_async.runtime.fit_check import check_learner_fits
 
 ENTROPY_ALGO = dataclasses.replace(ALGO, entropy_coef=0.01)  # the entropy's gradient goes through the chunks too
 SAVING = {"activation_checkpointing": True, "logits_chunk_tokens": 2}
@@ -101,41 +105,141 @@ def test_a_chunk_keeps_no_logits_for_backward(model_dir):
         (logprobs * batch.loss_mask).sum().backward()  # and backward still runs
 
 
-def test_the_persistent_state_fits_up_to_the_exact_byte():
-    # 16 bytes per trained parameter and the frozen weights' bytes, over 2 ranks: 1,000 x 16 + 2,000 = 18,000 / 2
-    assert learner_state_bytes(1_000, 2_000, 2) == 9_000
-    assert learner_state_bytes(1_001, 0, 2) == 8_008
-    assert learner_state_bytes(1, 0, 3) == 6  # rounded up: 16 / 3
-    assert learner_fit_error(1_000, 2_000, 2, 9_000, "GPU memory") is None
-    refused = learner_fit_error(1_000, 2_000, 2, 8_999, "GPU memory")
-    assert refused is not None and "\n" not in refused and "learner.world_size >= 3" in refused
-    # CPU ranks on one host: every rank's share lands in the same memory, so more ranks do not help
-    assert learner_fit_error(1_000, 0, 4, 16_000, "host memory", ranks_share_it=True) is None
-    shared = learner_fit_error(1_000, 0, 4, 15_999, "host memory", ranks_share_it=True)
-    assert shared is not None and "world_size" not in shared and "smaller model" in shared
-    # a 7B model on one 80 GB GPU: 7.6e9 x 16 = 122 GB
-    line = learner_fit_error(7_615_616_512, 0, 1, int(80 * GB), "GPU memory (H100)")
-    assert "121.8 GB > 80.0 GB of GPU memory (H100)" in line and "learner.world_size >= 2" in line
+def a_workload(**fields) -> Workload:
+    """0.5B-like numbers: 100M trained parameters, 2 layers of hidden 64, a 1,000-wide head, 512 tokens."""
+    return Workload(**{"trained": 100_000_000, "frozen_bytes": 0, "arch": Architecture(64, 160, 2, 4, 2, 16, 1_000),
+                       "parameters": 100_000_000, "root_parameters": 40_000_000, "compute_bytes": 2, "tokens": 512,
+                       "row": 256, "trained_tokens": 512, **fields})
+
+
+def test_each_part_of_the_prediction_follows_its_formula():
+    arch = Architecture(hidden=64, intermediate=160, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=1_000)
+    # tokens x (8h + b (4h + 4q + 4i + row) + 4 heads + 8), q = 64, rows of 5: 512 + 2 x (256 + 256 + 640 + 5) + 24
+    assert layer_activation_bytes(arch, 10, 2, 5) == 10 * 2_850
+    assert activation_bytes(arch, 10, 2, False, 5) == 2 * 10 * 2_850 + 10 * (4 + 4) * 64
+    assert activation_bytes(arch, 10, 2, True, 5) == 2 * 10 * 2 * 64 + 10 * 2_850 + 10 * 8 * 64
+    assert logits_bytes(1_000, 300, 0) == 5 * 4 * 1_000 * 300 and logits_bytes(1_000, 300, 128) == 5 * 4 * 1_000 * 128
+    assert logits_bytes(1_000, 100, 128) == 5 * 4 * 1_000 * 100  # no more trained tokens than a chunk: one pass
+    # one rank keeps the whole model's compute copy; one float32 rank has none; several, the root and 2 layers
+    assert compute_copy_bytes(1_000, 400, 3, 1, 2) == 2_000 and compute_copy_bytes(1_000, 400, 3, 1, 4) == 0
+    assert compute_copy_bytes(1_000, 400, 3, 2, 2) == 2 * (400 + 2 * 200)
+    work = a_workload()
+    prediction = predict_peak(work, 2)
+    assert prediction == Prediction(8 * 100_000_000, 2 * (40_000_000 + 2 * 30_000_000),
+                                    activation_bytes(work.arch, 512, 2, False, 256), logits_bytes(1_000, 512, 0),
+                                    RUNTIME_BYTES["cpu"])
+    assert prediction.total == sum(dataclasses.astuple(prediction))
+
+
+def test_the_fit_check_refuses_one_byte_past_the_prediction():
+    work = a_workload()
+    predict = partial(predict_peak, work)
+    total = predict(1).total
+    assert learner_fit_error(predict, 1, total, "GPU memory") is None
+    refused = learner_fit_error(predict, 1, total - 1, "GPU memory (H100)", remedies=("learner.lora.rank=16",))
+    assert refused.startswith(f"the learner cannot fit: an update's peak is predicted at {total / GB:.1f} GB a rank")
+    assert "\n" not in refused and f"> {(total - 1) / GB:.1f} GB of GPU memory (H100)" in refused
+    assert "state + " in refused and "runtime GB)" in refused  # its parts
+    fewest = next(ranks for ranks in range(2, 100) if predict(ranks).total <= total - 1)
+    assert fewest == 2 and refused.endswith("use learner.lora.rank=16, learner.world_size >= 2 (one GPU each)")
+    # CPU ranks on one host: every rank's peak lands in the same memory, so more ranks do not help
+    assert learner_fit_error(predict, 2, 2 * predict(2).total, "host memory", ranks_share_it=True) is None
+    shared = learner_fit_error(predict, 2, 2 * predict(2).total - 1, "host memory", ranks_share_it=True)
+    assert "x 2 ranks on one host" in shared and "world_size" not in shared and shared.endswith("a smaller model")
 
 
 def test_launch_refuses_a_learner_that_cannot_fit_before_any_role_starts(model_dir, monkeypatch):
-    from nanoverl_async.runtime import preflight
-
-    cfg = load_config(None, [f"model.path={model_dir}", "learner.world_size=2"])
+    cfg = load_config(None, [f"model.path={model_dir}", "learner.world_size=2", "learner.micro_batch_tokens=192"])
     trained = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
     # counted from the config alone: the policy; with KL the reference, frozen; with gae the critic, trained
-    assert preflight.learner_parameters(cfg) == (trained, 0)
-    assert preflight.learner_parameters(load_config(None, [f"model.path={model_dir}", "kl.loss_coef=0.1"])) == \
+    assert fit_check.learner_parameters(cfg) == (trained, 0)
+    assert fit_check.learner_parameters(load_config(None, [f"model.path={model_dir}", "kl.loss_coef=0.1"])) == \
         (trained, 4 * trained)
     critic = trained + 64 + 1  # the same body (its tied head was the embedding) and a score head [1, 64] + bias
-    assert preflight.learner_parameters(load_config(None, [f"model.path={model_dir}", "algorithm.advantage=gae"])) \
+    assert fit_check.learner_parameters(load_config(None, [f"model.path={model_dir}", "algorithm.advantage=gae"])) \
         == (trained + critic, 0)
-    assert preflight.learner_parameters(load_config(None, ["model.path=builtin:tiny"])) is None  # not counted
-    monkeypatch.setattr(preflight, "learner_memory", lambda cfg: (trained * 16, "host memory"))
-    check_learner_fits(cfg)  # 16 bytes x parameters / 2 ranks, shared on one host: exactly fits
-    monkeypatch.setattr(preflight, "learner_memory", lambda cfg: (trained * 16 - 1, "host memory"))
-    with pytest.raises(ConfigError, match="the learner cannot fit.*host memory"):
+    assert fit_check.learner_parameters(load_config(None, ["model.path=builtin:tiny"])) is None  # not built here
+    work = fit_check.learner_workload(cfg)
+    assert (work.tokens, work.arch.layers, work.arch.vocab, work.parameters) == (192, 2, 100, trained)
+    # the whole batch per rank at micro_batch_tokens 0: 16 x 8 sequences / 2 ranks x 96 tokens
+    assert fit_check.micro_batch_tokens(load_config(None, ["learner.world_size=2"])) == 64 * 96
+    total = fit_check.learner_prediction(cfg).total
+    monkeypatch.setattr(fit_check, "learner_memory", lambda cfg: (2 * total, "host memory"))
+    assert check_learner_fits(cfg).total == total  # 2 CPU ranks on one host: exactly fits
+    monkeypatch.setattr(fit_check, "learner_memory", lambda cfg: (2 * total - 1, "host memory"))
+    with pytest.raises(ConfigError, match="config key 'model.path': the learner cannot fit.*host memory.*"
+                                          "learner.activation_checkpointing=true"):
         check_learner_fits(cfg)
+
+
+def saved_bytes(path: str, checkpointing: bool) -> tuple[int, int]:
+    """(bytes of the distinct tensors one training forward of a bfloat16 FSDP2 rank saves for backward, not
+    its weights; the [rows, row] it ran)."""
+    cfg = dataclasses.replace(LEARNER, activation_checkpointing=checkpointing)
+    learner = LearnerRank(dataclasses.replace(setup(path, learner=cfg), model=ModelConfig(path, "bfloat16")),
+                          0, "127.0.0.1", free_port())
+    try:
+        batch = make_batch()
+        packing = pack(batch.input_ids, batch.attention_mask, prompts=prompt_lengths(batch.loss_mask),
+                       wanted=batch.loss_mask)
+        weights = {shape for param in learner.model.parameters() for shape in (param.shape, param.shape[::-1])}
+        storages = {}
+
+        def keep(tensor):
+            if tensor.shape not in weights:
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            packing.logprobs(learner.model, 0.8)
+        return sum(storages.values()), packing.input_ids.shape
+    finally:
+        learner.shutdown()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_decoder_layer_saves_exactly_what_the_activation_formula_counts(tmp_path, checkpointing):
+    """One more layer (3 against 2) adds layer_activation_bytes to what a forward saves, or with checkpointing
+    its input alone (2h bytes a token): the formula's terms are those tensors, byte for byte."""
+    arch = Architecture(hidden=64, intermediate=160, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=100)
+    saved = {}
+    for layers in (2, 3):
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+                         ).save_pretrained(tmp_path / str(layers))
+        saved[layers], (rows, row) = saved_bytes(str(tmp_path / str(layers)), checkpointing)
+    assert rows * row > 2 * row  # several rows, prompts shared: the attention mask in every layer's count
+    one_layer = rows * row * 2 * 64 if checkpointing else layer_activation_bytes(arch, rows * row, 2, row)
+    assert saved[3] - saved[2] == one_layer
+
+
+BIG_BUILDER = """
+from pathlib import Path
+from transformers import Qwen2Config
+from nanoverl_async.models.tiny import build_tokenizer
+
+def qwen7b_shape(cache_dir):  # Qwen2.5-7B's config beside a tokenizer, no weights: counting needs none
+    directory = Path(__file__).parent / "qwen7b"
+    Qwen2Config(vocab_size=152_064, hidden_size=3_584, intermediate_size=18_944, num_hidden_layers=28,
+                num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=4_096).save_pretrained(directory)
+    build_tokenizer().save_pretrained(directory)
+    return str(directory)
+"""
+
+
+def test_launch_refuses_a_builders_model_too_big_before_ray_starts(tmp_path, monkeypatch):
+    """model.path=file.py:fn: the fit check runs on the directory the builder returns, before Ray or any role."""
+    from nanoverl_async import launcher
+
+    (tmp_path / "big.py").write_text(BIG_BUILDER)
+    monkeypatch.setattr(launcher, "start_ray", lambda cfg: pytest.fail("Ray started"))
+    cfg = load_config(None, [f"model.path={tmp_path / 'big.py'}:qwen7b_shape", f"run.output_dir={tmp_path / 'out'}"])
+    with pytest.raises(ConfigError) as refused:
+        launcher.launch(cfg)
+    line = str(refused.value)
+    assert line.startswith("config key 'model.path': the learner cannot fit: an update's peak is predicted at")
+    assert "\n" not in line and "this machine's memory" in line
 
 
 def saved_for_backward(learner: LearnerRank) -> int:

@@ -263,15 +263,16 @@ def test_the_adapter_count_of_the_fit_check_is_what_peft_adds(model_dir, targets
 
 
 def test_the_fit_check_counts_a_lora_base_at_its_dtype_s_bytes_and_no_reference_copy(model_dir):
-    from nanoverl_async.runtime import preflight
+    from nanoverl_async.runtime import fit_check
 
     base = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
     adapted = 4 * ((64 + 64) + (64 + 32) * 2 + (64 + 64) + (64 + 128) * 2 + (128 + 64)) * 2  # r (in + out), 2 layers
     lora_run = [f"model.path={model_dir}", "learner.lora.rank=4", "kl.loss_coef=0.1"]
-    assert preflight.learner_parameters(load_config(None, [*lora_run, "model.dtype=bfloat16"])) == (adapted, 2 * base)
-    assert preflight.learner_parameters(load_config(None, lora_run)) == (adapted, 4 * base)  # float32
+    assert fit_check.learner_parameters(load_config(None, [*lora_run, "model.dtype=bfloat16"])) == (adapted, 2 * base)
+    assert fit_check.learner_parameters(load_config(None, lora_run)) == (adapted, 4 * base)  # float32
     with_reference = load_config(None, [*lora_run, f"reference.path={model_dir}"])
-    assert preflight.learner_parameters(with_reference) == (adapted, 4 * base + 4 * base)
+    assert fit_check.learner_parameters(with_reference) == (adapted, 4 * base + 4 * base)
+
 
 
 @pytest.mark.slow

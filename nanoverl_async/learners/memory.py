@@ -1,27 +1,35 @@
-"""Learner memory: the least a rank needs (checked before any role starts: preflight.py) and the peaks it
-used, per step (the `memory/*` metrics, documented in docs/metrics.md).
+"""Learner memory: the peak one rank is predicted to reach in an update (checked before any role starts:
+runtime/fit_check.py) and the peaks it used, per step (the `memory/*` metrics, documented in docs/metrics.md).
 
-    learner_fit_error(trained, frozen_bytes, world_size, available, "GPU memory (NVIDIA H100)")  # None: fits
+    prediction = predict_peak(Workload(...))                          # the parts, in bytes; .total
+    learner_fit_error(lambda ranks: predict_peak(...), 1, available, "GPU memory (NVIDIA H100)")  # None: fits
     peak_memory(device)   # {"memory/learner_peak_host_gb": ..., on a GPU also ..._device_gb}, then reset
 
-The start-up bound counts only what must persist through a step: a trained model's float32 weights,
-float32 gradients and AdamW's two float32 moments (16 bytes a parameter: ZeRO's mixed-precision Adam
-count, Rajbhandari et al. 2020, section 3.1, with float32 gradients in place of its 16-bit weights and
-gradients) and a frozen model's weights (4 bytes a parameter for the KL reference in float32; a LoRA run's
-base at its dtype's, 2 in bfloat16), sharded over the FSDP2 ranks. Activations,
-logits and the 16-bit compute copy come on top, so passing it is necessary, not sufficient; failing it is
-certain. Not counted either: the whole float32 model each rank loads before it shards it (4 bytes a
-parameter, more than a rank's share only beyond 4 ranks).
+The prediction adds five parts (`Prediction`), each from the model's shape and the learner settings:
+  - state: a trained parameter's float32 weight, gradient and AdamW's two moments (16 bytes: ZeRO's
+    mixed-precision Adam count, Rajbhandari et al. 2020, section 3.1, with float32 gradients in place of its
+    16-bit weights and gradients) and a frozen model's weights (the KL reference in float32; a LoRA run's base
+    at model.dtype), sharded over the FSDP2 ranks. The gradients count as held through the forward: with
+    several micro-batches they are (accumulated), with one they are not, so there it is an upper bound;
+  - the compute copy (`compute_copy_bytes`): FSDP2's unsharded weights in the compute dtype;
+  - activations (`activation_bytes`): what autograd keeps for backward of one micro-batch;
+  - logits (`logits_bytes`): the head's [trained tokens, vocabulary] tensors, or one chunk's;
+  - runtime (`RUNTIME_BYTES`): what a rank's process holds besides tensors.
+It is checked against bench/fit_check.py's measured peaks (docs/benchmarks.md "The fit check against the
+measured peak, CPU"). Not counted: the whole float32 model each rank loads before it shards it (at start-up,
+before any update; more than a rank's share only beyond 4 ranks), and a critic's own compute copy and
+activations (trained after the policy's are freed, on the same body without the wide head: no larger).
 
 Run alone: `python -m pytest tests/test_learner_memory.py -q`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import resource
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,22 +45,152 @@ def learner_state_bytes(trained: int, frozen_bytes: int, world_size: int) -> int
     return math.ceil((TRAINED_BYTES * trained + frozen_bytes) / world_size)
 
 
-def learner_fit_error(trained: int, frozen_bytes: int, world_size: int, available: int, where: str,
-                      ranks_share_it: bool = False) -> Optional[str]:
-    """None if the learner's persistent state fits in `available` bytes (`where` says of what), else one line
-    with the numbers and what to change. Fits exactly when needed <= available. ranks_share_it: every rank's
-    share lands in the same memory (CPU ranks on one host), so more ranks do not help."""
-    per_rank = learner_state_bytes(trained, frozen_bytes, world_size)
-    needed = per_rank * world_size if ranks_share_it else per_rank
+# What a rank's process holds besides tensors, the part no shape predicts. cpu: the resident memory of a
+# LearnerRank process on a model of a few thousand parameters after an update (torch 2.13 CPU, transformers
+# 5.24, gloo and ZeroMQ up; 0.44 GB measured on 2026-11-28, bench/fit_check.py prints it as its "runtime"
+# row), rounded up. cuda: what nvidia-smi's total loses to the CUDA context (~0.5 GB), cuBLAS and NCCL
+# workspaces and the caching allocator's slack: 1 GB, an estimate, not yet measured (no GPU on that machine).
+RUNTIME_BYTES = {"cpu": int(0.45 * GB), "cuda": int(1.0 * GB)}
+# float32 [tokens, vocabulary] tensors alive at once around the head: z = logits.float() / T kept for
+# backward, the logsumexp's exp, the entropy metric's softmax and product, and in backward z's gradient. 5.0
+# measured (bench/fit_check.py's method on a 1-layer, 151,936-wide model: the peak above the runtime / (4 x
+# tokens x vocabulary), whole and in chunks of 512, 2026-11-28).
+LOGITS_COPIES = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """What activations and logits grow with, from a transformers config."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config) -> "Architecture":
+        text = config.get_text_config()
+        heads = text.num_attention_heads
+        return cls(text.hidden_size, text.intermediate_size, text.num_hidden_layers, heads,
+                   getattr(text, "num_key_value_heads", None) or heads,
+                   getattr(text, "head_dim", None) or text.hidden_size // heads, text.vocab_size)
+
+
+def layer_activation_bytes(arch: Architecture, tokens: int, compute_bytes: int, row: int) -> int:
+    """Bytes one decoder layer keeps for backward over `tokens` tokens packed in rows of `row`, b = compute_bytes
+    (2 in bfloat16), q = heads x head_dim:
+
+        tokens x (8h + b (4h + 4q + 4i + row) + 4 heads + 8)
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4.1)
+    count 34h + 5 a s bytes a token for a GPT layer in 16 bits; this is that count redone for what a Llama /
+    Qwen2 layer saves here (term by term with torch.autograd.graph.saved_tensors_hooks,
+    tests/test_learner_memory.py): each of the 2 RMSNorms its float32 input and normalised output (4h + bh,
+    twice) and its float32 1/rms (4, twice); the q/k/v projections their shared input (bh); scaled dot-product
+    attention q, k, v (k and v repeated to the query's heads: transformers does so whenever a mask is given, as
+    for a group's shared prompt, packing.Packing) and the output, which the output projection keeps too (4bq);
+    the fused kernel's logsumexp (4 bytes a head), never the a x s scores (Korthikanti's 5as term); the mask
+    itself, [row, row] a row in the compute dtype (b row a token); the SwiGLU MLP its input (bh), the gate's
+    output, the up projection's, their product's other factor and the down projection's input (4bi); no
+    dropout (eval mode). Without a mask, k and v are kept at their own heads: an overestimate of 2b(q - kv)."""
+    h, i, q = arch.hidden, arch.intermediate, arch.heads * arch.head_dim
+    return tokens * (8 * h + compute_bytes * (4 * h + 4 * q + 4 * i + row) + 4 * arch.heads + 8)
+
+
+def activation_bytes(arch: Architecture, tokens: int, compute_bytes: int, checkpointing: bool, row: int) -> int:
+    """Bytes kept for backward over one micro-batch of `tokens` in rows of `row`: every layer's
+    (`layer_activation_bytes`), or with learner.activation_checkpointing each layer's input (bh a token) and one
+    layer's recomputed in its backward; plus the final norm's (4h + bh) and the head's input (bh), a token each."""
+    one = layer_activation_bytes(arch, tokens, compute_bytes, row)
+    layers = arch.layers * tokens * compute_bytes * arch.hidden + one if checkpointing else arch.layers * one
+    return layers + tokens * (4 + 2 * compute_bytes) * arch.hidden
+
+
+def logits_bytes(vocab: int, trained_tokens: int, chunk_tokens: int) -> int:
+    """LOGITS_COPIES float32 [rows, vocabulary] tensors: rows = the trained tokens of a micro-batch, or with
+    learner.logits_chunk_tokens at most a chunk of them (packing.chunked_head: one chunk's logits at a time)."""
+    rows = min(trained_tokens, chunk_tokens) if chunk_tokens else trained_tokens
+    return LOGITS_COPIES * 4 * vocab * rows
+
+
+def compute_copy_bytes(parameters: int, root_parameters: int, layers: int, world_size: int,
+                       compute_bytes: int) -> int:
+    """FSDP2's unsharded copy of the policy's weights in the compute dtype (fsdp_rank._sharded_model): one rank
+    keeps the whole model unsharded through an update (LearnerRank._train), several hold the root's (embedding,
+    final norm, head) and two layers' at a time (the one computing and the one prefetched); one float32 rank
+    runs the plain model: none."""
+    if world_size == 1:
+        return 0 if compute_bytes == 4 else compute_bytes * parameters
+    return compute_bytes * (root_parameters + 2 * math.ceil((parameters - root_parameters) / layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What one rank trains: the parameters counted (runtime/fit_check.learner_parameters), the policy's shape,
+    and the learner settings that size an update."""
+
+    trained: int  # trained parameters (policy or its adapters, critic)
+    frozen_bytes: int  # frozen weights' bytes (the KL reference, a LoRA base)
+    arch: Architecture  # the policy's
+    parameters: int  # the policy's, adapters included
+    root_parameters: int  # the policy's outside its decoder layers
+    compute_bytes: int  # model.dtype's bytes
+    tokens: int  # a micro-batch's
+    row: int  # the longest row they are packed in
+    trained_tokens: int  # at most this many of them have logits
+    checkpointing: bool = False
+    chunk_tokens: int = 0
+    device: str = "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """The peak of one update on one rank, in bytes, by part (module docstring)."""
+
+    state: int
+    compute_copy: int
+    activations: int
+    logits: int
+    runtime: int
+
+    @property
+    def total(self) -> int:
+        return sum(dataclasses.astuple(self))
+
+    def parts(self) -> str:
+        return " + ".join(f"{value / GB:.2f} {name.replace('_', ' ')}" for name, value in
+                          dataclasses.asdict(self).items())
+
+
+def predict_peak(work: Workload, world_size: int) -> Prediction:
+    """The peak one of `world_size` ranks reaches in an update of `work` (module docstring)."""
+    return Prediction(learner_state_bytes(work.trained, work.frozen_bytes, world_size),
+                      compute_copy_bytes(work.parameters, work.root_parameters, work.arch.layers, world_size,
+                                         work.compute_bytes),
+                      activation_bytes(work.arch, work.tokens, work.compute_bytes, work.checkpointing, work.row),
+                      logits_bytes(work.arch.vocab, work.trained_tokens, work.chunk_tokens),
+                      RUNTIME_BYTES[work.device])
+
+
+def learner_fit_error(predict: Callable[[int], Prediction], world_size: int, available: int, where: str,
+                      ranks_share_it: bool = False, remedies: tuple[str, ...] = ()) -> Optional[str]:
+    """None if predict(world_size), a rank's peak, fits in `available` bytes (`where` says of what), else one
+    line with the prediction's parts and what to change: `remedies` (settings the caller knows would lower it)
+    and, where ranks have memory of their own, the fewest ranks whose prediction fits. Fits exactly when
+    needed <= available. ranks_share_it: every rank's peak lands in the same memory (CPU ranks on one host)."""
+    prediction = predict(world_size)
+    needed = prediction.total * (world_size if ranks_share_it else 1)
     if needed <= available:
         return None
-    counted = f"{trained / 1e9:.2f}B trained parameters x {TRAINED_BYTES} bytes (fp32 weights, gradients, AdamW's " \
-              f"2 moments)" + (f" + {frozen_bytes / GB:.1f} GB of frozen weights" if frozen_bytes else "")
-    ranks = math.ceil(learner_state_bytes(trained, frozen_bytes, 1) / max(available, 1))  # the fewest whose shares fit
-    remedy = "a smaller model, or learner.device=cuda" if ranks_share_it else \
-        f"learner.world_size >= {ranks} (one GPU each), or a smaller model"
-    return (f"the learner cannot fit: {counted} / {world_size} rank{'s' if world_size > 1 else ''} = "
-            f"{needed / GB:.1f} GB > {available / GB:.1f} GB of {where}, before activations; use {remedy}")
+    fits = next((ranks for ranks in range(world_size + 1, 1025) if predict(ranks).total <= available), None)
+    more = [] if ranks_share_it else [f"learner.world_size >= {fits} (one GPU each)"] if fits else []
+    shared = f" x {world_size} ranks on one host" if ranks_share_it and world_size > 1 else ""
+    return (f"the learner cannot fit: an update's peak is predicted at {prediction.total / GB:.1f} GB a rank "
+            f"({prediction.parts()} GB){shared} > {available / GB:.1f} GB of {where}; use "
+            f"{', '.join([*remedies, *more]) or 'a smaller model'}")
 
 
 def peak_memory(device: torch.device, over_ranks: bool = False) -> dict[str, float]:

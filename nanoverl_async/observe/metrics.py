@@ -136,11 +136,12 @@ def tied_groups_fraction(trajectories: list) -> float:
 SUMMARY_WINDOW = 5  # steps averaged at each end for the summary's reward first -> last (fewer in a short run)
 
 
-def run_summary(rows: list[dict], output_dir: Path, final: Path, log_samples: int) -> str:
+def run_summary(rows: list[dict], output_dir: Path, final: Path, log_samples: int,
+                predicted: Optional[dict[str, float]] = None) -> str:
     """The lines a run ends with, from its metrics.jsonl rows (every step once, a resumed run's earlier ones
     included): steps, reward/mean averaged over the first and the last few steps, samples trained per second
-    of step time (time/step_s: waiting for the batch, training, publishing), where the model, samples and
-    plot are."""
+    of step time (time/step_s: waiting for the batch, training, publishing), the learner's peak memory beside
+    its start-up prediction (`predicted`: GB by memory/* key), where the model, samples and plot are."""
     window = max(1, min(SUMMARY_WINDOW, len(rows) // 3))
     first, last = (float(np.mean([r["reward/mean"] for r in part])) for part in (rows[:window], rows[-window:]))
     seconds = sum(r["time/step_s"] for r in rows)
@@ -149,8 +150,20 @@ def run_summary(rows: list[dict], output_dir: Path, final: Path, log_samples: in
     return "\n".join([
         f"done: {len(rows)} steps in {seconds:.0f} s, {rows[-1]['samples/trained'] / max(seconds, 1e-9):.1f} "
         f"samples/s; reward {first:.3f} -> {last:.3f} (mean of the first and the last {window} step(s))",
-        f"  final model: {final}", f"  samples:     {samples}",
+        *memory_line(rows, predicted or {}), f"  final model: {final}", f"  samples:     {samples}",
         f"  metrics:     {output_dir / 'metrics.jsonl'}; plot them: nanoverl-async plot {output_dir}"])
+
+
+def memory_line(rows: list[dict], predicted: dict[str, float]) -> list[str]:
+    """One line, the learner's measured peak (the largest over steps; on a GPU the device's, which the start-up
+    prediction's tensors are compared with) beside the prediction for it; none without memory/* in the rows."""
+    key = next((key for key in ("memory/learner_peak_device_gb", "memory/learner_peak_host_gb") if key in rows[-1]),
+               None)
+    if key is None:
+        return []
+    guess = f"predicted {predicted[key]:.1f} GB, " if key in predicted else ""
+    return [f"  learner memory: {guess}measured peak {max(row.get(key, 0.0) for row in rows):.1f} GB ({key}, max "
+            f"over steps)"]
 
 
 TIED_STEPS_WARNING = 3  # consecutive steps where every group ties before the logger warns (once)
@@ -239,10 +252,10 @@ class MetricsLogger:
             elapsed = time.monotonic() - self.started
             print(f"step {m['step'] + 1:>4}/{self.total_steps}  {info}  {elapsed:.0f}s", flush=True)
 
-    def summary(self, final: Path) -> str:
+    def summary(self, final: Path, predicted: Optional[dict[str, float]] = None) -> str:
         """`run_summary` of the rows logged so far, with `final` the final model's folder."""
         rows = [json.loads(line) for line in self.path.read_text().splitlines()]
-        return run_summary(rows, self.path.parent.resolve(), final.resolve(), self.log_samples)
+        return run_summary(rows, self.path.parent.resolve(), final.resolve(), self.log_samples, predicted)
 
     def close(self) -> None:
         self.closing.close()

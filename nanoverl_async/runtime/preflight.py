@@ -7,7 +7,8 @@ data files exist and every row has a chat `prompt` that leaves room under agent.
 (`check_prompt_lengths`), the environment, the prompt function and the reward function load (user code
 runs here, once, in the launching process), the model paths name models whose positions hold
 agent.max_total_tokens (`check_model`), `run.resume` names a checkpoint, `wire.host` can be bound, and the
-learner's weights, gradients and optimizer states fit in the memory of its devices (`check_learner_fits`).
+learner's predicted peak fits in the memory of its devices (fit_check.py; launch checks a builder's model
+once it has made it).
 Each failure is one ConfigError naming the key. The returned config has `agent.env`'s default filled in,
 every user path absolute, so roles in other processes (and a later resume) load exactly the same code, the
 rows left out in data.skip_rows, and `wire.host` placed (wire_auth.placed_host: "auto" is loopback on one
@@ -22,9 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
-import os
 import socket
-import subprocess
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -36,6 +35,7 @@ from nanoverl_async.agents.data import prompt_source, read_samples
 from nanoverl_async.agents.env import env_factory
 from nanoverl_async.agents.rewards import load_reward
 from nanoverl_async.agents.user_code import BUILTINS, UserCodeError, absolute_spec
+from nanoverl_async.runtime.fit_check import check_learner_fits
 from nanoverl_async.validation import get_key
 from nanoverl_async.wire.auth import placed_host
 
@@ -203,75 +203,3 @@ def prompt_tokenizer(path: str, cache_dir: str) -> tuple[Any, int]:
     except (ValueError, OSError) as error:
         raise ConfigError(f"config key 'model.path': {str(error).strip().splitlines()[0]}") from None
     return tokenizer, 4 * max(map(len, tokenizer.get_vocab()))
-
-
-def check_learner_fits(cfg: Config) -> None:
-    """One ConfigError line if the learner's persistent state (learners/memory.py: 16 bytes a trained
-    parameter, a frozen one's weight, over learner.world_size ranks) exceeds the memory its ranks run in: on cuda,
-    each GPU's (the smallest nvidia-smi lists here); on cpu, this machine's, which every local rank shares.
-    Skipped where that is not knowable here: on a Ray cluster (ray.address: the ranks' machines are not this
-    one), without nvidia-smi, and for a model.path given as builtin:NAME (small) or a builder file.py:fn
-    (its directory is made later); a directory or Hub id is counted from its config alone (meta device)."""
-    counted = learner_parameters(cfg)
-    memory = learner_memory(cfg) if counted else None
-    if memory:
-        from nanoverl_async.learners.memory import learner_fit_error  # torch: only for a model counted here
-
-        error = learner_fit_error(*counted, cfg.learner.world_size, *memory, ranks_share_it=cfg.learner.device == "cpu")
-        if error:
-            raise ConfigError(f"config key 'model.path': {error}")
-
-
-def learner_parameters(cfg: Config) -> Optional[tuple[int, int]]:
-    """(trained parameters, frozen bytes): the policy and, for gae, the critic trained; the KL reference frozen
-    in float32; with learner.lora, the policy's adapters trained and its base frozen in model.dtype (and no
-    reference of its own without reference.path: the base is it). None if a path is not a directory or Hub id,
-    or its config cannot be read (launch says why)."""
-    adapters = cfg.learner.lora if cfg.learner.lora.rank else None
-    paths = [(cfg.model.path, False, True)]  # (path, is the critic, trained)
-    if (cfg.kl.loss_coef > 0 or cfg.kl.reward_coef > 0) and not (adapters and not cfg.reference.path):
-        paths.append((cfg.reference.path or cfg.model.path, False, False))
-    if cfg.algorithm.advantage == "gae":
-        paths.append((cfg.critic.path or cfg.model.path, True, True))
-    if any(":" in path and not Path(path).expanduser().is_dir() for path, _, _ in paths):
-        return None  # builtin:NAME or file.py:fn: nothing to count, and no torch to import for it
-    import torch  # here, not at the top: the CLI checks a config before starting Ray, in a fraction of a second
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
-
-    from nanoverl_async.learners.memory import REFERENCE_BYTES
-    from nanoverl_async.models.load import DTYPES
-    from nanoverl_async.models.lora import adapter_parameters
-
-    trained_count, frozen_bytes = 0, 0
-    for path, critic, trained in paths:
-        model_class = AutoModelForTokenClassification if critic else AutoModelForCausalLM
-        try:
-            config = AutoConfig.from_pretrained(path, **({"num_labels": 1} if critic else {}))
-            with torch.device("meta"):  # shapes only: no memory, no initialisation
-                model = model_class.from_config(config)
-        except (OSError, ValueError):
-            return None
-        count = sum(p.numel() for p in model.parameters())
-        if trained and adapters and not critic:
-            trained_count += adapter_parameters(model, adapters)
-            frozen_bytes += count * DTYPES[cfg.model.dtype].itemsize
-        elif trained:
-            trained_count += count
-        else:
-            frozen_bytes += count * REFERENCE_BYTES
-    return trained_count, frozen_bytes
-
-
-def learner_memory(cfg: Config) -> Optional[tuple[int, str]]:
-    """(bytes, what they are) of the memory one learner rank runs in, where this machine can tell."""
-    if cfg.ray.address:
-        return None
-    if cfg.learner.device == "cpu":
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory (CPU ranks share it)"
-    try:  # not torch.cuda: that would hold a CUDA context in the controller for the whole run
-        listed = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,name", "--format=csv,noheader,nounits"],
-                                capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    mib, name = min((int(row.split(",")[0]), row.split(",", 1)[1].strip()) for row in listed.strip().splitlines())
-    return mib * 2**20, f"GPU memory ({name})"
