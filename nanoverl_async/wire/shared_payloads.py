@@ -12,7 +12,8 @@ pickled); the reader maps it on the device with the same UUID, whatever CUDA_VIS
 xxh3 would need GPU bytes on the host, so a device payload is checked by `sum64` on the GPU instead.
 
 Invariants: a segment's path is valid while its payload lives in the writing process; readers copy a payload
-out before checking it (weights.py), so a payload rewritten meanwhile fails the check and is never applied.
+out before checking it (weights.py), so a payload rewritten meanwhile fails the check and is never applied,
+and map it only while they copy it.
 
 Run alone: tests/test_weights.py (host memory and sum64 on CPU), tests/test_cuda.py (the CUDA handles).
 """
@@ -57,30 +58,17 @@ def path_of(payload: np.ndarray) -> Optional[str]:
     return path if nbytes == payload.nbytes else None
 
 
-class SegmentReader:
-    """Maps segments of another process by path, each once (re-mapped when the path names a new segment); the
-    newest MAPPED only, so that segments the writer freed are not kept alive here."""
-
-    MAPPED = 4  # a learner cycles through a few (weights.py: the newest, one pending, two spares)
-
-    def __init__(self):
-        self._maps: dict[str, tuple[int, np.ndarray]] = {}  # path -> (inode, read-only view)
-
-    def view(self, path: str, nbytes: int) -> np.ndarray:
-        """The segment at `path`, read-only. FileNotFoundError: gone (its writer freed it); ValueError: not
-        `nbytes` long; other OSError: not openable from this process."""
-        inode = os.stat(path).st_ino
-        cached = self._maps.get(path)
-        if cached is None or cached[0] != inode:
-            with open(path, "rb") as file:  # the mapping outlives the file: stays valid once it is closed
-                self._maps.pop(path, None)  # a new segment at this path: it becomes the newest mapped
-                mapping = mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ)  # 0: the whole segment
-                cached = self._maps[path] = (inode, np.frombuffer(mapping, dtype=np.uint8))
-            while len(self._maps) > self.MAPPED:
-                del self._maps[next(iter(self._maps))]  # the least recently mapped
-        if cached[1].nbytes != nbytes:
-            raise ValueError(f"{path}: {cached[1].nbytes} bytes, the notice says {nbytes}")
-        return cached[1]
+def open_segment(path: str, nbytes: int) -> np.ndarray:
+    """The segment at `path`, mapped read-only for as long as the returned array lives (a reader drops it once
+    it copied the bucket: a mapping kept would keep a segment the writer freed alive). FileNotFoundError: gone
+    (its writer freed it); ValueError: not `nbytes` long; other OSError: not openable from this process."""
+    with open(path, "rb") as file:  # the mapping outlives the file: stays valid once it is closed
+        size = os.fstat(file.fileno()).st_size
+        if size != nbytes:
+            raise ValueError(f"{path}: {size} bytes, the notice says {nbytes}")
+        if size == 0:  # mmap refuses an empty mapping
+            return np.empty(0, dtype=np.uint8)
+        return np.frombuffer(mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ), dtype=np.uint8)
 
 
 def sum64(payload: torch.Tensor) -> str:
