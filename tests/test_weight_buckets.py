@@ -18,7 +18,7 @@ from nanoverl_async.wire.buckets import Assembly, BucketSet, plan, stamp_problem
 from nanoverl_async.wire.payload_layout import deserialise
 from nanoverl_async.wire.weights import WeightPublisher, WeightSubscriber
 from test_generator_worker import FakeBuffer, make_worker, model_dir, tiny_model, until  # noqa: F401 (a fixture)
-from weight_waits import wait_newest, wait_sent
+from weight_waits import wait_newest, wait_sent, wait_subscribed
 
 TIMEOUT_S = 10.0
 F32, U8 = torch.float32, torch.uint8
@@ -53,6 +53,7 @@ def test_a_version_in_several_buckets_round_trips_exactly(shared_memory):
     publisher = WeightPublisher("127.0.0.1", shared_memory=shared_memory)
     subscriber = WeightSubscriber(publisher.endpoint)
     try:
+        wait_subscribed(publisher, 1, TIMEOUT_S)
         publisher.publish(1, published)
         version, received = wait_newest(subscriber, 0, TIMEOUT_S)
         assert version == 1 and received.keys() == sent.keys()
@@ -100,6 +101,7 @@ def test_the_learner_writes_every_version_into_one_set_and_a_version_it_started_
         buckets.begin(2)
         buckets.write("a", torch.full((16,), 2.0))  # the learner is writing version 2 into bucket 0
         late = WeightSubscriber(publisher.endpoint)  # ... when a generator joins: version 1 is torn, never sent
+        wait_subscribed(publisher, 2, TIMEOUT_S)
         with pytest.raises(TimeoutError):
             wait_newest(late, 0, 1.0)
         assert late.counts["received"] == 0 and publisher.counts["superseded"] == 0  # version 1 was sent whole

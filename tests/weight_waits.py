@@ -26,6 +26,16 @@ def wait_newest(subscriber: WeightSubscriber, current_version: int, timeout_s: f
             return bucket.version, state_dict
 
 
+def wait_subscribed(publisher: WeightPublisher, subscriptions: int, timeout_s: float) -> None:
+    """Until the publisher has seen `subscriptions` subscriptions: a version published then reaches each
+    subscriber from its first bucket (one that joins while a version is on its way sees a gap first)."""
+    deadline = time.monotonic() + timeout_s
+    while publisher.counts["subscriptions"] < subscriptions:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{subscriptions} subscriptions not seen within {timeout_s} s")
+        time.sleep(POLL_S)
+
+
 def wait_sent(publisher: WeightPublisher, version: int, timeout_s: float) -> None:
     """Until `version` (or newer) is on the wire; TimeoutError after timeout_s."""
     deadline = time.monotonic() + timeout_s

@@ -12,8 +12,8 @@ pickled); the reader maps it on the device with the same UUID, whatever CUDA_VIS
 xxh3 would need GPU bytes on the host, so a device payload is checked by `sum64` on the GPU instead.
 
 Invariants: a segment's path is valid while its payload lives in the writing process; readers copy a payload
-out before checking it (weights.py), so a payload rewritten meanwhile fails the check and is never applied,
-and map it only while they copy it.
+out before checking it (weights.py), so a payload rewritten meanwhile fails the check and is never applied.
+Host readers copy by read(), never mapping the writer's memory.
 
 Run alone: tests/test_weights.py (host memory and sum64 on CPU), tests/test_cuda.py (the CUDA handles).
 """
@@ -58,17 +58,20 @@ def path_of(payload: np.ndarray) -> Optional[str]:
     return path if nbytes == payload.nbytes else None
 
 
-def open_segment(path: str, nbytes: int) -> np.ndarray:
-    """The segment at `path`, mapped read-only for as long as the returned array lives (a reader drops it once
-    it copied the bucket: a mapping kept would keep a segment the writer freed alive). FileNotFoundError: gone
-    (its writer freed it); ValueError: not `nbytes` long; other OSError: not openable from this process."""
-    with open(path, "rb") as file:  # the mapping outlives the file: stays valid once it is closed
+def read_segment(path: str, into: np.ndarray) -> None:
+    """Copy the segment at `path` into `into` (its whole length) by read(), not by mapping it: the reader's page
+    tables never take the writer's pages, so its memory grows by its own copy only. FileNotFoundError: gone (its
+    writer freed it); ValueError: not `len(into)` bytes long; other OSError: not openable from this process."""
+    with open(path, "rb", buffering=0) as file:
         size = os.fstat(file.fileno()).st_size
-        if size != nbytes:
-            raise ValueError(f"{path}: {size} bytes, the notice says {nbytes}")
-        if size == 0:  # mmap refuses an empty mapping
-            return np.empty(0, dtype=np.uint8)
-        return np.frombuffer(mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ), dtype=np.uint8)
+        if size != len(into):
+            raise ValueError(f"{path}: {size} bytes, the notice says {len(into)}")
+        view, done = memoryview(into), 0
+        while done < size:
+            read = file.readinto(view[done:])
+            if not read:
+                raise ValueError(f"{path}: ended after {done} of {size} bytes")
+            done += read
 
 
 def sum64(payload: torch.Tensor) -> str:

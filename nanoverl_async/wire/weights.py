@@ -93,7 +93,7 @@ class WeightPublisher:
         self.error: Optional[BaseException] = None
         self.sent_version = -1  # newest version whose every bucket was sent
         self._superseded = -1  # newest version counted as superseded
-        self.counts = {"published": 0, "sent": 0, "superseded": 0}
+        self.counts = {"published": 0, "sent": 0, "superseded": 0, "subscriptions": 0}  # joins and asks again
         self._thread = threading.Thread(target=self._run, args=(host, curve), name="weight-publisher", daemon=True)
         self._thread.start()
         if not self._bound.wait(timeout=30) or not self.endpoint:
@@ -165,16 +165,17 @@ class WeightPublisher:
             self.endpoint = f"tcp://{host}:{port}"
             self._bound.set()
             while True:
-                new_subscriber = False
+                subscriptions = 0
                 while socket.poll(0, zmq.POLLIN):
-                    new_subscriber |= socket.recv()[:1] == b"\x01"  # \x01 = subscribe, \x00 = unsubscribe
+                    subscriptions += socket.recv()[:1] == b"\x01"  # \x01 = subscribe, \x00 = unsubscribe
+                self.counts["subscriptions"] += subscriptions
                 with self._lock:
                     pending, self._pending = self._pending, None
                 if pending is not None:
                     if latest is not None:
                         self._supersede(latest[0])
                     latest, built, queue = pending, {}, deque(range(len(pending[1].payloads)))
-                elif new_subscriber and latest is not None:
+                elif subscriptions and latest is not None:
                     every = list(range(len(latest[1].payloads)))
                     if list(queue)[-len(every):] != every:  # one whole pass queued serves every new subscriber
                         queue.extend(every)
@@ -304,24 +305,30 @@ class WeightSubscriber:
         try:
             if "cuda" in segment:
                 source = shared_payloads.open_device_handle(segment["cuda"], nbytes)
+                copy = self._buffer(nbytes, source.device)[:nbytes]
+                copy.copy_(source)
+                del source  # the learner may free or reuse it once no reader maps it
             else:
-                source = shared_payloads.open_segment(segment["path"], nbytes)
+                copy = self._buffer(nbytes, None)[:nbytes]
+                shared_payloads.read_segment(segment["path"], copy)
         except (FileNotFoundError, ValueError) as error:  # freed or replaced since: a newer version was sent
             return self._drop(f"{where}: bucket gone ({error})", version)
         except (OSError, RuntimeError) as error:
             raise RuntimeError(f"weights {where}: cannot map the learner's payload ({error}); learner rank 0 "
                                f"must share this machine (and, for CUDA IPC, this GPU)") from error
-        copy = self._copy  # one buffer, host or device memory as the source, as large as the largest bucket
-        if copy is None or type(copy) is not type(source) or len(copy) < nbytes or \
-                isinstance(copy, torch.Tensor) and copy.device != source.device:
-            self._copy = copy = None  # the old buffer goes before the new one is taken
-            self._copy = copy = torch.empty_like(source) if "cuda" in segment else np.empty_like(source)
-        copy = copy[:nbytes]
-        copy[:] = source
-        del source  # unmapped: this process keeps no view of the learner's memory between polls
         if checksum(copy) != notice["checksum"]:
             return self._drop(f"{where}: checksum mismatch (rewritten while it was read)", version)
         self.counts["from_shared_memory"] += 1
+        return copy
+
+    def _buffer(self, nbytes: int, device: Optional[torch.device]) -> np.ndarray | torch.Tensor:
+        """This subscriber's one copy buffer (host, or on `device` for CUDA IPC), grown to the largest bucket."""
+        copy = self._copy
+        if copy is None or len(copy) < nbytes or (device is None) != isinstance(copy, np.ndarray) or \
+                device is not None and copy.device != device:
+            self._copy = copy = None  # the old buffer goes before the new one is taken
+            self._copy = copy = np.empty(nbytes, dtype=np.uint8) if device is None else \
+                torch.empty(nbytes, dtype=torch.uint8, device=device)
         return copy
 
     def _drop(self, problem: str, version: int) -> None:
