@@ -10,8 +10,9 @@ Each process measures its peak RSS above its own model (VmHWM, reset after the m
 /proc/self/status), and how much of that peak was shared memory (RssShmem, sampled every 2 ms: the publisher's
 memfd buckets). The bounds: publisher extra <= 1.25 x the bytes a version publishes; subscriber extra <= one
 bucket (the largest) beyond its model: its copy of the bucket it holds, or over the socket the frame it holds,
-plus those ZeroMQ has received meanwhile (up to weights.RECEIVE_QUEUE more, and one on its way in). Versions are published one at a time, each once the subscriber holds the one
-before, as the learner publishes one per step. Linux only (/proc).
+plus those ZeroMQ has received meanwhile (up to weights.RECEIVE_QUEUE more, and one on its way in). Versions
+are published one at a time, each once the subscriber holds the one before, as the learner publishes one per
+step. Linux only (/proc).
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ def main() -> None:
     for transport in ("shared memory", "socket"):
         sent, got = measure(args, transport)
         print(f"| {transport} | {mb(sent['published'])} | {sent['buckets']} ({mb(sent['largest'])}) "
-              f"| {mb(sent['extra'])} ({mb(sent['shmem'])}) | {mb(sent['hwm'])} | {sent['extra'] / sent['published']:.2f} "
+              f"| {mb(sent['extra'])} ({mb(sent['shmem'])}) | {mb(sent['hwm'])} "
+              f"| {sent['extra'] / sent['published']:.2f} "
               f"| {mb(got['extra'])} ({mb(got['shmem'])}) | {mb(got['hwm'])} | {got['extra'] / sent['largest']:.2f} "
               f"| {got['dropped']} |", flush=True)
 

@@ -17,7 +17,8 @@ import zmq.asyncio
 from nanoverl_async.wire.buckets import Assembly, BucketSet, plan, stamp_problem
 from nanoverl_async.wire.payload_layout import deserialise
 from nanoverl_async.wire.weights import WeightPublisher, WeightSubscriber
-from test_generator_worker import FakeBuffer, make_worker, model_dir, tiny_model, until  # noqa: F401 (a fixture)
+from test_generator_worker import FakeBuffer, make_worker, tiny_model, until
+from test_generator_worker import model_dir  # noqa: F401 (a fixture these tests take)
 from weight_waits import wait_newest, wait_sent, wait_subscribed
 
 TIMEOUT_S = 10.0

@@ -13,12 +13,14 @@ How a bucket travels (the publisher picks, per version):
   - CUDA IPC (`device_handles`, set when learner rank 0 and every generator share one GPU): each bucket is
     on that GPU, "segment": {"cuda": handle}; no host round trip at all (tests/test_cuda.py, GPU only).
 Memory: the learner writes every version into ONE set of buckets (`writable_buckets`), bucket by bucket as it
-gathers its tensors, so the publisher holds about one version (socket sends are views of it, never copies).
+gathers its tensors, and publishes the version once every bucket is written; so the publisher holds about one
+version (socket sends are views of it, never copies).
 A subscriber holds one bucket beyond its model: it copies a segment's bucket into one buffer of its own (a
-socket's bucket is the received frame), checks it, and hands it on; the caller copies it into its model
-before the next poll. checksum = xxh3_128 of the bucket's bytes, or `shared_payloads.sum64` (on the GPU) for
-CUDA IPC: it catches a bucket damaged on its way, or rewritten by the learner (its next version) while a
-subscriber read it; the bucket's stamp catches one whose checksum was taken as the learner rewrote it.
+socket's bucket is the received frame; ZeroMQ may hold RECEIVE_QUEUE more received and one on its way in),
+checks it, and hands it on; the caller copies it into its model before the next poll.
+checksum = xxh3_128 of the bucket's bytes, or `shared_payloads.sum64` (on the GPU) for CUDA IPC: it catches
+a bucket damaged on its way, or rewritten by the learner (its next version) while a subscriber read it; the
+bucket's stamp catches one whose checksum was taken as the learner rewrote it.
 A version with a dropped bucket is asked for again: the subscriber subscribes once more, and the publisher
 answers every subscription with every bucket of its newest version (as it does a late joiner). Otherwise a
 learner waiting for a batch that only newer weights could open the admission gate for would never publish
@@ -28,7 +30,8 @@ Invariants:
   - `WeightPublisher.publish` never blocks the training loop: checksums and sends happen on one background
     thread, which alone owns the socket. If publishing falls behind, only the newest version is sent; one
     whose buckets the learner starts rewriting before they are sent is cut short (counted as superseded).
-  - A subscriber that joins late is sent the newest version when its subscription arrives (XPUB).
+  - A subscriber that joins late is sent the newest version when its subscription arrives (XPUB); one that
+    joins while a version is being sent sees the rest of it first: a gap, counted as dropped, then all of it.
   - `WeightSubscriber.poll_bucket` never blocks on the socket: it drops (counts and logs in one line) any
     message whose framing, fields, nbytes, checksum or stamp is wrong, and returns the next bucket of the
     version being assembled (wire/buckets.py `Assembly`), only ever of a version newer than the caller holds.
