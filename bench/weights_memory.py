@@ -100,6 +100,12 @@ def publisher(args: argparse.Namespace) -> None:
     publishing.close(timeout_s=10)
 
 
+def load(weights: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """A bucket into the model, as an engine stages it (a function: no name outlives it to keep the bucket)."""
+    for name, tensor in tensors.items():
+        weights[name].copy_(tensor)
+
+
 def subscriber(args: argparse.Namespace) -> None:
     weights = {name: torch.empty_like(tensor) for name, tensor in model(args.model_mb, args.bucket_mb).items()}
     for tensor in weights.values():
@@ -113,11 +119,11 @@ def subscriber(args: argparse.Namespace) -> None:
         if bucket is None:
             time.sleep(0.001)
             continue
-        for name, tensor in bucket.tensors.items():
-            weights[name].copy_(tensor)
+        load(weights, bucket.tensors)
         if bucket.index == bucket.count - 1:
             held = bucket.version
             print(json.dumps({"held": held}), flush=True)
+        bucket = None  # its tensors go before the next poll, as a generator's do (over the socket: its frame)
     print(json.dumps({**peak.report(), **subscribing.counts}), flush=True)
     subscribing.close()
 

@@ -298,10 +298,10 @@ class GeneratorWorker:
                 if partial is None and self.weight_sync.mode == "drain":
                     await self._drain(bucket.version)
             self.engine.stage_weights(bucket.tensors, bucket.version, (bucket.index, bucket.count))
-            partial, progress = bucket.version, time.monotonic()
-            if bucket.index == bucket.count - 1:
-                partial = None
-                await self._applied(subscriber, bucket.version, received)
+            partial, progress = None if bucket.index == bucket.count - 1 else bucket.version, time.monotonic()
+            bucket = None  # its tensors go before the next poll: over the socket they hold a bucket's frame
+            if partial is None:
+                await self._applied(subscriber, self.engine.version, received)
 
     async def _drain(self, version: int) -> None:
         """Mode drain: stop leasing and wait until the in-flight groups finish before a version's first bucket."""
