@@ -134,7 +134,7 @@ def test_the_assembly_takes_each_bucket_once_in_order_and_newest_wins():
                                         (1, 3, 1, 2)]:
         verdicts.append(assembly.verdict(held, version, index, count))
         if verdicts[-1] == "take":
-            assembly.took()
+            assembly.took(version, index, count)
     assert verdicts == ["take", "skip", "take", "take", "skip", "gap", "skip", "take", "take", "skip", "take"]
 
 

@@ -283,6 +283,7 @@ def test_corrupt_and_mismatched_payloads_are_dropped_and_counted():
         unstamped = safetensors_save(state(7.0))  # checksummed, but its bytes do not say which version they are
         other, stamped_as_8 = one_bucket(8, state(7.0))
         bad_messages = [
+            [msgpack.packb({**header, "version": 10**12}), good],  # a damaged version number: waits for nothing
             [msgpack.packb(header), bytes(flipped)],  # corrupt payload
             [msgpack.packb({**header, "nbytes": len(good) + 1}), good],  # wrong nbytes
             [b"\xc1 not msgpack", good],  # undecodable header

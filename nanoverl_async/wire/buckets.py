@@ -17,7 +17,8 @@ Assembly (a subscriber): buckets of a version are taken in index order, from buc
 of a newer version starts that one (newest wins; the one being assembled is abandoned); a bucket of a version
 held or older than the one being assembled is skipped, and so is one taken already (a resend's repeat); a
 bucket past the next one means the next was lost: a gap, reported once per version, after which the same
-version's resend (weights.py asks for it) may fill the gap from where it was.
+version's resend (weights.py asks for it) may fill the gap from where it was. A notice moves the assembly only
+once its bucket's bytes passed their checks (`took`): a damaged version number never makes it wait.
 
 Run alone: `python -m pytest tests/test_weights.py -q`.
 """
@@ -157,14 +158,15 @@ class Assembly:
         self._gap_reported = -1  # the version whose gap was reported
 
     def verdict(self, held: int, version: int, index: int, count: int) -> str:
-        """"take", "skip" or "gap" for bucket `index` of `count` of `version`, with `held` applied."""
+        """"take", "skip" or "gap" for bucket `index` of `count` of `version`, with `held` applied. Nothing
+        changes until `took`: a notice is trusted only once its bucket's bytes were checked (a damaged version
+        number must not make the assembly wait for a version that never comes)."""
         if version <= held or version < self.version:
             return "skip"
-        if version > self.version or count != self.count:
-            self.version, self.count, self.next = version, count, 0
-        if index < self.next:
+        expected = self.next if (version, count) == (self.version, self.count) else 0  # a new one starts at 0
+        if index < expected:
             return "skip"
-        if index == self.next:
+        if index == expected:
             return "take"
         if self._gap_reported == version:
             return "skip"
@@ -175,7 +177,7 @@ class Assembly:
         """The bucket "take" named was dropped: the gap it leaves is that loss, not another."""
         self._gap_reported = version
 
-    def took(self) -> bool:
-        """The bucket "take" named is applied; whether it completed its version."""
-        self.next += 1
+    def took(self, version: int, index: int, count: int) -> bool:
+        """The bucket "take" named is checked and handed on; whether it completed its version."""
+        self.version, self.count, self.next = version, count, index + 1
         return self.next == self.count

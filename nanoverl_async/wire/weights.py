@@ -269,7 +269,8 @@ class WeightSubscriber:
             if tensors is None:
                 self._assembly.lost(version)
                 continue
-            self._assembly.took()
+            self._assembly.took(version, index, count)
+            self._asked_for = min(self._asked_for, version)  # what was asked for beyond a checked version: unsure
             self.counts["received"] += 1
             return Bucket(version, index, count, tensors)
 
