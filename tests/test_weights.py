@@ -397,7 +397,8 @@ def test_forged_segment_notices_are_dropped_and_one_that_cannot_be_mapped_fails_
         forged = [{**notice, "checksum": "0" * 32},  # bytes that are not the version's
                   {**notice, "nbytes": len(good) + 8},  # a segment of another size
                   {**notice, "segment": {"path": str(tmp_path / "gone")}},  # freed since
-                  {**notice, "segment": {"path": 7}}]  # malformed
+                  {**notice, "segment": {"path": 7}},  # malformed
+                  {**notice, "segment": {"cuda": {"uuid": "GPU-0"}}}]  # a CUDA handle without its fields
         for bad in forged:
             sender.send_multipart([msgpack.packb(bad), b""])
             assert wait_dropped(subscriber, forged.index(bad) + 1) is None

@@ -317,6 +317,8 @@ class WeightSubscriber:
                 shared_payloads.read_segment(segment["path"], copy)
         except (FileNotFoundError, ValueError) as error:  # freed or replaced since: a newer version was sent
             return self._drop(f"{where}: bucket gone ({error})", version)
+        except TypeError as error:  # a CUDA handle's fields of the wrong types: not one a publisher wrote
+            return self._drop(f"{where}: bad CUDA handle ({error})", version)
         except (OSError, RuntimeError) as error:
             raise RuntimeError(f"weights {where}: cannot map the learner's payload ({error}); learner rank 0 "
                                f"must share this machine (and, for CUDA IPC, this GPU)") from error
@@ -362,7 +364,8 @@ class WeightSubscriber:
             if "segment" in notice:
                 segment = notice["segment"]
                 if len(payload) or not isinstance(segment, dict) or not (
-                        isinstance(segment.get("path"), str) or isinstance(segment.get("cuda"), dict)):
+                        isinstance(segment.get("path"), str) or isinstance(segment.get("cuda"), dict)
+                        and set(segment["cuda"]) == {"uuid", *shared_payloads.HANDLE_FIELDS}):
                     raise ValueError(f"version {version}: bad segment {segment!r:.200}")
             elif notice["nbytes"] != len(payload):
                 raise ValueError(f"version {version}: {len(payload)} bytes, the notice says {notice['nbytes']}")
