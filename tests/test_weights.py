@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
 import msgpack
 import pytest
@@ -31,6 +32,7 @@ from nanoverl_async.runtime.preflight import prepare
 from nanoverl_async.wire import shared_payloads
 from nanoverl_async.wire.buckets import BucketSet, stamp_metadata
 from nanoverl_async.wire.payload_layout import deserialise, serialise
+from nanoverl_async.wire import weights as weight_wire
 from nanoverl_async.wire.weights import WeightPublisher, WeightSubscriber
 from weight_waits import wait_newest, wait_sent
 
@@ -118,8 +120,8 @@ class Tamperer:
     of the version), its payload's last byte or, for a notice naming a segment, its checksum; every later
     copy (asked for again) passes intact."""
 
-    def __init__(self, endpoint: str, versions: set[int]):
-        self.versions = set(versions)
+    def __init__(self, endpoint: str, versions: set[int], drop: bool = False):
+        self.versions, self.drop = set(versions), drop  # drop: lose the bucket instead of damaging it
         self._context = zmq.Context()
         self._up, self._down = self._context.socket(zmq.XSUB), self._context.socket(zmq.XPUB)
         self._down.setsockopt(zmq.XPUB_VERBOSE, 1)  # a repeated subscription (asking again) goes up too
@@ -137,14 +139,16 @@ class Tamperer:
             for socket, _ in poller.poll(10):
                 if socket is self._down:
                     self._up.send(self._down.recv())
-                else:
-                    self._down.send_multipart(self._damaged(self._up.recv_multipart()))
+                elif (frames := self._damaged(self._up.recv_multipart())) is not None:
+                    self._down.send_multipart(frames)
 
-    def _damaged(self, frames: list[bytes]) -> list[bytes]:
+    def _damaged(self, frames: list[bytes]) -> Optional[list[bytes]]:
         notice = msgpack.unpackb(frames[0])
         if notice["version"] not in self.versions or notice["bucket"] != 1:
             return frames
         self.versions.discard(notice["version"])
+        if self.drop:
+            return None
         if not frames[1]:
             return [msgpack.packb({**notice, "checksum": "0" * 32}), b""]
         return [frames[0], frames[1][:-1] + bytes([frames[1][-1] ^ 0xFF])]
@@ -159,11 +163,14 @@ DAMAGED = 3  # k consecutive versions damaged on the way
 
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared memory", "socket"])
-def test_versions_damaged_on_the_way_are_asked_for_again_and_the_newest_is_applied(shared_memory):
-    """Versions 2..k+1 arrive damaged, one after another, and the publisher sends nothing newer (its learner
-    waits for a batch these weights would open the gate for): each is asked for again and applied."""
+@pytest.mark.parametrize("drop", [False, True], ids=["damaged", "lost"])
+def test_versions_damaged_on_the_way_are_asked_for_again_and_the_newest_is_applied(shared_memory, drop, monkeypatch):
+    """Versions 2..k+1 arrive damaged (or lose their last bucket: no gap shows, the wait for it does), one after
+    another, and the publisher sends nothing newer (its learner waits for a batch these weights would open the
+    gate for): each is asked for again and applied."""
+    monkeypatch.setattr(weight_wire, "STALL_S", 0.2)
     publisher = WeightPublisher("127.0.0.1", shared_memory=shared_memory)
-    tamperer = Tamperer(publisher.endpoint, versions=set(range(2, DAMAGED + 2)))
+    tamperer = Tamperer(publisher.endpoint, versions=set(range(2, DAMAGED + 2)), drop=drop)
     subscriber = WeightSubscriber(tamperer.endpoint)
     applied, held = [], 0
     try:

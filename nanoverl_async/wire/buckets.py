@@ -173,6 +173,11 @@ class Assembly:
         self._gap_reported = version
         return "gap"
 
+    def stalled(self, held: int) -> bool:
+        """Whether a version newer than `held` is part-taken, its next bucket still to come, and no loss of it
+        reported yet."""
+        return self.version > held and 0 < self.next < self.count and self._gap_reported != self.version
+
     def lost(self, version: int) -> None:
         """The bucket "take" named was dropped: the gap it leaves is that loss, not another."""
         self._gap_reported = version

@@ -38,7 +38,8 @@ Invariants:
     Every wait that can block (`close`) has a timeout.
   - A poll that dropped a bucket of a version newer than the caller holds asks for the newest again, once per
     version (`counts["refetched"]`): a publisher whose newest version is itself bad is not made to resend it
-    without end.
+    without end. A part-taken version whose next bucket does not come within STALL_S lost it (a lost last
+    bucket leaves no gap): that counts as a dropped bucket too.
 A bucket rewritten while it is still being sent over a slow socket arrives torn and is dropped: a subscriber
 that needs longer than a training step to receive a version misses it and takes the next.
 
@@ -50,6 +51,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import threading
+import time
 from collections import deque
 from typing import Optional
 
@@ -69,6 +71,9 @@ log = logging.getLogger(__name__)
 SEND_QUEUE = 1024  # messages queued per subscriber: notices and views of the learner's buckets, never copies
 RECEIVE_QUEUE = 1  # messages queued on a subscriber: over the socket, each is a whole bucket
 POLL_INTERVAL_S = 0.02  # how often the send thread checks for new work and new subscribers
+# A part-taken version whose next bucket has not come for this long lost it on the way (a bucket lost last
+# leaves no gap to see): dropped and asked for again. Longer than a bucket takes over a slow link.
+STALL_S = 10.0
 NOTICE_INTS = ("version", "bucket", "buckets", "nbytes")
 
 
@@ -236,6 +241,7 @@ class WeightSubscriber:
         self.counts = {"received": 0, "dropped": 0, "from_shared_memory": 0, "refetched": 0}
         self._assembly = Assembly()
         self._copy: Optional[np.ndarray | torch.Tensor] = None  # this process's copy of a segment's bucket
+        self._progress = time.monotonic()  # when a bucket was last handed on
         self._missed = -1  # the newest version the current poll dropped a bucket of
         self._asked_for = -1  # the newest version asked for again (`_ask_again`)
 
@@ -245,6 +251,13 @@ class WeightSubscriber:
         holds or now assembles, has that version asked for again."""
         self._missed = -1
         bucket = self._next_bucket(held)
+        if bucket is not None:
+            self._progress = time.monotonic()
+        elif self._assembly.stalled(held) and time.monotonic() - self._progress > STALL_S:
+            version = self._assembly.version
+            self._assembly.lost(version)
+            self._drop(f"version {version}: bucket {self._assembly.next} of {self._assembly.count} did not come "
+                       f"within {STALL_S:.0f} s of the one before", version)
         self._ask_again(held if bucket is None else max(held, bucket.version))
         return bucket
 
