@@ -92,9 +92,9 @@ def publish_to_received(rank: LearnerRank, versions: int = 3) -> float:
         for version in range(1, versions + 1):
             started = time.perf_counter()
             rank.publish_weights(version)
-            while subscriber.poll_newest(version - 1) is None:
+            while (bucket := subscriber.poll_bucket(version - 1)) is None or bucket.index < bucket.count - 1:
                 assert time.perf_counter() - started < 120, f"version {version} not received in 120 s"
-                time.sleep(0.002)
+                time.sleep(0.002 if bucket is None else 0)
             seconds.append(time.perf_counter() - started)
     finally:
         subscriber.close()

@@ -8,11 +8,11 @@ float32 master weights in a one-rank `LearnerRank` (FSDP2), published in bfloat1
 and transport, in the order socket, shared memory, shared memory, socket (A B B A: a drift of the machine's
 load shows as a difference between the two blocks of one transport), --versions versions each, published one
 at a time as the learner publishes one per step: `LearnerRank.publish_weights` (rank 0 copies each tensor,
-cast, into a payload; it returns once the payload is queued), and the whole path from calling it until a
+cast, into its bucket; it returns once the buckets are queued), and the whole path from calling it until a
 generator's copy of the model holds it (the publisher's checksum and send; the subscriber's copy and checksum,
 or the socket's transfer and checksum; `load_state_dict` into a model in the run's dtype). min-max (median),
 and the median of each block in the order run.
-A first version per block warms the payloads (the learner reuses them) and is not counted.
+A first version per block warms the buckets (the learner reuses them) and is not counted.
 """
 
 from __future__ import annotations
@@ -58,10 +58,15 @@ def block(rank: LearnerRank, generator_model, first_version: int, versions: int)
             started = time.perf_counter()
             rank.publish_weights(version)
             published = time.perf_counter() - started
-            while (newest := subscriber.poll_newest(version - 1)) is None:
+            while True:  # each bucket into the model as it comes, as a generator stages it
+                bucket = subscriber.poll_bucket(version - 1)
                 assert time.perf_counter() - started < TIMEOUT_S, f"version {version} not received"
-                time.sleep(0.001)
-            generator_model.load_state_dict(newest[1], strict=False)
+                if bucket is None:
+                    time.sleep(0.001)
+                    continue
+                generator_model.load_state_dict(bucket.tensors, strict=False)
+                if bucket.index == bucket.count - 1:
+                    break
             if version > first_version:
                 publishing.append(published)
                 applied.append(time.perf_counter() - started)

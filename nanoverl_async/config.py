@@ -232,6 +232,9 @@ class CriticConfig:
 class WeightSyncConfig:
     mode: str = "interrupt"  # interrupt: apply between decode steps | drain: finish in-flight episodes first
     timeout_s: float = 120.0  # a generator that sees no newer version for this long while it waits fails loudly
+    # a version travels in buckets of this many MiB (a larger tensor gets a bucket of its own): the learner's
+    # host keeps about one version, each generator one bucket beyond its model (nanoverl_async/wire/weights.py)
+    bucket_mb: int = 512
 
 
 @dataclass

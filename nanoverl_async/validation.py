@@ -194,6 +194,7 @@ POSITIVE = ("run.total_steps", "data.prompts_per_step", "data.samples_per_prompt
             "generator.replicas", "generator.max_groups_in_flight", "generator.torch_threads",
             "generator.kv_block_size", "learner.world_size", "learner.torch_threads", "learner.ppo_epochs",
             "learner.minibatches", "learner.lr", "critic.lr", "run.step_timeout_s", "weight_sync.timeout_s",
+            "weight_sync.bucket_mb",
             "learner.gpus_per_rank", "generator.temperature", "algorithm.is_cap", "generator.sglang.servers",
             "generator.sglang.tp_size", "generator.sglang.mem_fraction_static", "generator.sglang.launch_timeout_s",
             "generator.sglang.request_timeout_s", "generator.sglang.control_timeout_s")

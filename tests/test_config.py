@@ -26,6 +26,8 @@ def test_default_config_loads_with_overrides():
     ("learner.world_size=3", "learner.world_size"),
     ("generator.replicas=0", "generator.replicas"),
     ("weight_sync.mode=sometimes", "weight_sync.mode"),
+    ("weight_sync.bucket_mb=0", "weight_sync.bucket_mb"),
+    ("weight_sync.bucket_mb=0.5", "weight_sync.bucket_mb"),  # whole MiB
     ("algorithm.correction=magic", "algorithm.correction"),
     ("learner.betas=[0.9]", "learner.betas"),
     ("learner.gpus_per_rank=2", "learner.gpus_per_rank"),  # a rank is one GPU or a share of one

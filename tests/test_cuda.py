@@ -120,32 +120,33 @@ def test_each_published_version_is_the_weights_held_also_written_into_a_reused_p
     learner = LearnerRank(setup(write_model_dir(tmp_path), learner=dataclasses.replace(LEARNER, device="cuda")), 0,
                           "127.0.0.1", free_port())
     try:
-        spares = published_versions_equal_held(learner)
+        written = published_versions_equal_held(learner)
     finally:
         learner.shutdown()
-    assert spares[:2] == [None, None] and any(spare is not None for spare in spares[2:])
+    assert len(written[0].payloads) > 1 and all(buckets is written[0] for buckets in written)  # one set, reused
 
 
 def test_a_process_on_the_same_gpu_reads_each_version_in_place_by_cuda_ipc_and_a_torn_one_is_refused(tmp_path):
-    """Learner rank 0's side with `device_handles`: the payload stays on the GPU, the notice carries its CUDA IPC
-    handle and sum64; a second process maps it, copies it on the GPU and checks it (test_weights.py: the same
-    logic through host shared memory)."""
+    """Learner rank 0's side with `device_handles`: the buckets stay on the GPU, each notice carries its bucket's
+    CUDA IPC handle and sum64; a second process maps each, copies it on the GPU and checks it (test_weights.py:
+    the same logic through host shared memory)."""
     publisher = WeightPublisher("127.0.0.1")
     publisher.device_handles = True
     generator = torch.Generator().manual_seed(0)
     sent = {"w": torch.randn(257, 33, generator=generator).to(torch.bfloat16), "ids": torch.arange(5)}
+    entries = {n: (t.dtype, tuple(t.shape)) for n, t in sent.items()}
     try:
         for version, tear in ((1, True), (2, False)):
-            payload, slots = publisher.writable_payload({n: (t.dtype, tuple(t.shape)) for n, t in sent.items()},
-                                                        torch.device("cuda"))
-            assert isinstance(payload, torch.Tensor) and payload.is_cuda
+            buckets = publisher.writable_buckets(entries, torch.device("cuda"), bucket_bytes=257 * 33 * 2)
+            assert len(buckets.payloads) == 2 and all(p.is_cuda for p in buckets.payloads)
+            buckets.begin(version)
             for name, tensor in sent.items():
-                slots[name].copy_(tensor)
+                buckets.write(name, tensor)
             torch.cuda.synchronize()
-            publisher.publish(version, payload)
+            publisher.publish(version, buckets)
             wait_sent(publisher, version, 30)
             if tear:  # written after its checksum: what a reader sees when the learner reuses it meanwhile
-                payload[-1] ^= 0xFF
+                buckets.payloads[-1][-1] ^= 0xFF
                 torch.cuda.synchronize()
             out = tmp_path / f"v{version}.safetensors"
             reader = subprocess.run([sys.executable, "-c", READER, publisher.endpoint, str(out), "5" if tear else "60"],
@@ -155,7 +156,7 @@ def test_a_process_on_the_same_gpu_reads_each_version_in_place_by_cuda_ipc_and_a
                 continue
             assert reader.returncode == 0, reader.stderr[-2000:]
             report = json.loads(reader.stdout.splitlines()[-1])
-            assert report["version"] == 2 and report["devices"] == ["cuda"] and report["from_shared_memory"] == 1
+            assert report["version"] == 2 and report["devices"] == ["cuda"] and report["from_shared_memory"] == 2
             got = safetensors_load(out.read_bytes())
             for name, tensor in sent.items():
                 assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name

@@ -219,16 +219,16 @@ def test_several_optimizer_steps_a_batch_need_the_separate_proximal_forward(mode
 
 
 def published_versions_equal_held(learner: LearnerRank, versions: int = 4) -> list:
-    """Update, then publish, `versions` times: each version received is exactly the weights the learner held
-    then (a float32 run: no cast). Returns what the publisher's take_spare handed rank 0 each time."""
+    """Update, then publish, `versions` times, in buckets of 64 KiB (several): each version received is exactly
+    the weights the learner held then (a float32 run: no cast). Returns the bucket set rank 0 wrote each time."""
     subscriber = WeightSubscriber(learner.weights_endpoint())
-    take_spare, spares = learner.publisher.take_spare, []
+    writable, written = learner.publisher.writable_buckets, []
 
-    def recorded_take_spare():
-        spares.append(take_spare())
-        return spares[-1]
+    def recorded_writable(*args):
+        written.append(writable(*args))
+        return written[-1]
 
-    learner.publisher.take_spare = recorded_take_spare
+    learner.publisher.writable_buckets, learner.bucket_bytes = recorded_writable, 64 * 1024
     try:
         for version in range(1, versions + 1):
             learner.update(make_batch())
@@ -240,16 +240,16 @@ def published_versions_equal_held(learner: LearnerRank, versions: int = 4) -> li
                 assert torch.equal(published[name], tensor.cpu()), (version, name)
     finally:
         subscriber.close()
-    return spares
+    return written
 
 
-def test_each_published_version_is_the_weights_held_also_written_into_a_reused_payload(model_dir):
+def test_each_published_version_is_the_weights_held_written_into_one_set_of_buckets(model_dir):
     learner = LearnerRank(setup(model_dir), 0, "127.0.0.1", free_port())
     try:
-        spares = published_versions_equal_held(learner)
+        written = published_versions_equal_held(learner)
     finally:
         learner.shutdown()
-    assert spares[:2] == [None, None] and any(spare is not None for spare in spares[2:])
+    assert len(written[0].payloads) > 1 and all(buckets is written[0] for buckets in written)  # one set, reused
 
 
 def test_one_bfloat16_rank_accumulates_fsdp2_micro_batches_like_a_float32_pass(model_dir):

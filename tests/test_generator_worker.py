@@ -15,7 +15,6 @@ import torch
 import xxhash
 import zmq
 import zmq.asyncio
-from safetensors.torch import save as safetensors_save
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from nanoverl_async.agents import multiply_task
@@ -23,6 +22,7 @@ from nanoverl_async.config import AgentConfig, Config, DataConfig, GeneratorConf
 from nanoverl_async.runtime.preflight import prepare
 from nanoverl_async.generators.worker import GeneratorClock, GeneratorWorker
 from nanoverl_async.models.tiny import build_tokenizer
+from nanoverl_async.wire.buckets import BucketSet
 from nanoverl_async.wire.trajectory import decode
 from nanoverl_async.agents.user_code import UserCodeError
 
@@ -86,11 +86,16 @@ class FakeBuffer:
                             "sample": multiply_task.make_prompt(0, group_id)}]}
 
 
-def weights_message(version: int, state_dict: dict) -> list[bytes]:
-    payload = safetensors_save({k: v.contiguous() for k, v in state_dict.items() if k != "lm_head.weight"})
-    checksum = xxhash.xxh3_128(payload).hexdigest()
-    header = {"version": version, "nbytes": len(payload), "checksum": checksum}
-    return [msgpack.packb(header), payload]
+def weights_messages(version: int, state_dict: dict, bucket_bytes: int = 32 * 1024) -> list[list[bytes]]:
+    """A version as a publisher sends it over the socket: one message per bucket (several, at this size)."""
+    published = BucketSet.of({k: v for k, v in state_dict.items() if k != "lm_head.weight"}, version, bucket_bytes)
+    messages = []
+    for index, payload in enumerate(published.payloads):
+        payload = bytes(payload)
+        notice = {"version": version, "bucket": index, "buckets": len(published.payloads), "nbytes": len(payload),
+                  "checksum": xxhash.xxh3_128(payload).hexdigest()}
+        messages.append([msgpack.packb(notice), payload])
+    return messages
 
 
 def make_worker(model_dir, mode, env=None, sync_timeout_s=20.0):
@@ -120,9 +125,11 @@ def test_leases_pushes_applies_weights_and_stops(model_dir, mode):
         running = asyncio.ensure_future(worker.run(buffer.endpoints, weights_endpoint))
         try:
             await until(lambda: len(buffer.trajectories) >= 1)  # groups are in flight now
-            message = weights_message(1, tiny_model(len(worker.tokenizer), seed=1).state_dict())
+            messages = weights_messages(1, tiny_model(len(worker.tokenizer), seed=1).state_dict())
+            assert len(messages) > 2
             while buffer.reported < 1:  # PUB drops messages sent before the subscription lands: resend
-                await pub.send_multipart(message)
+                for message in messages:
+                    await pub.send_multipart(message)
                 await asyncio.sleep(0.05)
             await until(lambda: len(buffer.trajectories) == 4 * GROUP_SIZE)
             assert worker.engine.version == 1 and [r["op"] for r in buffer.requests].count("report") == 1

@@ -87,6 +87,32 @@ def test_weight_update_during_generation(server, model_dirs, tmp_path, pause_mod
     assert server.calls.count("/pause_generation") == 1 and server.calls[-1] != "/pause_generation"
 
 
+def test_a_version_in_buckets_is_written_as_shards_and_loaded_only_once_whole(server, model_dirs, tmp_path):
+    """Transport disk, a bucket at a time (wire/buckets.py): one shard per bucket, the servers told only after
+    the last; a version abandoned part-written (a bucket lost on the way) is removed when the next one starts."""
+    from transformers import AutoModelForCausalLM
+
+    from nanoverl_async.wire.buckets import plan
+
+    engine = engine_on([server], weights_dir=str(tmp_path))
+    state = AutoModelForCausalLM.from_pretrained(model_dirs[1]).state_dict()
+    buckets = plan({name: (t.dtype, tuple(t.shape)) for name, t in state.items()}, 64 * 1024)
+    assert len(buckets) > 2
+    engine.stage_weights({name: state[name] for name in buckets[0]}, 1, (0, len(buckets)))  # version 1: bucket 0
+    held, loads = 0, 0
+    for version in (2, 3):
+        for index, names in enumerate(buckets):  # the servers keep the version held until the last bucket is in
+            assert engine.version == held and server.calls.count("/update_weights_from_disk") == loads
+            engine.stage_weights({name: state[name] for name in names}, version, (index, len(buckets)))
+        held, loads = version, loads + 1
+        assert engine.version == version
+    assert sorted(path.name for path in tmp_path.glob("generator_0/v*")) == ["v3"]
+    assert len(list((tmp_path / "generator_0" / "v3").glob("model-*-of-*.safetensors"))) == len(buckets)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "generator_0" / "v3").state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    assert server.calls.count("/update_weights_from_disk") == 2  # versions 2 and 3, each once whole
+
+
 def test_client_side_versions_without_spans(model_dirs, tmp_path):
     fake = FakeSGLangServer(model_dirs[0], weight_version="0", fake_version="0.5.10").start()
     try:

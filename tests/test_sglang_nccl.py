@@ -25,7 +25,8 @@ from nanoverl_async.generators.sglang_engine import SGLangEngine
 from nanoverl_async.generators.sglang_server import SGLangServer
 from nanoverl_async.generators.sglang_client import SGLangClient, SGLangError
 from nanoverl_async.learners.sglang_nccl import SGLangWeightSender, check_reachable, server_handles
-from nanoverl_async.wire.weights import WeightPublisher, WeightSubscriber, serialise
+from nanoverl_async.wire.buckets import BucketSet
+from nanoverl_async.wire.weights import WeightPublisher, WeightSubscriber
 from sglang_helpers import PROMPT, assert_close, model_dirs, reference_logprobs, server, shared_server  # noqa: F401
 from test_sglang_engine import FAKE, free_port, run_cli_on_fake_servers
 from weight_waits import wait_newest
@@ -37,7 +38,8 @@ def test_version_notice_crosses_the_weights_wire():
     publisher = WeightPublisher()
     subscriber = WeightSubscriber(publisher.endpoint)
     try:
-        publisher.publish(3, serialise({}))  # what rank 0 publishes after loading version 3 into the servers
+        # what rank 0 publishes after loading version 3 into the servers
+        publisher.publish(3, BucketSet.of({}, 3, bucket_bytes=2**20))
         assert wait_newest(subscriber, 0, timeout_s=10) == (3, {})
     finally:
         subscriber.close()

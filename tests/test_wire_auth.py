@@ -21,7 +21,8 @@ import zmq
 from nanoverl_async.buffer.service import TRAJECTORY_BYTES_PER_TOKEN, BufferService
 from nanoverl_async.config import BufferConfig, GeneratorConfig
 from nanoverl_async.wire.trajectory import Trajectory, encode
-from nanoverl_async.wire.weights import WeightPublisher, WeightSubscriber, serialise
+from nanoverl_async.wire.buckets import BucketSet
+from nanoverl_async.wire.weights import WeightPublisher, WeightSubscriber
 from nanoverl_async.wire import auth
 from nanoverl_async.wire.auth import CurveKeys, connect, run_keys
 from weight_waits import wait_newest
@@ -105,11 +106,11 @@ def test_only_the_runs_generators_receive_the_weights(host):
     publisher = WeightPublisher(host, keys)
     ours, theirs = WeightSubscriber(publisher.endpoint, keys), WeightSubscriber(publisher.endpoint)
     try:
-        publisher.publish(1, serialise({"w": torch.ones(3)}))
+        publisher.publish(1, BucketSet.of({"w": torch.ones(3)}, 1, bucket_bytes=2**20))
         version, state = wait_newest(ours, current_version=0, timeout_s=20)
         assert version == 1 and torch.equal(state["w"], torch.ones(3))
         time.sleep(REFUSED_WAIT_MS / 1000)  # time enough for a subscriber that could connect to get it too
-        assert theirs.poll_newest(0) is None and theirs.counts["received"] == 0
+        assert theirs.poll_bucket(0) is None and theirs.counts["received"] == 0
     finally:
         ours.close()
         theirs.close()

@@ -2,13 +2,14 @@
 
 An engine turns token ids into sampled token ids, one request at a time from the caller's point of
 view, while batching concurrent requests internally. It is the only place that touches weights on the
-generator side: `stage_weights` swaps in a new version at a safe point, and every sampled token
-records the version of the weights that produced it.
+generator side: `stage_weights` swaps in a new version at a safe point, a bucket at a time, and every
+sampled token records the version of the weights that produced it.
 
 Invariants every engine keeps (tests/test_engine.py checks the transformers one):
   - `Completion.logprobs[i]` is log softmax(logits / temperature)[token_ids[i]]: the log-probability of
     the token under the distribution actually sampled (the behaviour policy mu of the loss);
-  - `Completion.versions[i]` is the engine's `version` when token i was sampled (>= 0);
+  - `Completion.versions[i]` is the engine's `version` when token i was sampled (>= 0), and every token
+    is sampled with the weights of one version only (none while a version's buckets are being loaded);
   - generation stops after a stop token (which is included in `token_ids`, finish_reason "stop") or
     after `max_new_tokens` tokens (finish_reason "length"), whichever comes first.
 
@@ -61,8 +62,12 @@ class Engine(Protocol):
         """Sample a continuation of `input_ids`; concurrent calls are batched by the engine. `episode_id`
         (optional) names the episode, so a pool of servers keeps its turns on one server (prefix cache)."""
 
-    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Load `state_dict` as weights `version` at the next safe point (between decode steps)."""
+    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int, bucket: tuple[int, int] = (0, 1)
+                      ) -> None:
+        """Load `state_dict`, bucket (index, count) of weights `version` (wire/buckets.py), at the next safe point
+        (between decode steps). Buckets come in index order; a bucket 0 starts a version (abandoning one not
+        complete), and the last completes it. From a version's first bucket to its last, the engine decodes
+        nothing: it never computes with weights of two versions. The tensors are valid only during the call."""
 
     def in_flight(self) -> int:
         """Requests generating or waiting to (0: the engine has nothing to compute; worker.GeneratorClock)."""

@@ -49,7 +49,8 @@ them as one wave sorted by episode id, reseeds its generator from the wave's mak
 the wave has finished: the same seed gives the same tokens.
 
 Weights (docs/design.md "Weights back to generators", mode interrupt): `stage_weights` must be called on the
-event-loop thread. The decode loop only yields between steps, so the new weights land between two steps: every
+event-loop thread, a bucket at a time; from a version's first bucket to its last (`loading`) the runner computes
+nothing. The decode loop only yields between steps, so the new weights land between two steps: every
 token sampled afterwards carries the new version, earlier tokens keep theirs. The running rows are then computed
 again under the new weights (they are put back at the front of the queue, and no block of the old weights can
 match), so every logprob is exactly that of the version it is tagged with given the whole context. (Keeping the
@@ -142,6 +143,8 @@ class TransformersEngine:
         self._pending: list[_Request] = []
         self._rows: list[_Request] = []  # the running rows; row i is row i of the block table
         self._runner: Optional[asyncio.Task] = None
+        self.loading: Optional[int] = None  # the version whose buckets `stage_weights` is loading, until its last
+        self._loaded: set[int] = set()  # the parameters (data pointers) it loaded so far
         if num_blocks is None:
             auto = kv_cache_budget(kv_cache_memory) == (0, 0)  # 0, also when written "0" or 0.0
             budget = DEFAULT_KV_MEMORY[self.device.type] if auto else kv_cache_memory
@@ -191,35 +194,51 @@ class TransformersEngine:
     def in_flight(self) -> int:
         return len(self._pending) + sum(not r.future.done() for r in self._rows)
 
-    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Load `state_dict` as weights `version` now (a safe point: see the module docstring). The worker stages
-        only versions newer than the engine's (WeightSubscriber.poll_newest), so they are >= 0. With LoRA, the
-        version's adapters are merged into the base weights (models/lora.py)."""
-        if self.adapters is not None:
-            self.adapters.merge(state_dict)  # checked first, as below
-        else:
-            self._load(state_dict, version)
-        self.version = version
-        self.cache.pool.forget()  # their hashes name the old version: none could match again
-        self._requeue(len(self._rows))  # computed again under the new weights, from the queue's front
+    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int, bucket: tuple[int, int] = (0, 1)
+                      ) -> None:
+        """Load `state_dict`, bucket (index, count) of weights `version`, now (a safe point: see the module
+        docstring). The worker stages only versions newer than the engine's, so they are >= 0. With LoRA the
+        buckets hold the version's adapters, kept until the last one and then merged into the base weights
+        (models/lora.py), since a layer's A and B may lie in two buckets."""
+        index, count = bucket
+        if index == 0:
+            self.loading, self._loaded, self._adapter_parts = version, set(), {}
+        elif self.loading != version:
+            raise ValueError(f"weights version {version} bucket {index} of {count} without its earlier buckets "
+                             f"(loading {self.loading})")
+        if self.adapters is None:
+            self._load(state_dict, version, index, count)
+        else:  # a bucket's tensors view the subscriber's buffer, which its next bucket reuses: copied (megabytes)
+            self._adapter_parts.update({key: tensor.clone() for key, tensor in state_dict.items()})
+            if index == count - 1:
+                self.adapters.merge(self._adapter_parts)  # checked first: refused adapters leave the model as it was
+        if index == count - 1:
+            self.version, self.loading = version, None
+            self.cache.pool.forget()  # their hashes name the old version: none could match again
+            self._requeue(len(self._rows))  # computed again under the new weights, from the queue's front
 
-    def _load(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """A whole state dict into the model, in place, checked before loading: a refused version leaves the model
-        intact."""
+    def _load(self, state_dict: dict[str, torch.Tensor], version: int, index: int, count: int) -> None:
+        """Bucket `index` of `count` of a whole state dict into the model, in place, checked before loading: a
+        refused bucket leaves the model as it was (mixed, if an earlier bucket of this version is in: the engine
+        then decodes nothing until a whole version is)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        given = {params[k].data_ptr() for k in state_dict if k in params}
-        # A tied parameter (lm_head = embed_tokens) may appear once in a state dict.
-        missing = [k for k, v in params.items() if k not in state_dict and v.data_ptr() not in given]
         unexpected = [k for k in state_dict if k not in params]
         shapes = [k for k in state_dict if k in params and tuple(state_dict[k].shape) != tuple(params[k].shape)]
+        loaded = self._loaded | {params[k].data_ptr() for k in state_dict if k in params}
+        # A tied parameter (lm_head = embed_tokens) may appear once in a state dict.
+        missing = [k for k, v in params.items() if v.data_ptr() not in loaded] if index == count - 1 else []
         if missing or unexpected or shapes:
             raise KeyError(f"weights version {version} do not fit the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}, wrong shape {shapes[:5]}")
         self.model.load_state_dict(state_dict, strict=False)  # in place: the forward reads the same tensors
+        self._loaded = loaded
 
     async def _run(self) -> None:
         try:
             while self._pending or self._rows:
+                if self.loading is not None:  # a version's buckets are partly loaded: no step may mix two
+                    await asyncio.sleep(LOCKSTEP_POLL_S)
+                    continue
                 if self.lockstep is not None and not self._rows and len(self._pending) < self.lockstep():
                     await asyncio.sleep(LOCKSTEP_POLL_S)  # some episode is still in a tool call
                     continue

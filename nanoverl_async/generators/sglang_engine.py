@@ -26,7 +26,8 @@ Invariants:
     own EOS tokens (also "stop").
 
 Weights: `stage_weights` (transport disk) writes a Hugging Face directory (safetensors + the base model's
-config and tokenizer files) and runs pause -> `/update_weights_from_disk` -> continue on every server. It
+config and tokenizer files; a shard per bucket of a version, wire/buckets.py) and, once a version's last bucket
+is written, runs pause -> `/update_weights_from_disk` -> continue on every server. It
 blocks the caller for the update's duration (it is called between decode steps by the worker).
 With LoRA (`lora`, learner.lora): a version is its adapters. `stage_weights` writes PEFT's adapter folder and
 loads it on every server as `v{version}` (`/load_lora_adapter`; the servers run with `--enable-lora`, SGLang's
@@ -45,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -219,15 +221,28 @@ class SGLangEngine:
             return True
 
     # --- weights -----------------------------------------------------------------------------------
-    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Write `state_dict` as a Hugging Face directory and load it on every server as `version`; with
-        transport nccl, take `version` as loaded already (a version notice: `state_dict` is empty); with LoRA,
-        `state_dict` holds the version's adapters (module docstring)."""
+    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int, bucket: tuple[int, int] = (0, 1)
+                      ) -> None:
+        """Write `state_dict`, bucket (index, count) of `version`, as one shard of a Hugging Face directory, and
+        once its last bucket is written load it on every server as `version` (the servers never see part of a
+        version); with transport nccl, take `version` as loaded already (a version notice: `state_dict` is empty);
+        with LoRA, the buckets hold the version's adapters, loaded once the last is in (module docstring)."""
         if self.lora is not None:
-            return self.stage_adapter(state_dict, version)
+            if bucket[0] == 0:
+                self._adapter_parts: dict[str, torch.Tensor] = {}
+            self._adapter_parts.update({key: tensor.clone() for key, tensor in state_dict.items()})  # buffer reused
+            if bucket[0] == bucket[1] - 1:
+                self.stage_adapter(self._adapter_parts, version)
+            return
         if self.cfg.weight_transport != "nccl":
-            path = write_hf_dir(state_dict, self.base_model_path, self.weights_dir / f"v{version}")
-            self.update_from_disk(str(path), version)
+            path = self.weights_dir / f"v{version}"
+            if bucket[0] == 0:  # a version started and abandoned (a bucket lost on the way) is never loaded
+                for stale in self.weights_dir.glob("v*"):
+                    if str(stale) != self.latest_path:
+                        shutil.rmtree(stale, ignore_errors=True)
+            write_hf_dir(state_dict, self.base_model_path, path, bucket)
+            if bucket[0] == bucket[1] - 1:
+                self.update_from_disk(str(path), version)
             return
         # nccl: learner rank 0 loaded `version` into the servers before publishing this notice. One server is
         # asked, so a notice never runs ahead of the weights it names.
@@ -294,19 +309,29 @@ def _number(version, fallback: int) -> int:
     return int(version) if str(version).isdigit() else fallback
 
 
-def write_hf_dir(state_dict: dict[str, torch.Tensor], base_model_path: str, path: Path) -> Path:
-    """A directory `from_pretrained` (and SGLang) loads: model.safetensors + the base config/tokenizer files.
+def write_hf_dir(state_dict: dict[str, torch.Tensor], base_model_path: str, path: Path,
+                 bucket: tuple[int, int] = (0, 1)) -> Path:
+    """A directory `from_pretrained` (and SGLang) loads: model.safetensors + the base config/tokenizer files, or,
+    written a bucket (index, count) at a time, one shard per bucket and their index (complete with the last).
     Written in place: no server is told of it before this returns."""
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
+    index, count = bucket
+    if index == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        for name in COPIED_FILES:
+            if (Path(base_model_path) / name).exists():
+                shutil.copy(Path(base_model_path) / name, path / name)
     seen, tensors = set(), {}
     for name, tensor in state_dict.items():  # safetensors refuses shared storage (tied embeddings)
         tensor = tensor.detach().cpu().contiguous()
         pointer = tensor.untyped_storage().data_ptr()
         tensors[name] = tensor.clone() if pointer in seen else tensor
         seen.add(pointer)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    for name in COPIED_FILES:
-        if (Path(base_model_path) / name).exists():
-            shutil.copy(Path(base_model_path) / name, path / name)
+    shard = "model.safetensors" if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+    save_file(tensors, str(path / shard), metadata={"format": "pt"})
+    if count > 1:  # the shards' index (transformers' layout), one bucket's names more each time
+        index_path = path / "model.safetensors.index.json"
+        weight_map = json.loads(index_path.read_text())["weight_map"] if index else {}
+        weight_map.update(dict.fromkeys(tensors, shard))
+        index_path.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return path

@@ -10,12 +10,13 @@ Tasks on one asyncio loop (a plain class: Ray only wraps it, elsewhere):
     weights arrive, then asks again with the version it then holds;
   - one task per leased group: G episodes concurrently (agent_loop.run_episode); each finished
     trajectory is PUSHed at once as `trajectory.encode(t)`;
-  - weight loop: polls `weights.WeightSubscriber` for the newest complete version and applies it.
-    mode interrupt: `engine.stage_weights` at once (in-flight episodes continue under the new weights,
-    their later tokens carry the new version). mode drain: stop leasing, wait until the in-flight
-    groups finish, apply (skipping to the newest version that arrived meanwhile), resume. Either way the
-    applied version is reported to the buffer (`{"op": "report"}`), with how often the subscriber asked for
-    weights again after dropping a version on the way (weights.py; absent while 0).
+  - weight loop: polls `weights.WeightSubscriber` for the buckets of the newest version and stages each
+    (`engine.stage_weights`); the engine decodes nothing from a version's first bucket to its last.
+    mode interrupt: at once (in-flight episodes continue under the new weights, their later tokens carry
+    the new version). mode drain: before a version's first bucket, stop leasing and wait until the
+    in-flight groups finish; resume once it is applied. Either way the applied version is reported to the
+    buffer (`{"op": "report"}`), with how often the subscriber asked for weights again after dropping a
+    version on the way (weights.py; absent while 0).
 With run.trace, every episode's trajectory carries its spans, and each version's load (its receipt to its
 application) waits in `trace` until the controller takes it (trace.py).
 
@@ -134,10 +135,10 @@ class GeneratorWorker:
         self._lock = asyncio.Lock()  # one request on the DEALER at a time: replies come back in order
         context = zmq.asyncio.Context()
         subscriber, tasks = None, []
-        # subscriber.poll_newest runs on a thread of its own, where its socket lives from its first poll to its
-        # close (never shared): checking a version takes seconds for a large model, and the engine decodes on
+        # subscriber.poll_bucket runs on a thread of its own, where its socket lives from its first poll to its
+        # close (never shared): checking a whole version took seconds for a large model, and the engine decodes on
         # this event loop (a 360M-parameter bfloat16 version stalled it 1.8 s here; 7 ms from this thread, with its
-        # tensors viewing the received bytes; 2-core CPU). A version in the learner's shared memory, or on this
+        # tensors viewing the received bytes; 2-core CPU). A bucket in the learner's shared memory, or on this
         # GPU by CUDA IPC, is copied and checked there too (weights.py).
         self._weights_thread = ThreadPoolExecutor(1, thread_name_prefix=f"generator-{self.generator_id}-weights")
         try:
@@ -281,25 +282,38 @@ class GeneratorWorker:
                 "eval/turns_mean": sum(t.num_turns for t in episodes) / len(episodes)}
 
     async def _weight_loop(self, subscriber: WeightSubscriber) -> None:
+        """Stage each bucket the subscriber hands on, in order, until a version's last one completes it. From a
+        version's first bucket to its last the engine decodes nothing; if the rest never comes (a bucket lost,
+        and the version rewritten by the learner meanwhile), a newer version's buckets replace it, asked for by
+        the subscriber. A generator that stays without a whole version for weight_sync.timeout_s fails loudly."""
+        partial, progress, received = None, 0.0, 0.0  # the version part-loaded, its last bucket's time, its first's
         while True:
-            received = time.time()  # a version's receipt (checksum, deserialisation) is part of its load
-            newest = await self._loop.run_in_executor(self._weights_thread, subscriber.poll_newest, self.engine.version)
-            if newest is not None:
-                await self._apply(subscriber, *newest, received)
-            await asyncio.sleep(LEASE_RETRY_S)
+            bucket = await self._loop.run_in_executor(self._weights_thread, subscriber.poll_bucket, self.engine.version)
+            if bucket is None:
+                if partial is not None and time.monotonic() - progress > self.weight_sync.timeout_s:
+                    raise TimeoutError(f"generator {self.generator_id}: weights version {partial} is part-loaded and "
+                                       f"no bucket of a whole version came within {self.weight_sync.timeout_s:.0f} s")
+                await asyncio.sleep(WAIT_POLL_S if partial is not None else LEASE_RETRY_S)
+                continue
+            if bucket.index == 0:
+                received = time.time()  # a version's load: from its first bucket's receipt to its application
+                if partial is None and self.weight_sync.mode == "drain":
+                    await self._drain(bucket.version)
+            self.engine.stage_weights(bucket.tensors, bucket.version, (bucket.index, bucket.count))
+            partial, progress = None if bucket.index == bucket.count - 1 else bucket.version, time.monotonic()
+            bucket = None  # its tensors go before the next poll: over the socket they hold a bucket's frame
+            if partial is None:
+                await self._applied(subscriber, self.engine.version, received)
 
-    async def _apply(self, subscriber: WeightSubscriber, version: int, state_dict: dict, received: float) -> None:
-        if self.weight_sync.mode == "drain":
-            self._draining = True  # the lease loop starts no new group meanwhile
-            # `_live` also counts a lease request in flight: the groups its reply brings start under the
-            # old weights, so they must finish before the swap too.
-            await self._wait_until(lambda: not self._groups and not self._live, self.weight_sync.timeout_s,
-                                   f"in-flight groups to finish before applying weights version {version}")
-            # a newer version may have arrived while draining
-            newer = await self._loop.run_in_executor(self._weights_thread, subscriber.poll_newest, version)
-            if newer is not None:
-                version, state_dict = newer
-        self.engine.stage_weights(state_dict, version)
+    async def _drain(self, version: int) -> None:
+        """Mode drain: stop leasing and wait until the in-flight groups finish before a version's first bucket."""
+        self._draining = True  # the lease loop starts no new group meanwhile
+        # `_live` also counts a lease request in flight: the groups its reply brings start under the
+        # old weights, so they must finish before the swap too.
+        await self._wait_until(lambda: not self._groups and not self._live, self.weight_sync.timeout_s,
+                               f"in-flight groups to finish before applying weights version {version}")
+
+    async def _applied(self, subscriber: WeightSubscriber, version: int, received: float) -> None:
         self.trace.add("weights", f"weights v{version}", received, time.time(), version=version,
                        mode=self.weight_sync.mode)
         self._draining = False

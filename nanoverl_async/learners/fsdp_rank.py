@@ -20,7 +20,7 @@ Invariants:
   - every collective (`update`, `compute`, `publish_weights`,
     `save_pretrained`, `save_checkpoint`, `load_checkpoint`, `connect_sglang`) must be called on all
     ranks, in the same order.
-Weights out: by default rank 0 publishes each version's full state dict over ZeroMQ (weights.py). After
+Weights out: by default rank 0 publishes each version's full state dict over ZeroMQ, in buckets (weights.py). After
 `connect_sglang` (generator.sglang.weight_transport=nccl) rank 0 loads each version straight into the
 SGLang servers (learners/sglang_nccl.py) and publishes only a version notice (an empty state dict).
 Device: "cpu" uses gloo; "cuda" uses nccl, one GPU per rank (rank % GPUs visible). Memory (docs/design.md
@@ -59,7 +59,8 @@ from nanoverl_async.learners.packing import (Packing, attends_to_whole_context, 
 from nanoverl_async.learners.setup import PROCESS_GROUP_TIMEOUT_S, LearnerSetup
 from nanoverl_async.models import lora
 from nanoverl_async.models.load import DTYPES
-from nanoverl_async.wire.weights import WeightPublisher, serialise
+from nanoverl_async.wire.buckets import BucketSet
+from nanoverl_async.wire.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class LearnerRank:
             log.warning("the %s model mixes packed sequences in attention: the learner pads one sequence per "
                         "row (slower)", " and ".join(mixing))
         self.publisher = WeightPublisher(setup.wire_host, setup.curve) if rank == 0 else None
+        self.bucket_bytes = setup.bucket_mb * 2**20  # weight_sync.bucket_mb: the size of one bucket of a version
         self.nccl_transport = False  # set by connect_sglang on every rank (publish_weights gathers differently)
         self.sender = None  # rank 0's SGLangWeightSender once connected
         peak_memory(self.device)  # the first step's memory/* peaks leave the start-up out
@@ -308,29 +310,31 @@ class LearnerRank:
         in; a no-op for float32), one tensor at a time, each cast before it crosses (from a GPU half the bytes,
         for bfloat16). NCCL transport: on rank 0's device (no CPU round trip), loaded into every server before
         this returns (they are paused only meanwhile), then a version notice tells the generators which version
-        their servers hold. ZeroMQ transport: rank 0 copies each tensor straight into its slot of a payload,
-        published without blocking while the optimizer steps: one the publisher sent before and no longer needs
-        (`take_spare`; every version has the same layout), else a new one (weights.empty_payload): in shared
-        memory on CPU, on the GPU itself when every generator shares it (CUDA IPC), else pinned. From a GPU the
-        copies do not block, and the host waits once for all of them (into pageable memory each would wait)."""
+        their servers hold. ZeroMQ transport: rank 0 copies each tensor straight into its slot in the one set of
+        buckets (weight_sync.bucket_mb each) the publisher keeps, rewritten for every version (wire/buckets.py:
+        a bucket's stamp changes before its bytes do), then publishes it without blocking while the optimizer
+        steps: in shared memory on CPU, on the GPU itself when every generator shares it (CUDA IPC), else
+        pinned. From a GPU the copies do not block, and the host waits once for all of them (into pageable
+        memory each would wait)."""
         state = self._published_state()
         if self.nccl_transport:
             gathered = list(self._full_tensors(state))  # collective: every rank gathers, rank 0 keeps them
             if self.sender is not None:
                 self.sender.send(gathered, version)
-                self.publisher.publish(version, serialise({}))
+                self.publisher.publish(version, BucketSet.of({}, version, self.bucket_bytes))
             return
-        cuda, payload, slots = self.device.type == "cuda", None, {}
+        cuda, buckets = self.device.type == "cuda", None
         if self.rank == 0:
             layout = {name: (self.dtype if tensor.is_floating_point() else tensor.dtype, tuple(tensor.shape))
                       for name, tensor in state.items()}
-            payload, slots = self.publisher.writable_payload(layout, self.device)  # a spare, else a new one
+            buckets = self.publisher.writable_buckets(layout, self.device, self.bucket_bytes)
+            buckets.begin(version)
         for name, full in self._full_tensors(state):
-            slots[name].copy_(full, non_blocking=cuda)
+            buckets.write(name, full, non_blocking=cuda)
         if cuda:
             torch.cuda.current_stream(self.device).synchronize()
         if self.publisher is not None:
-            self.publisher.publish(version, payload)
+            self.publisher.publish(version, buckets)
 
     def _published_state(self) -> dict:
         """What a version holds: the policy's state dict; with LoRA, its adapters alone, under PEFT's names."""

@@ -38,7 +38,8 @@ class LearnerPool:
         placed: they build their models while the caller starts the other roles (`ready` waits for them)."""
         self.setup = setup = LearnerSetup(
             dataclasses.replace(cfg.model, path=model_path), cfg.learner, cfg.algorithm, cfg.kl, cfg.reference,
-            cfg.critic, cfg.wire.host, cfg.generator.temperature, cfg.run.seed, cfg.agent.max_total_tokens, curve)
+            cfg.critic, cfg.wire.host, cfg.generator.temperature, cfg.run.seed, cfg.agent.max_total_tokens, curve,
+            bucket_mb=cfg.weight_sync.bucket_mb)
         learner = cfg.learner
         gpus = learner.gpus_per_rank if learner.device == "cuda" else 0
         actor = ray.remote(num_cpus=0, num_gpus=gpus, resources=cfg.ray.resources("learner"))(LearnerRankRole)

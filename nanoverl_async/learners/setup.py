@@ -29,6 +29,7 @@ class LearnerSetup:
     seed: int = 0  # run.seed
     max_total_tokens: int = 0  # agent.max_total_tokens: overlong limit, seq-mean-token-sum-norm's constant
     curve: Optional[CurveKeys] = None  # the run's wire keys (wire/auth.py)
+    bucket_mb: int = 512  # weight_sync.bucket_mb: rank 0 publishes each version in buckets of this size
 
     @property
     def forwards(self) -> list[str]:

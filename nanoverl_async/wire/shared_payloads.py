@@ -13,6 +13,7 @@ xxh3 would need GPU bytes on the host, so a device payload is checked by `sum64`
 
 Invariants: a segment's path is valid while its payload lives in the writing process; readers copy a payload
 out before checking it (weights.py), so a payload rewritten meanwhile fails the check and is never applied.
+Host readers copy by read(), never mapping the writer's memory.
 
 Run alone: tests/test_weights.py (host memory and sum64 on CPU), tests/test_cuda.py (the CUDA handles).
 """
@@ -57,30 +58,20 @@ def path_of(payload: np.ndarray) -> Optional[str]:
     return path if nbytes == payload.nbytes else None
 
 
-class SegmentReader:
-    """Maps segments of another process by path, each once (re-mapped when the path names a new segment); the
-    newest MAPPED only, so that segments the writer freed are not kept alive here."""
-
-    MAPPED = 4  # a learner cycles through a few (weights.py: the newest, one pending, two spares)
-
-    def __init__(self):
-        self._maps: dict[str, tuple[int, np.ndarray]] = {}  # path -> (inode, read-only view)
-
-    def view(self, path: str, nbytes: int) -> np.ndarray:
-        """The segment at `path`, read-only. FileNotFoundError: gone (its writer freed it); ValueError: not
-        `nbytes` long; other OSError: not openable from this process."""
-        inode = os.stat(path).st_ino
-        cached = self._maps.get(path)
-        if cached is None or cached[0] != inode:
-            with open(path, "rb") as file:  # the mapping outlives the file: stays valid once it is closed
-                self._maps.pop(path, None)  # a new segment at this path: it becomes the newest mapped
-                mapping = mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ)  # 0: the whole segment
-                cached = self._maps[path] = (inode, np.frombuffer(mapping, dtype=np.uint8))
-            while len(self._maps) > self.MAPPED:
-                del self._maps[next(iter(self._maps))]  # the least recently mapped
-        if cached[1].nbytes != nbytes:
-            raise ValueError(f"{path}: {cached[1].nbytes} bytes, the notice says {nbytes}")
-        return cached[1]
+def read_segment(path: str, into: np.ndarray) -> None:
+    """Copy the segment at `path` into `into` (its whole length) by read(), not by mapping it: the reader's page
+    tables never take the writer's pages, so its memory grows by its own copy only. FileNotFoundError: gone (its
+    writer freed it); ValueError: not `len(into)` bytes long; other OSError: not openable from this process."""
+    with open(path, "rb", buffering=0) as file:
+        size = os.fstat(file.fileno()).st_size
+        if size != len(into):
+            raise ValueError(f"{path}: {size} bytes, the notice says {len(into)}")
+        view, done = memoryview(into), 0
+        while done < size:
+            read = file.readinto(view[done:])
+            if not read:
+                raise ValueError(f"{path}: ended after {done} of {size} bytes")
+            done += read
 
 
 def sum64(payload: torch.Tensor) -> str:
