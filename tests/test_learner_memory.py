@@ -122,7 +122,9 @@ def test_each_part_of_the_prediction_follows_its_formula():
     assert logits_bytes(1_000, 100, 128) == 5 * 4 * 1_000 * 100  # no more trained tokens than a chunk: one pass
     # one rank keeps the whole model's compute copy; one float32 rank has none; several, the root and 2 layers
     assert compute_copy_bytes(1_000, 400, 3, 1, 2) == 2_000 and compute_copy_bytes(1_000, 400, 3, 1, 4) == 0
-    assert compute_copy_bytes(1_000, 400, 3, 2, 2) == 2 * (400 + 2 * 200)
+    assert compute_copy_bytes(1_000, 400, 3, 1, 2, trained=10) == 2_020  # one rank: its gradients in bfloat16 too
+    assert compute_copy_bytes(1_000, 400, 3, 1, 4, trained=10) == 0  # one float32 rank: the plain model
+    assert compute_copy_bytes(1_000, 400, 3, 2, 2) == 2 * (400 + 2 * 200) == compute_copy_bytes(1_000, 400, 3, 2, 2, 10)
     work = a_workload()
     prediction = predict_peak(work, 2)
     assert prediction == Prediction(8 * 100_000_000, 2 * (40_000_000 + 2 * 30_000_000),

@@ -11,7 +11,8 @@ The prediction adds five parts (`Prediction`), each from the model's shape and t
     16-bit weights and gradients) and a frozen model's weights (the KL reference in float32; a LoRA run's base
     at model.dtype), sharded over the FSDP2 ranks. The gradients count as held through the forward: with
     several micro-batches they are (accumulated), with one they are not, so there it is an upper bound;
-  - the compute copy (`compute_copy_bytes`): FSDP2's unsharded weights in the compute dtype;
+  - the compute copy (`compute_copy_bytes`): FSDP2's unsharded weights in the compute dtype, and on one rank
+    the trained parameters' gradients in that dtype as well;
   - activations (`activation_bytes`): what autograd keeps for backward of one micro-batch;
   - logits (`logits_bytes`): the head's [trained tokens, vocabulary] tensors, or one chunk's;
   - runtime (`RUNTIME_BYTES`): what a rank's process holds besides tensors.
@@ -117,13 +118,16 @@ def logits_bytes(vocab: int, trained_tokens: int, chunk_tokens: int) -> int:
 
 
 def compute_copy_bytes(parameters: int, root_parameters: int, layers: int, world_size: int,
-                       compute_bytes: int) -> int:
+                       compute_bytes: int, trained: int = 0) -> int:
     """FSDP2's unsharded copy of the policy's weights in the compute dtype (fsdp_rank._sharded_model): one rank
     keeps the whole model unsharded through an update (LearnerRank._train), several hold the root's (embedding,
     final norm, head) and two layers' at a time (the one computing and the one prefetched); one float32 rank
-    runs the plain model: none."""
+    runs the plain model: none. One rank also holds the `trained` parameters' unsharded gradients in the
+    compute dtype beside their float32 accumulation (it syncs only after the last micro-batch): measured, the
+    1.0 GB the parts missed at the 0.5B shape, full model, with and without checkpointing (docs/benchmarks.md
+    "The fit check against the measured peak, CPU"); several ranks reduce each layer's at once (not counted)."""
     if world_size == 1:
-        return 0 if compute_bytes == 4 else compute_bytes * parameters
+        return 0 if compute_bytes == 4 else compute_bytes * (parameters + trained)
     return compute_bytes * (root_parameters + 2 * math.ceil((parameters - root_parameters) / layers))
 
 
@@ -169,7 +173,7 @@ def predict_peak(work: Workload, world_size: int) -> Prediction:
     """The peak one of `world_size` ranks reaches in an update of `work` (module docstring)."""
     return Prediction(learner_state_bytes(work.trained, work.frozen_bytes, world_size),
                       compute_copy_bytes(work.parameters, work.root_parameters, work.arch.layers, world_size,
-                                         work.compute_bytes),
+                                         work.compute_bytes, work.trained),
                       activation_bytes(work.arch, work.tokens, work.compute_bytes, work.checkpointing, work.row),
                       logits_bytes(work.arch.vocab, work.trained_tokens, work.chunk_tokens),
                       RUNTIME_BYTES[work.device])
