@@ -138,20 +138,18 @@ class GeneratorConfig:
     # device memory free once the model is loaded (cuda: GPU memory; cpu: RAM available; 1 = all of it), or a size
     # with its unit: 4GiB, 512MiB, 0.5GiB; a number above 1 is read as GiB (the key's first form); 0 = auto (0.5
     # on cuda, 2GiB on cpu). validation.kv_cache_budget reads it. While it is full, requests wait and the latest
-    # rows are preempted. int in the type too: OmegaConf turns an int into a float for a float key, not a union.
+    # rows are preempted. (int in the type: OmegaConf casts an int to a float key, not to a union.)
     kv_cache_memory: float | int | str = 0.0
     kv_block_size: int = 16  # positions per KV block: the unit of allocation and of shared prefixes
 
 
 @dataclass
-class LoRAConfig:
-    # Low-rank adapters on a frozen base (models/lora.py): only A and B train, and a version carries only them
+class LoRAConfig:  # low-rank adapters on a frozen base (models/lora.py): A and B train, a version is them alone
     rank: int = 0  # r of every adapter; 0 = off (the whole model trains)
     alpha: float = 32.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # on the adapters' input while training; > 0 costs a separate proximal forward
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # PEFT's names; all-linear: every
-    #   linear layer but the LM head
-    save_merged: bool = False  # final/ holds the adapter (PEFT's format) and, with this, final/merged: the whole model
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # PEFT's; all-linear: all but the head
+    save_merged: bool = False  # final/ is PEFT's adapter folder; with this, also final/merged: the whole model
 
 
 @dataclass
@@ -232,9 +230,7 @@ class CriticConfig:
 class WeightSyncConfig:
     mode: str = "interrupt"  # interrupt: apply between decode steps | drain: finish in-flight episodes first
     timeout_s: float = 120.0  # a generator that sees no newer version for this long while it waits fails loudly
-    # a version travels in buckets of this many MiB (a larger tensor gets a bucket of its own): the learner's
-    # host keeps about one version, each generator one bucket beyond its model (nanoverl_async/wire/weights.py)
-    bucket_mb: int = 512
+    bucket_mb: int = 512  # MiB a bucket of a version (wire/weights.py): the learner keeps ~1 version, a generator 1
 
 
 @dataclass

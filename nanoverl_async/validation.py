@@ -144,13 +144,7 @@ def _rules(cfg: Config) -> Iterator[tuple[str, bool, str]]:
         (f"'{cfg.weight_sync.mode}' cannot be honoured with generator.sglang.weight_transport=nccl (learner rank 0 "
          "loads each version into the servers when it publishes, mid-episode); use weight_sync.mode=interrupt or "
          "generator.sglang.weight_transport=disk")
-    yield "learner.lora.dropout", learner.lora.dropout >= 1, f"must be < 1, got {learner.lora.dropout}"
-    yield "learner.lora.alpha", learner.lora.rank > 0 and learner.lora.alpha <= 0, "must be > 0 with learner.lora.rank"
-    yield "learner.lora.target_modules", learner.lora.rank > 0 and not learner.lora.target_modules, \
-        "must name at least one module (or all-linear) with learner.lora.rank"
-    yield "learner.lora.rank", learner.lora.rank > 0 and nccl, \
-        ("LoRA versions are adapter folders SGLang loads (/load_lora_adapter): use generator.sglang.weight_transport="
-         "disk")
+    yield from _lora_rules(learner.lora, nccl)
     yield "run.overwrite", run.overwrite and run.resume != "", \
         f"clears run.output_dir for a fresh run, so it cannot be combined with run.resume={run.resume!r}"
     yield "run.print_sample_every", run.print_sample_every > 0 and run.log_samples == 0, \
@@ -188,6 +182,17 @@ def _rules(cfg: Config) -> Iterator[tuple[str, bool, str]]:
         "needs data.samples_per_prompt >= 2 (a single-sample group always ties and would be dropped)"
     yield "algorithm.overlong.buffer", algo.overlong.buffer >= agent.max_total_tokens, \
         f"must be below agent.max_total_tokens ({agent.max_total_tokens})"
+
+def _lora_rules(lora, nccl: bool) -> Iterator[tuple[str, bool, str]]:
+    """learner.lora's: its own bounds, and the weight transport its versions need."""
+    yield "learner.lora.dropout", lora.dropout >= 1, f"must be < 1, got {lora.dropout}"
+    yield "learner.lora.alpha", lora.rank > 0 and lora.alpha <= 0, "must be > 0 with learner.lora.rank"
+    yield "learner.lora.target_modules", lora.rank > 0 and not lora.target_modules, \
+        "must name at least one module (or all-linear) with learner.lora.rank"
+    yield "learner.lora.rank", lora.rank > 0 and nccl, \
+        ("LoRA versions are adapter folders SGLang loads (/load_lora_adapter): use generator.sglang.weight_transport="
+         "disk")
+
 
 POSITIVE = ("run.total_steps", "data.prompts_per_step", "data.samples_per_prompt", "agent.max_turns",
             "agent.max_new_tokens", "agent.max_total_tokens", "agent.tool_timeout_s", "agent.max_tool_calls",

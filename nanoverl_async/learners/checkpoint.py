@@ -7,9 +7,9 @@ LoRA, PEFT's adapter folder).
     save_final(rank, "out/final")                                      # collective
 
 What is saved: the policy (with LoRA, its adapters: the base is model.path) and its AdamW state, and, with
-algorithm.advantage=gae, the critic and its optimizer. Tensors only: an optimizer's param_groups (lr, betas, ...) come from the config, so a resumed run
-takes a changed learner.lr. The frozen reference model is not saved: it is rebuilt from reference.path (or
-model.path).
+algorithm.advantage=gae, the critic and its optimizer. Tensors only: an optimizer's param_groups (lr, betas,
+...) come from the config, so a resumed run takes a changed learner.lr. The frozen reference model is not
+saved: it is rebuilt from reference.path (or model.path).
 `get_state_dict` / `set_state_dict` turn FSDP2's DTensor shards into DCP's format and back, so a checkpoint
 written by N ranks loads into M ranks too (DCP reshards). Multi-node runs need `run.output_dir` on a
 filesystem every rank sees. Fresh optimizers have no state yet; `get_state_dict` initialises it (a step

@@ -168,7 +168,8 @@ class LearnerRank:
         """The TrainBatch field `field` of this rank's shard, from a forward before the update: float32 [rows,
         L], token-indexed (see batch.sequence_logprobs), 0 off the loss mask. "proximal_logprobs": p_old, of
         the weights this rank holds now (version `self.version`); "reference_logprobs": those of the frozen
-        reference model (KL only; with LoRA and no reference.path, the base: the policy, its adapters off); "values": the critic's V before this step (advantage=gae only)."""
+        reference model (KL only; with LoRA and no reference.path, the base: the policy, its adapters off);
+        "values": the critic's V before this step (advantage=gae only)."""
         base = field == "reference_logprobs" and self.reference is None and self.lora is not None  # the base model
         model = {"proximal_logprobs": self.model, "reference_logprobs": self.model if base else self.reference,
                  "values": self.critic}[field]

@@ -78,7 +78,8 @@ def adapter_parameters(model: torch.nn.Module, cfg: LoRAConfig) -> int:
 
 def adapter_key(name: str) -> str | None:
     """A learner parameter's name -> its key in PEFT's adapter files; None for a base-model tensor.
-    `model.layers.0.mlp.up_proj.lora_A.default.weight` -> `base_model.model.model.layers.0.mlp.up_proj.lora_A.weight`."""
+    `model.layers.0.mlp.up_proj.lora_A.default.weight` ->
+    `base_model.model.model.layers.0.mlp.up_proj.lora_A.weight`."""
     for factor in FACTORS:
         marker = f".{factor}.{ADAPTER}."
         if marker in name:
