@@ -294,3 +294,16 @@ def test_an_asynchronous_lora_run_samples_with_its_adapters_and_replays_to_its_f
     assert main(["replay", str(run_dir)]) == 0 and "bit for bit" in capsys.readouterr().out
     result = compare_weights(run_dir / "final", run_dir / "replay" / "final")
     assert result["identical"] == result["tensors"] == 2 * 7 * 4  # A and B of 7 linear layers x 4 (builtin:tiny)
+
+
+def test_adapter_dropout_trains_in_the_update_alone_and_costs_the_proximal_forward(model_dir):
+    dropping = lora_setup(model_dir, adapters=dataclasses.replace(ADAPTERS, dropout=0.5))
+    assert lora_setup(model_dir).forwards == [] and dropping.forwards == ["proximal_logprobs"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    lora.add_adapters(model, dataclasses.replace(ADAPTERS, dropout=0.5))
+    model.eval()  # as the learner holds it
+    with lora.adapter_dropout(model):
+        training = {name: module for name, module in model.named_modules() if module.training}
+    assert len(training) == 2 * 7 and all(name.endswith("lora_dropout.default") for name in training)
+    assert all(isinstance(module, torch.nn.Dropout) and module.p == 0.5 for module in training.values())
+    assert not any(module.training for module in model.modules())  # eval again after the update
