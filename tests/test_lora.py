@@ -307,3 +307,20 @@ def test_adapter_dropout_trains_in_the_update_alone_and_costs_the_proximal_forwa
     assert len(training) == 2 * 7 and all(name.endswith("lora_dropout.default") for name in training)
     assert all(isinstance(module, torch.nn.Dropout) and module.p == 0.5 for module in training.values())
     assert not any(module.training for module in model.modules())  # eval again after the update
+
+
+def test_a_version_s_adapters_split_over_buckets_merge_once_whole(model_dir):
+    engine = TransformersEngine(model_dir, "cpu", "float32", num_blocks=8, lora_scaling=S)
+    parameters = dict(engine.model.named_parameters())
+    base = {name: p.detach().clone() for name, p in parameters.items()}
+    adapters = random_adapters(injected(model_dir), seed=1)
+    keys = list(adapters)
+    first = {key: adapters[key].clone() for key in keys[:3]}  # layer 2's A here, its B in the next bucket
+    engine.stage_weights(first, 1, bucket=(0, 2))
+    assert engine.loading == 1 and all(torch.equal(parameters[n], base[n]) for n in parameters)  # nothing merged yet
+    for key in first:
+        first[key].zero_()  # the subscriber's buffer, reused for the next bucket: the engine kept its own copy
+    engine.stage_weights({key: adapters[key] for key in keys[3:]}, 1, bucket=(1, 2))
+    assert engine.version == 1 and engine.loading is None
+    for name, (a, b) in lora.adapted_layers(adapters).items():
+        assert torch.equal(parameters[name], lora.merged_weight(base[name], a, b, S)), name

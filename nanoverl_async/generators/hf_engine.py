@@ -75,7 +75,7 @@ from nanoverl_async.generators.engine import Completion, SamplingParams
 from nanoverl_async.generators.kv_blocks import PagedCache, pool_blocks, version_seed
 from nanoverl_async.generators.llama_forward import LlamaModel, Tokens
 from nanoverl_async.models.load import DTYPES, on_device
-from nanoverl_async.models.lora import MergedAdapters
+from nanoverl_async.models.lora import MergedAdapters, gathered
 from nanoverl_async.validation import kv_cache_budget
 
 LOCKSTEP_POLL_S = 0.001  # how often a lockstep engine checks whether every episode is waiting
@@ -145,6 +145,7 @@ class TransformersEngine:
         self._runner: Optional[asyncio.Task] = None
         self.loading: Optional[int] = None  # the version whose buckets `stage_weights` is loading, until its last
         self._loaded: set[int] = set()  # the parameters (data pointers) it loaded so far
+        self._adapter_parts: dict[str, torch.Tensor] = {}  # with LoRA, the loading version's adapters so far
         if num_blocks is None:
             auto = kv_cache_budget(kv_cache_memory) == (0, 0)  # 0, also when written "0" or 0.0
             budget = DEFAULT_KV_MEMORY[self.device.type] if auto else kv_cache_memory
@@ -202,16 +203,14 @@ class TransformersEngine:
         (models/lora.py), since a layer's A and B may lie in two buckets."""
         index, count = bucket
         if index == 0:
-            self.loading, self._loaded, self._adapter_parts = version, set(), {}
+            self.loading, self._loaded = version, set()
         elif self.loading != version:
             raise ValueError(f"weights version {version} bucket {index} of {count} without its earlier buckets "
                              f"(loading {self.loading})")
         if self.adapters is None:
             self._load(state_dict, version, index, count)
-        else:  # a bucket's tensors view the subscriber's buffer, which its next bucket reuses: copied (megabytes)
-            self._adapter_parts.update({key: tensor.clone() for key, tensor in state_dict.items()})
-            if index == count - 1:
-                self.adapters.merge(self._adapter_parts)  # checked first: refused adapters leave the model as it was
+        elif (adapters := gathered(self._adapter_parts, state_dict, bucket)) is not None:
+            self.adapters.merge(adapters)  # checked first: refused adapters leave the model as it was
         if index == count - 1:
             self.version, self.loading = version, None
             self.cache.pool.forget()  # their hashes name the old version: none could match again

@@ -63,7 +63,7 @@ from nanoverl_async.config import LoRAConfig, SGLangConfig
 from nanoverl_async.generators.engine import Completion, SamplingParams
 from nanoverl_async.generators.sglang_server import SGLangServer
 from nanoverl_async.generators.sglang_client import SGLangError, checked, paused
-from nanoverl_async.models.lora import save_adapter
+from nanoverl_async.models.lora import gathered, save_adapter
 
 STICKY_EPISODES = 65_536  # episode -> server entries kept (oldest forgotten first)
 MAX_EMPTY_RESUMES = 1_000  # consecutive aborted replies without a token before giving up
@@ -77,6 +77,7 @@ class SGLangEngine:
         self.cfg, self.base_model_path, self.version, self.lora = cfg, model_path, 0, lora
         self.adapter: Optional[str] = None  # with LoRA, the adapter new requests name (None: the base, version 0)
         self.adapter_requests: dict[str, int] = {}  # requests in flight per adapter, current or not
+        self._adapter_parts: dict[str, torch.Tensor] = {}  # the loading version's adapters so far
         # The servers are this process's children, on this node: a local directory is enough.
         root = cfg.weights_dir or os.path.join(tempfile.gettempdir(), f"nanoverl_sglang_{os.getpid()}")
         self.weights_dir = Path(root) / f"generator_{generator_id}"
@@ -228,11 +229,8 @@ class SGLangEngine:
         version); with transport nccl, take `version` as loaded already (a version notice: `state_dict` is empty);
         with LoRA, the buckets hold the version's adapters, loaded once the last is in (module docstring)."""
         if self.lora is not None:
-            if bucket[0] == 0:
-                self._adapter_parts: dict[str, torch.Tensor] = {}
-            self._adapter_parts.update({key: tensor.clone() for key, tensor in state_dict.items()})  # buffer reused
-            if bucket[0] == bucket[1] - 1:
-                self.stage_adapter(self._adapter_parts, version)
+            if (adapters := gathered(self._adapter_parts, state_dict, bucket)) is not None:
+                self.stage_adapter(adapters, version)
             return
         if self.cfg.weight_transport != "nccl":
             path = self.weights_dir / f"v{version}"

@@ -130,6 +130,17 @@ def adapted_layers(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.T
     return {name: (pair["lora_A"], pair["lora_B"]) for name, pair in factors.items()}
 
 
+def gathered(parts: dict[str, torch.Tensor], bucket_state: dict[str, torch.Tensor], bucket: tuple[int, int]
+             ) -> dict[str, torch.Tensor] | None:
+    """A version's adapters gathered over its buckets (index, count) into `parts`, emptied at bucket 0: the whole
+    set at the last bucket, else None (a layer's A and B may lie in two buckets). Each tensor is copied
+    (megabytes): a bucket's tensors view the subscriber's buffer, which its next bucket reuses."""
+    if bucket[0] == 0:
+        parts.clear()
+    parts.update({key: tensor.clone() for key, tensor in bucket_state.items()})
+    return parts if bucket[0] == bucket[1] - 1 else None
+
+
 def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
     """W0 + s B A, in float32, rounded once to W0's dtype (PEFT's merge adds the delta in W0's dtype)."""
     return (base.float() + s * (b.float() @ a.float())).to(base.dtype)
