@@ -31,7 +31,9 @@ from staleness_sweep import mean  # noqa: E402
 from tool_eval import evaluate  # noqa: E402
 
 from nanoverl_async.config import load_config  # noqa: E402
-from nanoverl_async.launcher import launch  # noqa: E402
+from nanoverl_async.launcher import launch, start_model  # noqa: E402
+from nanoverl_async.models.load import resolve_model_path  # noqa: E402
+from nanoverl_async.runtime.preflight import prepare  # noqa: E402
 
 CONFIG = "configs/smollm2_tools.yaml"
 RATES = {"tool-call rate": ("episodes/tool_use_frac", "tool_call_rate"),
@@ -84,7 +86,8 @@ def main() -> None:
     run_dir = args.out / "run"
     overrides = [*args.overrides, f"run.output_dir={run_dir}", "run.overwrite=true", "run.progress=false"]
     cfg = load_config(CONFIG, overrides + ([f"run.total_steps={args.steps}"] if args.steps else []))
-    before = held_out(cfg.model.path, cfg, args.episodes) if args.episodes else None
+    warm_started = start_model(prepare(cfg), resolve_model_path(cfg.model.path))  # model.warm_start, once
+    before = held_out(warm_started, cfg, args.episodes) if args.episodes else None
     started = time.monotonic()
     launch(cfg)
     wall = time.monotonic() - started

@@ -56,12 +56,26 @@ class RunConfig:
 
 
 @dataclass
+class WarmStartConfig:  # supervised steps on a scripted solver's demonstrations before RL (runtime/warm_start.py)
+    # fn(sample, messages) -> the next assistant turn: a final answer (str) or a tool call {"name": ...,
+    # "arguments": {...}} (or a list of them), written in agent.env's tool format; path/file.py:fn or
+    # pkg.module:fn; "" = off
+    solver: str = ""
+    demos: int = 256  # demonstrations: real agent-loop episodes on prompts RL does not draw
+    epochs: int = 2  # passes over the demonstrations that earned a reward > 0
+    batch_size: int = 8  # demonstrations per optimizer step
+    lr: float = 5.0e-5
+    eval_episodes: int = 32  # held-out episodes sampled before and after: tool-call rate and reward, printed
+
+
+@dataclass
 class ModelConfig:
     # a Hugging Face directory, a builtin: name (agents/user_code.BUILTINS["model.path"]: built locally, no
     # download) or a builder fn(cache_dir) -> directory (file.py:fn)
     path: str = "builtin:tiny"
     dtype: str = "float32"  # float32 | bfloat16
     cache_dir: str = ""  # where builtin models are built; "" = $NANOVERL_CACHE or ~/.cache/nanoverl_async
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)  # off unless warm_start.solver is set
 
 
 @dataclass

@@ -32,11 +32,13 @@ from nanoverl_async import checkpoint
 from nanoverl_async.observe import record
 from nanoverl_async.config import Config, ConfigError, RayConfig, load_config, to_dict, to_yaml
 from nanoverl_async.agents.data import load_samples
+from nanoverl_async.agents.user_code import UserCodeError
 from nanoverl_async.learners.memory import GB
 from nanoverl_async.learners.pool import LearnerPool
 from nanoverl_async.observe.metrics import MetricsLogger, step_metrics
 from nanoverl_async.models.load import check_positions, load_tokenizer, resolve_model_path, vocab_size
 from nanoverl_async.runtime.fit_check import check_learner_fits
+from nanoverl_async.runtime import warm_start
 from nanoverl_async.runtime.preflight import prepare, tools_notice
 from nanoverl_async.runtime.role_actors import BufferRole, GeneratorRole
 from nanoverl_async.runtime.startup import phase, start_ray
@@ -59,6 +61,9 @@ def launch(cfg: Config, started: Optional[float] = None) -> Path:
         tokenizer = load_tokenizer(model_path)
     except (ValueError, OSError) as error:  # transformers raises OSError for a model it cannot find
         raise ConfigError(f"config key 'model.path': {str(error).strip().splitlines()[0]}") from None
+    model_path = start_model(cfg, model_path)  # model.warm_start: RL starts from the warm-started model
+    if measured := warm_start.report(model_path):
+        phase(started, measured)
     if notice := tools_notice(cfg, tokenizer):
         phase(started, notice)
     check_positions(model_path, cfg.agent.max_total_tokens)  # the buffer drops longer trajectories
@@ -95,6 +100,14 @@ def launch(cfg: Config, started: Optional[float] = None) -> Path:
         if started_ray:
             ray.shutdown()
     return output_dir
+
+
+def start_model(cfg: Config, model_path: str) -> str:
+    """The model RL starts from: model.path resolved, after model.warm_start if it is on (made once, cached)."""
+    try:
+        return warm_start.warm_started(cfg, model_path)
+    except (UserCodeError, ValueError) as error:  # the solver's or the environment's, in one line
+        raise ConfigError(f"config key 'model.warm_start.solver': {error}") from None
 
 
 def predicted_memory(cfg: Config, model_path: str, started: float) -> dict[str, float]:
@@ -177,7 +190,7 @@ def replay(run_dir: str) -> dict:
     cfg = dataclasses.replace(cfg, wire=dataclasses.replace(cfg.wire, host="127.0.0.1"))  # no generator connects
     if not cfg.run.record:
         raise ConfigError(f"{run_dir}: run.record was off in this run's config.yaml, so there is nothing to replay")
-    model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    model_path = start_model(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     batches = record.read_batches(run_dir, cfg.run.total_steps, vocab_size(model_path), cfg.agent.max_total_tokens)
     started_ray = start_ray(cfg.ray)
     learners = None

@@ -199,7 +199,8 @@ POSITIVE = ("run.total_steps", "data.prompts_per_step", "data.samples_per_prompt
             "generator.replicas", "generator.max_groups_in_flight", "generator.torch_threads",
             "generator.kv_block_size", "learner.world_size", "learner.torch_threads", "learner.ppo_epochs",
             "learner.minibatches", "learner.lr", "critic.lr", "run.step_timeout_s", "weight_sync.timeout_s",
-            "weight_sync.bucket_mb",
+            "weight_sync.bucket_mb", "model.warm_start.demos", "model.warm_start.epochs",
+            "model.warm_start.batch_size", "model.warm_start.lr", "model.warm_start.eval_episodes",
             "learner.gpus_per_rank", "generator.temperature", "algorithm.is_cap", "generator.sglang.servers",
             "generator.sglang.tp_size", "generator.sglang.mem_fraction_static", "generator.sglang.launch_timeout_s",
             "generator.sglang.request_timeout_s", "generator.sglang.control_timeout_s")

@@ -61,7 +61,7 @@ def test_incompatible_algorithm_settings_fail_naming_the_key(overrides, key):
 
 
 @pytest.mark.parametrize("name", ["agent_grpo", "drgrpo", "dapo", "gspo", "cispo", "ppo_critic", "smollm2_tools",
-                                  "gpu/agent_grpo_sglang", "slow_tool", "long_tail", "code"])
+                                  "smollm2_shop", "gpu/agent_grpo_sglang", "slow_tool", "long_tail", "code"])
 def test_ready_configs_validate(name):
     load_config(f"configs/{name}.yaml")
 

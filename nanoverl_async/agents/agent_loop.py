@@ -291,6 +291,15 @@ async def call_hook(env: Any, method: str, *args, valid: Callable[[Any], bool] =
     return value
 
 
+async def play(episode: Episode, env: Any, sample: dict) -> tuple[float, dict]:
+    """`env` on `sample` through `episode`, by its own rollout or by reset and the step loop -> (reward, info)."""
+    if hasattr(env, "rollout"):
+        return float(await call_hook(env, "rollout", episode, sample, valid=is_reward,
+                                     expected="return the episode's reward as a finite number")), {}
+    episode.start(await call_hook(env, "reset", sample))
+    return await drive(episode, env, sample)
+
+
 async def run_episode(engine: Engine, tokenizer, sample: dict, env: Any, agent: AgentConfig, temperature: float,
                       *, group_id: int = 0, prompt_index: int = 0, sample_index: int = 0,
                       generator_id: int = 0, keep_messages: bool = False, trajectory_id: str = "",
@@ -303,12 +312,7 @@ async def run_episode(engine: Engine, tokenizer, sample: dict, env: Any, agent: 
     started = time.perf_counter()
     trajectory_id = trajectory_id or f"{generator_id}-{group_id}-{sample_index}"
     episode = Episode(engine, tokenizer, agent, temperature, env, episode_id=trajectory_id)
-    if hasattr(env, "rollout"):
-        reward, info = float(await call_hook(env, "rollout", episode, sample, valid=is_reward,
-                                             expected="return the episode's reward as a finite number")), {}
-    else:
-        episode.start(await call_hook(env, "reset", sample))
-        reward, info = await drive(episode, env, sample)
+    reward, info = await play(episode, env, sample)
     record, ended, origin = episode.record, time.perf_counter(), episode.wall_origin
     return Trajectory(
         id=trajectory_id, group_id=group_id, prompt_index=prompt_index, sample_index=sample_index,

@@ -10,8 +10,9 @@ Two formats, chosen by `Environment.tool_format`:
   - "json" (Llama-3.1/3.2 style): a turn that is one JSON object `{"name": ..., "parameters": {...}}`
     is one call; any other turn is a final answer.
 
-`describe_tools` writes the other direction, for a chat template that drops the tools it is given
-(SmolLM2's): the schemas and how to call them in the format, as a system message (agent_loop.Episode).
+`describe_tools` and `write_calls` write the other direction: for a chat template that drops the tools it is
+given (SmolLM2's), the schemas and how to call them in the format, as a system message (agent_loop.Episode);
+and a turn that calls tools, as the format writes it (a warm start's demonstrations, runtime/warm_start.py).
 
 Invariant: parsing never raises. A block that is not valid JSON, lacks a "name", or has arguments that
 are not an object becomes a `ParsedCall` with `error` set (the agent loop turns it into an error
@@ -121,3 +122,19 @@ def describe_tools(schemas: list[dict], tool_format: str) -> str:
         name = schemas[0]["function"]["name"]
         how = f"To call {name}, end your reply with {BUILTIN_OPEN}<its argument>{BUILTIN_CLOSE}."
     return f"You can call these tools, given as JSON schemas:\n<tools>\n{listing}\n</tools>\n{how}"
+
+
+def write_calls(calls: list[dict], tool_format: str) -> str:
+    """The text of an assistant turn making `calls` ({"name": ..., "arguments": {...}} each) in `tool_format`,
+    which `parse_turn` reads back as those calls. "json" and "builtin" write one call a turn; "builtin" names
+    no tool and writes the value of the first argument."""
+    if tool_format not in FORMATS:
+        raise ValueError(f"tool format {tool_format!r} is not one of {', '.join(FORMATS)}")
+    if tool_format != "hermes" and len(calls) != 1:
+        raise ValueError(f"the {tool_format} format writes one call a turn, not {len(calls)}")
+    if tool_format == "builtin":
+        return f"{BUILTIN_OPEN}{next(iter(calls[0]['arguments'].values()), '')}{BUILTIN_CLOSE}"
+    if tool_format == "json":
+        return json.dumps({"name": calls[0]["name"], "parameters": calls[0]["arguments"]})
+    return "".join(f"{HERMES_OPEN}{json.dumps({'name': c['name'], 'arguments': c['arguments']})}{HERMES_CLOSE}"
+                   for c in calls)

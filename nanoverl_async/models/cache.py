@@ -39,8 +39,11 @@ def recipe_digest(recipe: dict) -> str:
     return hashlib.blake2b(json.dumps(recipe, sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
-def build_once(kind: str, recipe: dict, write: Callable[[Path], str], cache_dir: str = "", note: str = "") -> str:
-    """The directory of built-in model `kind` for `recipe` (JSON-able), made by `write` (under a lock) if missing."""
+def build_once(kind: str, recipe: dict, write: Callable[[Path], str], cache_dir: str = "", note: str = "",
+               what: str = "") -> str:
+    """The directory of built-in model `kind` for `recipe` (JSON-able), made by `write` (under a lock) if missing;
+    the log lines call it `what` (default builtin:KIND)."""
+    what = what or f"builtin:{kind}"
     root = default_cache_dir(cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{kind}-{recipe_digest(recipe)}"
@@ -50,7 +53,7 @@ def build_once(kind: str, recipe: dict, write: Callable[[Path], str], cache_dir:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if we crash
         if final.is_dir():  # another process built it while we waited
             return str(final)
-        print(f"building builtin:{kind}{f' ({note})' if note else ''} in {final} ...", file=sys.stderr, flush=True)
+        print(f"building {what}{f' ({note})' if note else ''} in {final} ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-build-", dir=root))
         try:
@@ -62,5 +65,5 @@ def build_once(kind: str, recipe: dict, write: Callable[[Path], str], cache_dir:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        print(f"built builtin:{kind} in {time.perf_counter() - started:.0f} s ({summary})", file=sys.stderr, flush=True)
+        print(f"built {what} in {time.perf_counter() - started:.0f} s ({summary})", file=sys.stderr, flush=True)
     return str(final)

@@ -34,7 +34,7 @@ from nanoverl_async.config import Config, ConfigError
 from nanoverl_async.agents.data import prompt_source, read_samples
 from nanoverl_async.agents.env import env_factory
 from nanoverl_async.agents.rewards import load_reward
-from nanoverl_async.agents.user_code import BUILTINS, UserCodeError, absolute_spec
+from nanoverl_async.agents.user_code import BUILTINS, UserCodeError, absolute_spec, load_object
 from nanoverl_async.runtime.fit_check import check_learner_fits
 from nanoverl_async.validation import get_key
 from nanoverl_async.wire.auth import placed_host
@@ -52,7 +52,9 @@ def prepare(cfg: Config) -> Config:
     default_env = "builtin:chat" if cfg.data.train_files else "builtin:multiply"  # a dataset: score its answers
     cfg = dataclasses.replace(
         cfg,
-        model=dataclasses.replace(cfg.model, path=absolute_spec(cfg.model.path)),  # a builder file.py:fn
+        model=dataclasses.replace(cfg.model, path=absolute_spec(cfg.model.path),  # a builder file.py:fn
+                                  warm_start=dataclasses.replace(cfg.model.warm_start,
+                                                                 solver=absolute_spec(cfg.model.warm_start.solver))),
         agent=dataclasses.replace(cfg.agent, env=absolute_spec(cfg.agent.env or default_env)),
         reward=dataclasses.replace(cfg.reward, path=absolute_spec(cfg.reward.path)),
         data=dataclasses.replace(cfg.data, task=absolute_spec(cfg.data.task),
@@ -61,7 +63,9 @@ def prepare(cfg: Config) -> Config:
     loaded = {}
     for key, load in (("reward.path", lambda: load_reward(cfg.reward.path, cfg.reward.name)),
                       ("agent.env", lambda: env_factory(cfg.agent.env, env_args=cfg.agent.env_args)),
-                      ("data.task", lambda: prompt_source(cfg.data, cfg.run.seed))):
+                      ("data.task", lambda: prompt_source(cfg.data, cfg.run.seed)),
+                      ("model.warm_start.solver", lambda: cfg.model.warm_start.solver and load_object(
+                          cfg.model.warm_start.solver, "model.warm_start.solver"))):
         try:
             loaded[key] = load()
         except (ValueError, ImportError, SyntaxError) as error:
