@@ -2,13 +2,14 @@
 
     nanoverl-async launch configs/smollm2_shop.yaml      # builtin:smollm2-135m, warm-started by `solve`
 
-The task: "Ana buys 23 pears. How many cents does she pay?" The prices are the shop's (`price`, a lookup
-the model cannot guess) and the total needs a product the model cannot compute (`calc`), so the reward
-(math-verify of the final answer, the default) is earned by calling both, in Hermes form:
+The task: "Ana buys 23 pears and 12 plums. How many cents does Ana pay?" (one item or two). The prices
+are the shop's (`price`, a lookup the model cannot guess) and the total needs arithmetic the model cannot
+do (`calc`), so the reward (math-verify of the final answer, the default) is earned by calling both, in
+Hermes form:
 
-    <tool_call>{"name": "price", "arguments": {"item": "pear"}}</tool_call>       -> 37
-    <tool_call>{"name": "calc", "arguments": {"expression": "23*37"}}</tool_call>  -> 851
-    The answer is 851.
+    <tool_call>{"name": "price", "arguments": {"item": "pear"}}</tool_call><tool_call>{"name": "price", ...
+    <tool_call>{"name": "calc", "arguments": {"expression": "23*37+12*14"}}</tool_call>     -> 1019
+    The answer is 1019.
 
 Nothing here describes the tools to the model: SmolLM2's chat template drops the `tools=` it is given, so
 the agent loop describes them in the system message (tool_parsers.describe_tools). The base model never
@@ -43,10 +44,11 @@ def price(item: str) -> str:
 def make_prompt(seed: int, index: int) -> dict:
     """The index-th question (pure in seed and index, JSON-able): `data.task` points here."""
     rng = random.Random(f"shop:{seed}:{index}")
-    item, count, name = rng.choice(sorted(PRICES)), rng.randrange(12, 100), rng.choice(NAMES)
-    return {"messages": [{"role": "user", "content": f"{name} buys {count} {item}s. How many cents does "
-                                                     f"{name} pay?"}],
-            "item": item, "count": count, "answer": str(count * PRICES[item])}
+    items, name = rng.sample(sorted(PRICES), rng.choice([1, 2])), rng.choice(NAMES)
+    counts = [rng.randrange(12, 100) for _ in items]
+    bought = " and ".join(f"{count} {item}s" for count, item in zip(counts, items))
+    return {"messages": [{"role": "user", "content": f"{name} buys {bought}. How many cents does {name} pay?"}],
+            "items": items, "counts": counts, "answer": str(sum(c * PRICES[i] for c, i in zip(counts, items)))}
 
 
 class ShopEnv(Environment):
@@ -57,11 +59,13 @@ class ShopEnv(Environment):
     max_observation_chars = 200
 
 
-def solve(sample: dict, messages: list[dict]) -> str | dict:
-    """model.warm_start.solver: the next assistant turn, given the sample and the messages so far."""
+def solve(sample: dict, messages: list[dict]) -> str | dict | list[dict]:
+    """model.warm_start.solver: the next assistant turn, given the sample and the messages so far: every price
+    in one turn, then the total's expression, then its result."""
     results = [m["content"] for m in messages if m["role"] == "tool"]
     if not results:
-        return {"name": "price", "arguments": {"item": sample["item"]}}
-    if len(results) == 1:
-        return {"name": "calc", "arguments": {"expression": f"{sample['count']}*{results[0]}"}}
-    return f"The answer is {results[1]}."
+        return [{"name": "price", "arguments": {"item": item}} for item in sample["items"]]
+    if len(results) == len(sample["items"]):
+        total = "+".join(f"{count}*{cost}" for count, cost in zip(sample["counts"], results))
+        return {"name": "calc", "arguments": {"expression": total}}
+    return f"The answer is {results[-1]}."

@@ -144,7 +144,8 @@ def test_warm_started_once_then_cached_and_reported(tmp_path, solver_file, capfd
     second call finds it; a changed setting or an edited solver makes another."""
     cfg, base = config(tmp_path, solver_file), resolve_model_path("builtin:tiny")
     path = warm_start.warm_started(cfg, base)
-    assert Path(path).parent == tmp_path / "cache" and "building the warm start of builtin:tiny" in capfd.readouterr().err
+    assert Path(path).parent == tmp_path / "cache"
+    assert "building the warm start of builtin:tiny" in capfd.readouterr().err
     results = json.loads((Path(path) / warm_start.RESULTS).read_text())
     assert results["demos"] == results["trained"] == 24 and results["loss"] < 0.5
     assert all(results[m]["episodes"] == 8 and 0 <= results[m]["tool_call_rate"] <= 1 for m in ("base", "warm_started"))
