@@ -99,14 +99,14 @@ class AgentConfig:
     max_new_tokens: int = 16  # sampled tokens per turn
     max_total_tokens: int = 96  # prompt + every turn; the episode ends when it is reached
     tool_timeout_s: float = 5.0  # a tool call running longer becomes an error observation
+    hook_timeout_s: float = 60.0  # one reset(), step() or reward function call; longer fails the run, naming it
+    rollout_timeout_s: float = 240.0  # one rollout(episode, sample): the whole episode; longer fails the run
     max_tool_calls: int = 8  # tool calls per episode; one more ends it ("max_tool_calls", reward 0)
     # how the `python` tool (sandbox.py) isolates model-written code: bwrap (bubblewrap; refused where it is
-    # missing) | unsafe_no_isolation (only rlimits and a wall clock: the code can read, write and connect
-    # as this user)
+    # missing) | unsafe_no_isolation (only rlimits and a wall clock: the code can read, write and connect as this user)
     sandbox: str = "bwrap"
     # the environment: builtin:multiply | builtin:slow-tool | builtin:long-tail | builtin:code | builtin:chat |
-    # pkg.module:Name | path/file.py:Name;
-    # "" = builtin:chat when data.train_files is set, else builtin:multiply
+    # pkg.module:Name | path/file.py:Name; "" = builtin:chat when data.train_files is set, else builtin:multiply
     env: str = ""
     # keyword arguments of agent.env's class, given to every instance, e.g. {median_s: 0.5} for builtin:slow-tool
     env_args: dict[str, Any] = field(default_factory=dict)

@@ -138,6 +138,13 @@ def _rules(cfg: Config) -> Iterator[tuple[str, bool, str]]:
         f"must be in (0, 1] or a whole number, got {gpus}"
     yield "agent.max_new_tokens", agent.max_new_tokens >= agent.max_total_tokens, \
         "must be smaller than agent.max_total_tokens"
+    # A hook that hangs is named by its own timeout only if that comes before the buffer gives up on the batch.
+    for key in ("agent.hook_timeout_s", "agent.rollout_timeout_s"):
+        yield key, get_key(cfg, key) >= run.step_timeout_s, \
+            f"must be below run.step_timeout_s ({run.step_timeout_s:g}), or a hung hook fails the step unnamed"
+    yield "agent.rollout_timeout_s", agent.rollout_timeout_s >= cfg.buffer.lease_timeout_s, \
+        (f"must be below buffer.lease_timeout_s ({cfg.buffer.lease_timeout_s:g}): a group's lease must outlive its "
+         f"episodes, or it expires and its prompt is issued again while they run")
     yield "model.path", not cfg.model.path, "must not be empty"
     nccl = cfg.generator.engine == "sglang" and cfg.generator.sglang.weight_transport == "nccl"
     yield "weight_sync.mode", nccl and cfg.weight_sync.mode != "interrupt", \
@@ -196,6 +203,7 @@ def _lora_rules(lora, nccl: bool) -> Iterator[tuple[str, bool, str]]:
 
 POSITIVE = ("run.total_steps", "data.prompts_per_step", "data.samples_per_prompt", "agent.max_turns",
             "agent.max_new_tokens", "agent.max_total_tokens", "agent.tool_timeout_s", "agent.max_tool_calls",
+            "agent.hook_timeout_s", "agent.rollout_timeout_s",
             "generator.replicas", "generator.max_groups_in_flight", "generator.torch_threads",
             "generator.kv_block_size", "learner.world_size", "learner.torch_threads", "learner.ppo_epochs",
             "learner.minibatches", "learner.lr", "critic.lr", "run.step_timeout_s", "weight_sync.timeout_s",

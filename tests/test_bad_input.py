@@ -67,6 +67,8 @@ CONFIG_CASES = [
     ("generator.sglang.port_base=65536", "'generator.sglang.port_base': must be at most 65535, got 65536"),
     ("generator.kv_cache_memory=4GB", "'generator.kv_cache_memory': must be a fraction in (0, 1] of the free device"),
     ("generator.kv_cache_memory=[1]", "'generator.kv_cache_memory'"),
+    ("agent.hook_timeout_s=0", "'agent.hook_timeout_s': must be > 0, got 0"),
+    ("agent.rollout_timeout_s=600", "'agent.rollout_timeout_s': must be below run.step_timeout_s (300)"),
 ]
 # --- the world the config names, checked at launch before Ray starts
 LAUNCH_CASES = [

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -122,6 +123,32 @@ def test_a_non_number_reward_fails_the_run_in_one_line_and_keeps_what_was_logged
     assert steps[:2] == [0, 1] and steps == list(range(len(steps)))  # index 4 is leased at version 2 at the earliest
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [step for step in steps for _ in range(2)]
+
+
+HUNG_STEP_ENV = '''
+import threading
+
+from nanoverl_async.agents.multiply_task import MultiplyEnv
+
+
+class HungStep(MultiplyEnv):
+    def step(self, sample, message):
+        threading.Event().wait()  # never returns
+'''
+
+
+def test_a_hung_hook_fails_the_run_in_one_line_at_its_timeout(ray_session, tmp_path, capsys):
+    """A step() that never returns fails the launch with the line naming it at agent.hook_timeout_s, not at
+    run.step_timeout_s (300 s) with the buffer's line naming no hook, and the run ends though the hook never does."""
+    (tmp_path / "hung_env.py").write_text(HUNG_STEP_ENV)
+    started = time.monotonic()
+    env = f"agent.env={tmp_path}/hung_env.py:HungStep"
+    assert launch_in_process(tmp_path / "out", "agent.hook_timeout_s=2", env) == 1
+    assert time.monotonic() - started < 150  # the start, the first turns, then 2 s
+    err = capsys.readouterr().err
+    assert ("nanoverl-async: run failed: generator 0: UserCodeError: agent.env HungStep.step() (defined at "
+            "hung_env.py:8) did not return within 2 s (agent.hook_timeout_s); it was at hung_env.py:9 in step\n") in err
+    assert "Traceback" not in err
 
 
 def test_cli_saves_and_resumes_the_whole_async_state(ray_session, tmp_path, capsys):

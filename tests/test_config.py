@@ -1,6 +1,7 @@
 """Config loading: every bad input fails with one line naming the key, before anything starts."""
 
 import json
+import math
 import pickle
 import subprocess
 import sys
@@ -135,6 +136,30 @@ def test_upper_bounds_are_inclusive(override, most):
     load_config(DEFAULT, [f"{override}={most}"])
     with pytest.raises(ConfigError, match=f"'{override}': must be at most {most}, got "):
         load_config(DEFAULT, [f"{override}={most + (1 if isinstance(most, int) else 0.001)}"])
+
+
+@pytest.mark.parametrize("key", ["agent.hook_timeout_s", "agent.rollout_timeout_s"])
+def test_hook_timeouts_are_positive_and_end_before_the_batch_wait(key):
+    """0 is refused and the smallest positive float accepted; a bound at run.step_timeout_s is refused and the
+    float just below it accepted (a hung hook is named only if its timeout comes before the buffer's)."""
+    name = key.split(".")[1]
+    with pytest.raises(ConfigError, match=f"^config key '{key}': must be > 0, got 0.0$"):
+        load_config(DEFAULT, [f"{key}=0"])
+    assert getattr(load_config(DEFAULT, [f"{key}=5e-324"]).agent, name) == 5e-324
+    with pytest.raises(ConfigError, match=f"^config key '{key}': must be below run.step_timeout_s \\(300\\), or a hung "
+                                          f"hook fails the step unnamed$"):
+        load_config(DEFAULT, [f"{key}=300"])
+    below = math.nextafter(300.0, 0.0)
+    assert getattr(load_config(DEFAULT, [f"{key}={below!r}"]).agent, name) == below
+
+
+def test_a_rollout_ends_before_its_groups_lease():
+    with pytest.raises(ConfigError, match=r"^config key 'agent.rollout_timeout_s': must be below "
+                                          r"buffer.lease_timeout_s \(300\): a group's lease must outlive its episodes"):
+        load_config(DEFAULT, ["run.step_timeout_s=1000", "agent.rollout_timeout_s=300"])
+    below = math.nextafter(300.0, 0.0)
+    assert load_config(DEFAULT, ["run.step_timeout_s=1000", f"agent.rollout_timeout_s={below!r}"]).agent \
+        .rollout_timeout_s == below
 
 
 SECRET_OVERRIDES = ["generator.sglang.server_args=[--api-key, '${oc.env:NANOVERL_KEY}']",

@@ -17,7 +17,7 @@ from nanoverl_async.generators.engine import Completion
 from nanoverl_async.agents.multiply_task import MultiplyEnv
 from nanoverl_async.agents.rewards import load_reward, math_compute_score, score_sample
 from nanoverl_async.models.tiny import build_tokenizer
-from nanoverl_async.agents.user_code import load_object
+from nanoverl_async.agents.user_code import UserCodeError, load_object
 
 ROWS = [{"data_source": "toy", "prompt": [{"role": "user", "content": f"{i}+{i}?"}],
          "reward_model": {"style": "rule", "ground_truth": str(2 * i)}, "extra_info": {"index": i}} for i in range(5)]
@@ -139,7 +139,7 @@ def test_reward_functions(tmp_path):
     sample = {**ROWS[2], "messages": ROWS[2]["prompt"]}
     assert asyncio.run(score_sample(fn, sample, "4")) == (1.0, {"length": 1.0})
     assert asyncio.run(score_sample(None, sample, "so \\boxed{4}")) == (1.0, {})
-    with pytest.raises(ValueError, match="not a finite number"):
+    with pytest.raises(UserCodeError, match="returned float nan; return a finite number"):
         asyncio.run(score_sample(lambda *a: math.nan, sample, "4"))
     assert math_compute_score("", "\\boxed{\\frac{1}{2}}", "0.5") == 1.0
     assert math_compute_score("", "\\boxed{3}", "4") == 0.0
@@ -155,7 +155,7 @@ def test_a_reward_is_a_finite_number_wherever_it_comes_from():
     for bad in (None, "1", True, math.nan, -math.inf):
         with pytest.raises(ValueError, match="the reward must be a finite number"):
             Step(reward=bad)
-        with pytest.raises(ValueError, match="not a finite number"):
+        with pytest.raises(UserCodeError, match="; return a finite number, or a dict with a finite number as 'score'"):
             asyncio.run(score_sample(lambda *a: bad, sample, ""))
 
 

@@ -7,6 +7,7 @@ that a failure in a task ends run() with that exception. No Ray.
 """
 
 import asyncio
+import threading
 import time
 
 import msgpack
@@ -98,9 +99,9 @@ def weights_messages(version: int, state_dict: dict, bucket_bytes: int = 32 * 10
     return messages
 
 
-def make_worker(model_dir, mode, env=None, sync_timeout_s=20.0):
+def make_worker(model_dir, mode, env=None, sync_timeout_s=20.0, **agent):
     cfg = prepare(Config(generator=GeneratorConfig(max_groups_in_flight=2),  # roles get prepared configs
-                         agent=AgentConfig(max_turns=2, max_new_tokens=8, max_total_tokens=40),
+                         agent=AgentConfig(max_turns=2, max_new_tokens=8, max_total_tokens=40, **agent),
                          weight_sync=WeightSyncConfig(mode=mode, timeout_s=sync_timeout_s),
                          data=DataConfig(samples_per_prompt=GROUP_SIZE)))
     return GeneratorWorker(4, cfg, model_dir, env=env)
@@ -202,6 +203,39 @@ def test_failures_end_run_with_the_exception(model_dir):
         asyncio.run(main(None, reply_error=True))
     with pytest.raises(TimeoutError, match="gate stayed closed for version 0"):  # no weights ever came
         asyncio.run(main(None, reply_error=False, first_groups=0, sync_timeout_s=0.3))
+
+
+def test_a_hung_hook_ends_run_within_its_timeout_naming_its_line(model_dir):
+    """A synchronous step() that never returns ends the generator's run with the one line the controller shows,
+    at agent.hook_timeout_s: not at run.step_timeout_s, when the buffer gives up on the batch naming no hook."""
+    release = threading.Event()
+
+    class HungStep(multiply_task.MultiplyEnv):
+        def step(self, sample, message):
+            release.wait(30)
+
+    async def main():
+        context = zmq.asyncio.Context()
+        buffer = FakeBuffer(context, first_groups=1, reopen_at=99)
+        pub = context.socket(zmq.PUB)
+        endpoint = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+        serving = asyncio.ensure_future(buffer.serve())
+        try:
+            worker = make_worker(model_dir, "interrupt", HungStep, hook_timeout_s=0.5)
+            started = time.monotonic()
+            with pytest.raises(UserCodeError, match=r"^agent.env HungStep.step\(\) \(defined at test_generator_worker"
+                                                    r".py:\d+\) did not return within 0.5 s \(agent.hook_timeout_s\); "
+                                                    r"it was at test_generator_worker.py:\d+ in step$"):
+                await asyncio.wait_for(worker.run(buffer.endpoints, endpoint), 30)
+            return time.monotonic() - started
+        finally:
+            serving.cancel()
+            context.destroy(linger=0)
+
+    try:
+        assert asyncio.run(main()) < 10  # an episode's turns on the tiny model, then 0.5 s
+    finally:
+        release.set()
 
 
 def test_stop_before_and_while_gated(model_dir):

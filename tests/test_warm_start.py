@@ -45,6 +45,15 @@ def rambles(sample, messages):
 
 def never_right(sample, messages):
     return "0"
+
+
+import threading
+
+RELEASE = threading.Event()  # set by the test: no stuck thread outlives it
+
+
+def hangs(sample, messages):
+    RELEASE.wait(30)
 '''
 
 
@@ -106,6 +115,20 @@ def test_a_wrong_solver_is_named_with_its_line(tmp_path, solver_file, name, prob
     with pytest.raises(UserCodeError, match=rf"^model.warm_start.solver {name} \(defined at solver.py:\d+\)"
                                             rf"{'' if problem.startswith(':') else ' '}{problem}"):
         asyncio.run(warm_start.demonstrations(solver, [sample], env_factory(cfg.agent.env), tokenizer, cfg))
+
+
+def test_a_hung_solver_is_named_with_its_line_at_the_hook_timeout(tmp_path, solver_file):
+    cfg = config(tmp_path, solver_file, "agent.hook_timeout_s=0.2")
+    tokenizer = load_tokenizer(resolve_model_path("builtin:tiny"))
+    sample = {"a": 1, "b": 2, "answer": "2", "messages": [{"role": "user", "content": "1*2?"}]}
+    try:
+        with pytest.raises(UserCodeError, match=r"^model.warm_start.solver hangs \(defined at solver.py:\d+\) did not "
+                                                r"return within 0.2 s \(agent.hook_timeout_s\); it was at solver.py:"
+                                                r"\d+ in hangs$"):
+            asyncio.run(warm_start.demonstrations(load_object(f"{solver_file}:hangs"), [sample],
+                                                  env_factory(cfg.agent.env), tokenizer, cfg))
+    finally:
+        load_object(f"{solver_file}:RELEASE").set()
 
 
 def test_a_solver_whose_demonstrations_all_fail_is_refused_before_training(tmp_path, solver_file):

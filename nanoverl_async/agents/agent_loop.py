@@ -10,7 +10,9 @@ The episode (docs/design.md "Agents and tools"; environments in nanoverl_async/a
      tool messages as a chat-template DELTA and append it with loss mask 0, then go to 2;
   4. otherwise env.step(sample, message) -> Step: its reward ends the episode, or (done=False) its
      messages are appended like tool results and the episode goes on.
-An error in the user's code names the class and method (`agent.env Calc.step()`) and the user's file:line.
+An error in the user's code names the class and method (`agent.env Calc.step()`) and the user's file:line;
+so does a hook that runs past `agent.hook_timeout_s` (a rollout: `agent.rollout_timeout_s`), with the line it
+was at (user_code.call_user, which runs a synchronous hook off the event loop).
 An environment with a `rollout(episode, sample)` method drives `Episode` itself instead.
 
 The delta: text(render(history + new, generation prompt)) minus text(render(history)), tokenized alone,
@@ -48,7 +50,7 @@ import numpy as np
 from nanoverl_async.config import AgentConfig
 from nanoverl_async.agents.env import FunctionEnv, Step
 from nanoverl_async.agents.rewards import is_reward
-from nanoverl_async.agents.user_code import UserCodeError, call_user, defined_at
+from nanoverl_async.agents.user_code import UserCodeError, broken_contract, call_user
 from nanoverl_async.generators.engine import Completion, Engine, SamplingParams
 from nanoverl_async.agents.tool_parsers import ParsedCall, describe_tools, parse_turn, stop_strings
 from nanoverl_async.agents.tools import Tool, ToolResult, as_tool, call_tool
@@ -270,7 +272,8 @@ async def drive(episode: Episode, env: Any, sample: dict) -> tuple[float, dict]:
             if not episode.observe(await episode.run_tools(calls)):
                 return 0.0, {}
             continue
-        step = await call_hook(env, "step", sample, message,  # Step checks its reward, unless set afterwards
+        # Step checks its reward, unless it is set afterwards
+        step = await call_hook(episode.agent, env, "step", sample, message,
                                valid=lambda value: isinstance(value, Step) and is_reward(value.reward),
                                expected="return a nanoverl_async.agents.env.Step with a finite reward (e.g. "
                                         "Step(reward=1.0))")
@@ -278,25 +281,26 @@ async def drive(episode: Episode, env: Any, sample: dict) -> tuple[float, dict]:
             return float(step.reward), dict(step.info)
 
 
-async def call_hook(env: Any, method: str, *args, valid: Callable[[Any], bool] = lambda _: True,
+async def call_hook(agent: AgentConfig, env: Any, method: str, *args, valid: Callable[[Any], bool] = lambda _: True,
                     expected: str = "") -> Any:
     """`env.method(*args)` -> what it returned; a UserCodeError naming the hook as 'agent.env Calc.step()' (a
-    FunctionEnv's rollout: 'agent.env my_rollout()') if it raised, or returned what `valid` refuses."""
+    FunctionEnv's rollout: 'agent.env my_rollout()') if it raised, returned what `valid` refuses, or ran past
+    agent.hook_timeout_s (a rollout, the whole episode: agent.rollout_timeout_s)."""
     function = getattr(env, method)
     name = getattr(function, "__name__", method) if isinstance(env, FunctionEnv) else f"{type(env).__name__}.{method}"
-    hook = f"agent.env {name}()"
-    value = await call_user(hook, function, *args)
+    hook, limit = f"agent.env {name}()", "rollout_timeout_s" if method == "rollout" else "hook_timeout_s"
+    value = await call_user(hook, function, *args, timeout_s=getattr(agent, limit), key=f"agent.{limit}")
     if not valid(value):
-        raise UserCodeError(f"{hook}{defined_at(function)} returned {type(value).__name__} {value!r:.60}; {expected}")
+        raise broken_contract(hook, function, value, expected)
     return value
 
 
 async def play(episode: Episode, env: Any, sample: dict) -> tuple[float, dict]:
     """`env` on `sample` through `episode`, by its own rollout or by reset and the step loop -> (reward, info)."""
     if hasattr(env, "rollout"):
-        return float(await call_hook(env, "rollout", episode, sample, valid=is_reward,
+        return float(await call_hook(episode.agent, env, "rollout", episode, sample, valid=is_reward,
                                      expected="return the episode's reward as a finite number")), {}
-    episode.start(await call_hook(env, "reset", sample))
+    episode.start(await call_hook(episode.agent, env, "reset", sample))
     return await drive(episode, env, sample)
 
 

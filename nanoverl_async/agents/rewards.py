@@ -9,11 +9,13 @@ trajectory.info["reward_info"]); it may be sync or async. Samples carry verl's f
 checks the last \\boxed{...} (or the whole answer) against the ground truth with the `math-verify`
 package (a dependency), then by an exact match of the normalised strings.
 
-Invariants: the reward is a finite float (a function returning NaN, inf or a wrong type raises
-ValueError naming the function, and one that raises a UserCodeError naming it and its file:line, so a
-broken scorer fails the run loudly instead of training on it). A sample without a ground truth is still
-scored (against None: a custom function may not need one), and its reward info says so
-(`MISSING_GROUND_TRUTH`), so that metrics.py can count such episodes and warn when they earn nothing.
+Invariants: the reward is a finite float. A function returning NaN, inf, None, a bool, text or a dict
+without a finite "score" raises a UserCodeError naming it and where it is defined (file:line); one that
+raises, or hangs past agent.hook_timeout_s, names it and the line. So a broken scorer fails the run loudly
+instead of training on it, and the error is the function's, not the step() of the environment calling it.
+A sample without a ground truth is still scored (against None: a custom function may not need one), and its
+reward info says so (`MISSING_GROUND_TRUTH`), so that metrics.py can count such episodes and warn when they
+earn nothing.
 
 Run alone: `python -m pytest tests/test_env_data.py -q`.
 """
@@ -26,7 +28,7 @@ import re
 import threading
 from typing import Any, Callable, Optional
 
-from nanoverl_async.agents.user_code import call_user, load_object
+from nanoverl_async.agents.user_code import broken_contract, call_user, load_object
 
 MISSING_GROUND_TRUTH = "ground_truth_missing"  # reward info of an episode whose sample had no ground truth
 
@@ -58,8 +60,9 @@ def math_compute_score(data_source: str, solution_str: str, ground_truth: Any, e
     answer = last_boxed(solution_str)
     answer = solution_str if answer is None else answer
     from math_verify import parse, verify  # here, not at the top: it imports sympy, which only scoring needs
-    # math-verify's timeouts use signal.alarm, which works only in the main thread (it raises elsewhere);
-    # a generator's event loop runs in a Ray actor's thread, so there they are off (an answer is one turn).
+    # math-verify's timeouts use signal.alarm, which works only in the main thread (it raises elsewhere); a
+    # reward function runs on a user-code thread (user_code.call_user), so there they are off, and
+    # agent.hook_timeout_s bounds it instead.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     gold, predicted = (parse(f"${text}$", parsing_timeout=timeout) for text in (ground_truth, answer))
     if gold and predicted and verify(gold, predicted, timeout_seconds=timeout):
@@ -73,18 +76,17 @@ def is_reward(value: Any) -> bool:
 
 
 async def score_sample(reward_fn: Optional[Callable], sample: dict, solution_str: str) -> tuple[float, dict]:
-    """Call a verl-style reward function on one sample -> (reward, extra numeric info)."""
+    """Call a verl-style reward function on one sample -> (reward, extra numeric info). It runs within the bound
+    of the hook that calls it (agent.hook_timeout_s, for an environment's step: user_code.call_user)."""
     fn = reward_fn or math_compute_score
-    name = getattr(fn, "__name__", fn)
+    hook = f"reward function {getattr(fn, '__name__', fn)}"
     ground_truth = (sample.get("reward_model") or {}).get("ground_truth", sample.get("answer"))
-    result = await call_user(f"reward function {name}", fn, sample.get("data_source", ""), solution_str,
-                             ground_truth, sample.get("extra_info") or {})
+    result = await call_user(hook, fn, sample.get("data_source", ""), solution_str, ground_truth,
+                             sample.get("extra_info") or {})
     info: dict = {} if ground_truth is not None else {MISSING_GROUND_TRUTH: 1.0}
+    score = result.get("score") if isinstance(result, dict) else result
+    if not is_reward(score):  # the function's own error, not the step() of the environment that called it
+        raise broken_contract(hook, fn, result, "return a finite number, or a dict with a finite number as 'score'")
     if isinstance(result, dict):
-        if "score" not in result:
-            raise ValueError(f"reward function {name} returned a dict without 'score'")
         info.update({k: float(v) for k, v in result.items() if k != "score" and is_reward(v)})
-        result = result["score"]
-    if not is_reward(result):
-        raise ValueError(f"reward function {name} returned {result!r:.40}, not a finite number")
-    return float(result), info
+    return float(score), info

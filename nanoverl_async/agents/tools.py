@@ -32,16 +32,14 @@ Run alone: `python -m pytest tests/test_tools.py -q`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import functools
 import inspect
-import queue
 import re
-import threading
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
+
+from nanoverl_async.agents.threads import in_thread
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
 CANCEL_GRACE_S = 0.5  # after a timeout, how long a cancelled tool may take to clean up (the sandbox's kill)
@@ -201,66 +199,7 @@ async def call_tool(tool: Tool, arguments: Any, timeout_s: float = 5.0, max_char
 
 
 async def _run(tool: Tool, arguments: dict) -> Any:
-    """The tool's result: awaited, or from a tool thread (_ToolThreads) when the tool is synchronous."""
-    return await (tool.fn(**arguments) if inspect.iscoroutinefunction(tool.fn) else _in_thread(tool, arguments))
-
-
-class _ToolThreads:
-    """Daemon threads for synchronous tools: a call is taken by an idle thread, or by a new one when none is
-    idle, so calls never queue; finished threads wait for the next call (starting a thread for each call
-    costs ~0.1 ms, 3% of the default job's step). Not asyncio.to_thread: its pool has min(32, CPUs + 4)
-    threads, so the calls of many concurrent episodes would queue for them past their timeouts, a tool that
-    never returns would hold one for good, and the pool is joined at exit."""
-
-    def __init__(self):
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = 0
-        self._lock = threading.Lock()
-
-    def submit(self, work: Callable[[], Any], deliver: Callable[[Any], None]) -> None:
-        """Run `work()` on a tool thread, then `deliver` its return value."""
-        with self._lock:
-            start = self._idle == 0
-            self._idle -= not start
-        self._calls.put((work, deliver))
-        if start:
-            threading.Thread(target=self._serve, name="tool", daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            work, deliver = self._calls.get()
-            outcome = work()
-            with self._lock:  # idle before the result is out: the caller's next call takes this thread
-                self._idle += 1
-            deliver(outcome)
-
-
-_THREADS = _ToolThreads()
-
-
-def _in_thread(tool: Tool, arguments: dict) -> asyncio.Future:
-    """Run a synchronous tool on one of the tool threads (_ToolThreads) -> a future of its result."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(value: Any, error: Optional[BaseException]) -> None:
-        if future.done():  # cancelled: the call timed out or its episode ended
-            return
-        if error is None:
-            future.set_result(value)
-        else:
-            future.set_exception(error)
-
-    def work() -> tuple[Any, Optional[BaseException]]:
-        try:
-            return tool.fn(**arguments), None
-        except BaseException as error:  # noqa: BLE001 - handed to the call, as asyncio.to_thread does
-            return None, error
-
-    def deliver(outcome: tuple[Any, Optional[BaseException]]) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for the result
-            loop.call_soon_threadsafe(settle, *outcome)
-
-    # the caller's context variables, as asyncio.to_thread passes them
-    _THREADS.submit(functools.partial(contextvars.copy_context().run, work), deliver)
-    return future
+    """The tool's result: awaited, or from a user-code thread (threads.py) when the tool is synchronous."""
+    if inspect.iscoroutinefunction(tool.fn):
+        return await tool.fn(**arguments)
+    return await in_thread(functools.partial(tool.fn, **arguments))

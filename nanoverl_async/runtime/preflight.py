@@ -177,7 +177,7 @@ def prompt_overflow(cfg: Config, env: Any, sample: dict) -> Optional[str]:
 
     tokenizer, most_bytes = prompt_tokenizer(cfg.model.path, cfg.model.cache_dir)
     try:
-        messages = asyncio.run(call_hook(env, "reset", sample))
+        messages = asyncio.run(call_hook(cfg.agent, env, "reset", sample))
     except UserCodeError as error:
         raise ConfigError(f"config key 'agent.env': {error}") from None
     episode = Episode(None, tokenizer, cfg.agent, 1.0, env)

@@ -140,7 +140,8 @@ def write(cfg: Config, base: str, directory: Path) -> str:
 
 class Teacher:
     """An engine (generators/engine.Engine) whose every turn the solver writes for one episode, from the
-    sample and the episode's messages so far; logprobs 0 and version 0, as nothing is sampled."""
+    sample and the episode's messages so far, each within agent.hook_timeout_s as any hook (user_code.call_user);
+    logprobs 0 and version 0, as nothing is sampled."""
 
     def __init__(self, solver: Callable, sample: dict, tokenizer):
         self.solver, self.sample, self.tokenizer = solver, sample, tokenizer
@@ -148,7 +149,8 @@ class Teacher:
         self.episode: Optional[Episode] = None  # set once the episode exists: its messages are the solver's input
 
     async def generate(self, input_ids: list[int], params: SamplingParams, episode_id=None) -> Completion:
-        turn = await call_user(self.hook, self.solver, self.sample, [dict(m) for m in self.episode.messages])
+        turn = await call_user(self.hook, self.solver, self.sample, [dict(m) for m in self.episode.messages],
+                               timeout_s=self.episode.agent.hook_timeout_s, key="agent.hook_timeout_s")
         calls = [turn] if isinstance(turn, dict) else turn
         if not (isinstance(turn, str) or (isinstance(calls, list) and calls and all(
                 isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)
