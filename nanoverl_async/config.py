@@ -15,7 +15,6 @@ run uses its value, and what a run writes (`to_yaml`, `to_dict`) holds the text 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -23,7 +22,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from nanoverl_async.config_file import ConfigLoader, read_yaml, yaml_problem
+from nanoverl_async.config_file import ConfigLoader, describe, read_yaml, yaml_problem
 from nanoverl_async.validation import ConfigError, validate  # noqa: F401 (ConfigError: re-exported)
 
 
@@ -310,7 +309,7 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
         if path is not None:
             merged = OmegaConf.merge(merged, _paths_as_lists(read_yaml(path)))
     except OmegaConfBaseException as error:
-        raise ConfigError(_describe(error)) from None
+        raise ConfigError(describe(error, Config())) from None
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
@@ -322,11 +321,11 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
         except yaml.YAMLError as error:
             raise ConfigError(f"config key '{key}': the value {yaml_problem(error)}") from None
         except OmegaConfBaseException as error:
-            raise ConfigError(_describe(error, key)) from None
+            raise ConfigError(describe(error, Config(), key)) from None
     try:  # interpolations resolve here: an unset ${oc.env:NAME}, a cycle, a value of the wrong type
         cfg: Config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
-        raise ConfigError(_describe(error)) from None
+        raise ConfigError(describe(error, Config())) from None
     _keep_interpolated(cfg, OmegaConf.to_container(merged, resolve=False))
     validate(cfg)
     return cfg
@@ -369,30 +368,6 @@ def _paths_as_lists(update: Any) -> Any:
             if key.type == "list[str]" and isinstance(OmegaConf.select(update, dotted), str):
                 OmegaConf.update(update, dotted, [OmegaConf.select(update, dotted)])
     return update
-
-
-def _describe(error: OmegaConfBaseException, override_key: str = "") -> str:
-    key = getattr(error, "full_key", None) or override_key or "?"
-    message = str(error).strip().splitlines()[0]
-    if "not in struct" in message or "Key '" in message and "not" in message:
-        unknown = override_key or key
-        near = _nearest_key(unknown)
-        return f"unknown config key '{unknown}'" + (f"; did you mean '{near}'?" if near else "")
-    return f"config key '{key}': {message}"
-
-
-def _nearest_key(dotted: str) -> Optional[str]:
-    """The config key a mistyped `dotted` most likely meant: each part that is no field of its section
-    replaced by the closest that is (`lerner.lrr` -> `learner.lr`); None when some part has none close."""
-    node, parts = Config(), []
-    for part in dotted.split("."):
-        names = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
-        close = [part] if part in names else difflib.get_close_matches(part, names, n=1)
-        if not close:
-            return None
-        parts.append(close[0])
-        node = getattr(node, close[0])
-    return ".".join(parts)
 
 
 def to_yaml(cfg: Config) -> str:

@@ -6,17 +6,21 @@
 yaml's SafeLoader builds no objects, but it still expands aliases, keeps the later of two equal keys and
 recurses as deep as the text nests: ConfigLoader refuses each, at its line and column, so a mistake or a crafted
 file is one ConfigError line naming the file (or the key), never a hang, a stack overflow or a silent override.
+An error merging it into the config tree is one line too (`describe`), a mistyped key with the nearest real one.
 
 Run alone: `python -m pytest tests/test_bad_input.py -q -k yaml`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from nanoverl_async.validation import ConfigError
 
@@ -97,3 +101,29 @@ def yaml_problem(error: yaml.YAMLError) -> str:
     where = getattr(error, "problem_mark", None)
     at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
     return f"is not valid YAML{at}: {getattr(error, 'problem', error)}"
+
+
+def describe(error: OmegaConfBaseException, root: Any, override_key: str = "") -> str:
+    """An OmegaConf error merging into the config tree `root` (config.Config()) -> one line naming the key; an
+    unknown key with the nearest real one."""
+    key = getattr(error, "full_key", None) or override_key or "?"
+    message = str(error).strip().splitlines()[0]
+    if "not in struct" in message or "Key '" in message and "not" in message:
+        unknown = override_key or key
+        near = nearest_key(unknown, root)
+        return f"unknown config key '{unknown}'" + (f"; did you mean '{near}'?" if near else "")
+    return f"config key '{key}': {message}"
+
+
+def nearest_key(dotted: str, root: Any) -> Optional[str]:
+    """The key of the dataclass tree `root` a mistyped `dotted` most likely meant: each part that is no field of
+    its section replaced by the closest that is (`lerner.lrr` -> `learner.lr`); None when some part has none."""
+    node, parts = root, []
+    for part in dotted.split("."):
+        names = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
+        close = [part] if part in names else difflib.get_close_matches(part, names, n=1)
+        if not close:
+            return None
+        parts.append(close[0])
+        node = getattr(node, close[0])
+    return ".".join(parts)
