@@ -273,6 +273,56 @@ def test_a_dataset_of_only_long_prompts_is_refused_even_when_skipping(tmp_path):
                                   "that leaves no room under agent.max_total_tokens=96)")
 
 
+SHOWN_TOOL_ENV = """
+from nanoverl_async.agents.multiply_task import MultiplyEnv
+
+
+class ShownCalculator(MultiplyEnv):
+    show_tools = True  # builtin:tiny's template renders them: "<|system|>tools: calculator(expression)<|end|>"
+"""
+
+
+def shown_tool_config(tmp_path, *overrides):
+    (tmp_path / "shown.py").write_text(SHOWN_TOOL_ENV)
+    return load_config("configs/agent_grpo.yaml", [f"agent.env={tmp_path / 'shown.py'}:ShownCalculator",
+                                                   f"run.output_dir={tmp_path / 'run'}", "agent.max_new_tokens=4",
+                                                   "agent.max_total_tokens=24", *overrides])
+
+
+def test_a_task_prompt_with_no_room_is_refused_before_the_start_saying_what_it_needs(tmp_path):
+    """The tools in the prompt fill 24 tokens: the first prompt fails now, not 30 s into the run. At a budget of
+    exactly the longest of the checked prompts it is refused; one token more and it starts."""
+    with pytest.raises(ConfigError) as raised:
+        preflight.prepare(shown_tool_config(tmp_path))
+    tokens = int(re.search(r"the prompt has (\d+) tokens", str(raised.value))[1])
+    assert_one_line(raised.value, f"config key 'agent.max_total_tokens': prompt 0 of data.task builtin:multiply: the "
+                                  f"prompt has {tokens} tokens, no room under agent.max_total_tokens=24; an episode "
+                                  f"adds up to agent.max_turns x agent.max_new_tokens = 12 sampled tokens to it")
+    budget = tokens
+    while True:  # each refusal names a longer prompt, until one budget holds all eight
+        try:
+            preflight.prepare(shown_tool_config(tmp_path, f"agent.max_total_tokens={budget}"))
+            break
+        except ConfigError as error:
+            longest = int(re.search(r"the prompt has (\d+) tokens", str(error))[1])
+            assert f"no room under agent.max_total_tokens={budget};" in str(error) and longest >= budget
+            budget = longest + 1
+    with pytest.raises(ConfigError, match=rf"the prompt has {budget - 1} tokens, no room under "
+                                          rf"agent.max_total_tokens={budget - 1};"):
+        preflight.prepare(shown_tool_config(tmp_path, f"agent.max_total_tokens={budget - 1}"))
+
+
+def test_a_short_dataset_row_whose_tools_leave_no_room_is_refused(tmp_path, capsys):
+    """The row's own text is 4 bytes; the tools the prompt shows beside it are what fill the budget."""
+    path = dataset_with(tmp_path, {})
+    (tmp_path / "shown.py").write_text(SHOWN_TOOL_ENV)
+    assert main(["validate", "configs/agent_grpo.yaml", f"data.train_files={path}", "agent.max_new_tokens=4",
+                 "agent.max_total_tokens=24", f"agent.env={tmp_path / 'shown.py'}:ShownCalculator"]) == 2
+    assert re.fullmatch(rf"nanoverl-async: config error: config key 'data.train_files': {path} row 0: the prompt "
+                        rf"has \d+ tokens, no room under agent.max_total_tokens=24 \(data.skip_long_prompts=true "
+                        rf"leaves such rows out\)\n", capsys.readouterr().err)
+
+
 def test_each_builtin_models_max_positions_is_its_models():
     """preflight reads MAX_POSITIONS from each built-in's source, unbuilt; the models must say the same."""
     from nanoverl_async.models import smollm2, tiny

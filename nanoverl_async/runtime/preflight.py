@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import json
 import socket
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -78,6 +79,7 @@ def prepare(cfg: Config) -> Config:
         raise ConfigError(f"config key 'agent.sandbox': {sandbox.refusal(why)}")
     check_model(cfg)
     cfg = check_prompt_lengths(cfg, loaded["agent.env"], rows)
+    check_task_prompts(cfg, loaded["agent.env"])
     checkpoint.find_checkpoint(cfg.run)  # a run.resume path that is not a checkpoint fails here
     checkpoint.check_output_dir(cfg.run.output_dir)  # a file, or a folder this process cannot write in
     if cfg.wire.host != "auto":  # one address for every role (auto: each binds on its own node, wire/auth.py)
@@ -130,20 +132,20 @@ def check_prompt_lengths(cfg: Config, new_env: Callable, rows: dict[str, list]) 
     """Every dataset row's prompt, as the run renders it (agent_loop.Episode.start), leaves room under
     agent.max_total_tokens; one that does not is refused, naming its file and row (else the run dies when
     that row comes up, maybe hours in), or, with data.skip_long_prompts, added to data.skip_rows. Cheap: a
-    row is rendered only if its messages hold half the budget in UTF-8 bytes (a byte-level BPE makes at most
-    a token of a byte; the other half is left to the chat template), and tokenized only if its rendering could
-    fit (`prompt_overflow`). An environment with its own rollout renders its own prompt: not checked."""
+    row is rendered only if it `could_overflow`, and tokenized only if its rendering could fit
+    (`prompt_overflow`). An environment with its own rollout renders its own prompt: not checked."""
     env = new_env() if any(rows.values()) else None
     if env is None or hasattr(env, "rollout"):
         return cfg
     budget, skip, listed = cfg.agent.max_total_tokens, list(cfg.data.skip_rows), set(cfg.data.skip_rows)
+    tools = shown_tool_bytes(env, new_env.tools)
     for key, samples in rows.items():
         left_out = 0
         for path, i, sample in samples:
             where = f"{Path(path).resolve()} row {i}"
             if where in listed:
                 left_out += 1
-            elif 2 * sum(len(str(m.get("content", "")).encode()) for m in sample["messages"]) >= budget:
+            elif could_overflow(sample, tools, budget):
                 why = prompt_overflow(cfg, env, sample)
                 if why and not cfg.data.skip_long_prompts:
                     raise ConfigError(f"config key '{key}': {path} row {i}: {why} (data.skip_long_prompts=true "
@@ -154,6 +156,39 @@ def check_prompt_lengths(cfg: Config, new_env: Callable, rows: dict[str, list]) 
             raise ConfigError(f"config key '{key}': every row is left out (data.skip_rows, or a prompt that "
                               f"leaves no room under agent.max_total_tokens={budget})")
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, skip_rows=skip))
+
+
+def shown_tool_bytes(env: Any, tools: list) -> int:
+    """The UTF-8 bytes of the tools' schemas in `env`'s prompts (rendered by the template or described in the
+    system message): 0 if it shows none (show_tools = False)."""
+    return len(json.dumps([tool.schema for tool in tools]).encode()) if getattr(env, "show_tools", True) else 0
+
+
+def could_overflow(sample: dict, tool_bytes: int, budget: int) -> bool:
+    """Whether `sample`'s prompt may leave no room under `budget` tokens, so it must be rendered to tell: its
+    messages and tools hold half the budget in bytes (the other half is left to the chat template)."""
+    return 2 * (tool_bytes + sum(len(str(m.get("content", "")).encode()) for m in sample["messages"])) >= budget
+
+
+TASK_PROMPTS_CHECKED = 8  # data.task's first prompts rendered at start (a prompt function writes alike prompts)
+
+
+def check_task_prompts(cfg: Config, new_env: Callable) -> None:
+    """data.task's first TASK_PROMPTS_CHECKED prompts, as the run renders them (the tools in the prompt
+    included), leave room under agent.max_total_tokens: else one line saying how many tokens the prompt has and
+    what an episode needs beside it, before anything starts (not 30 s into the run, when the first one fails).
+    As cheap as `check_prompt_lengths`: a short prompt is not rendered."""
+    env = new_env()
+    if cfg.data.train_files or hasattr(env, "rollout"):
+        return
+    prompts, agent, tools = prompt_source(cfg.data, cfg.run.seed), cfg.agent, shown_tool_bytes(env, new_env.tools)
+    for index in range(TASK_PROMPTS_CHECKED):
+        sample = prompts(index)
+        why = could_overflow(sample, tools, agent.max_total_tokens) and prompt_overflow(cfg, env, sample)
+        if why:
+            raise ConfigError(f"config key 'agent.max_total_tokens': prompt {index} of data.task {cfg.data.task}: "
+                              f"{why}; an episode adds up to agent.max_turns x agent.max_new_tokens = "
+                              f"{agent.max_turns * agent.max_new_tokens} sampled tokens to it, and its tool results")
 
 
 def tools_notice(cfg: Config, tokenizer) -> str:
