@@ -53,6 +53,7 @@ def launch(cfg: Config, started: Optional[float] = None) -> Path:
     start-up counts from (the CLI's process start; default: now), up to the first trained step (time/startup_s)."""
     started = time.time() if started is None else started
     cfg = prepare(cfg)  # files, user code and run.resume checked; user paths made absolute
+    checkpoint.inspect_output_dir(cfg)  # a folder this launch may not use is refused before the model is built
     phase(started, f"model {cfg.model.path}" + (" (built on first use, then cached)" if ":" in cfg.model.path else ""))
     try:  # a missing model, or a tokenizer that drops whitespace, fails here in one line, not in each role
         model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
@@ -64,7 +65,7 @@ def launch(cfg: Config, started: Optional[float] = None) -> Path:
     check_positions(model_path, cfg.agent.max_total_tokens)  # the buffer drops longer trajectories
     predicted = predicted_memory(cfg, model_path, started)  # a builder's model too, before Ray and the roles
     output_dir = Path(cfg.run.output_dir)
-    resume_from = checkpoint.open_output_dir(cfg)  # None: a fresh run (into an empty or overwritten dir)
+    resume_from = checkpoint.open_output_dir(cfg)  # None: a fresh run (into an empty or cleared dir)
     checkpoint.claim(output_dir, "config.yaml").write_text(to_yaml(cfg))
     start = checkpoint.read_meta(resume_from)["step"] if resume_from else 0
     if resume_from:
