@@ -55,6 +55,10 @@ def test_step_metrics_keys_and_values(tmp_path):
     logger.log(m)
     logger.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["staleness/max"] == 2
+    # one prefix per role: the engines' counters are the generators' too, not a `generator/` beside `generators/`
+    prefixes = {key.split("/")[0] for key in m if "/" in key}
+    assert {"generators", "learner", "buffer"} <= prefixes and not {p for p in prefixes if f"{p}s" in prefixes}
+    assert m["generators/preemptions"] == 0 and m["generators/prefix_cache_hit_frac"] == 0.0
 
 
 def test_staleness_ignores_episodes_that_sampled_no_token():

@@ -62,6 +62,15 @@ def test_the_row_a_live_run_is_writing_is_left_out(tmp_path):
     assert [r["step"] for r in read_rows(path)] == [0]
 
 
+def test_an_older_runs_rows_are_read_under_todays_names(tmp_path):
+    """Rows written before the engines' counters moved from `generator/` to `generators/` (2026-11-29)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps(row(1, **{"generator/preemptions": 3, "generator/prefix_cache_hit_frac": 0.5})) + "\n")
+    (read,) = read_rows(path)
+    assert (read["generators/preemptions"], read["generators/prefix_cache_hit_frac"]) == (3, 0.5)
+    assert not any(key.startswith("generator/") for key in read)
+
+
 @pytest.mark.parametrize("breakage,named", [
     (lambda run: (run / "metrics.jsonl").unlink(), "metrics.jsonl: no such file"),
     (lambda run: (run / "metrics.jsonl").write_text(""), "metrics.jsonl: no steps logged"),

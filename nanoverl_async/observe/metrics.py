@@ -77,9 +77,9 @@ def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, ste
         "episodes/length_mean": float(np.mean([len(t.token_ids) for t in trajectories])),
         # the engine's prefix cache: the share of the batch's prefilled context tokens served from cached
         # blocks (a group's shared prompt, an episode's earlier turns), and rows preempted for KV memory
-        "generator/prefix_cache_hit_frac": engine_total(trajectories, "cached_tokens")
+        "generators/prefix_cache_hit_frac": engine_total(trajectories, "cached_tokens")
         / max(1, engine_total(trajectories, "prefill_tokens")),
-        "generator/preemptions": engine_total(trajectories, "preemptions"),
+        "generators/preemptions": engine_total(trajectories, "preemptions"),
         "episodes/generated_tokens_mean": float(np.mean([t.num_generated for t in trajectories])),
         "batch/tied_groups_frac": tied_groups_fraction(trajectories),
         # which prompts this step trained on: a resumed run never trains on one twice (tests/test_cli_run.py)
@@ -259,6 +259,17 @@ class MetricsLogger:
 
     def close(self) -> None:
         self.closing.close()
+
+
+# Keys that rows written before 2026-11-29 spelled otherwise (one prefix per role since): `current_rows` reads them.
+RENAMED = {"generator/prefix_cache_hit_frac": "generators/prefix_cache_hit_frac",
+           "generator/preemptions": "generators/preemptions"}
+
+
+def current_rows(rows: list[dict]) -> list[dict]:
+    """A run's metrics.jsonl rows as this version writes them, whichever version wrote them: every reader of a
+    run's rows (plot, simulate) goes through here."""
+    return [{RENAMED.get(key, key): value for key, value in row.items()} for row in rows]
 
 
 def _open_rows(path: Path, start_step: int):

@@ -36,6 +36,7 @@ from matplotlib.ticker import MaxNLocator
 from nanoverl_async.checkpoint import changed_keys, claim
 from nanoverl_async.config import ConfigError
 from nanoverl_async.config_file import read_yaml
+from nanoverl_async.observe.metrics import current_rows
 
 # keys that say where and how a run was started, not what it trained: they never label a run
 UNLABELLED_KEYS = {"run.output_dir", "run.resume", "run.overwrite", "run.progress"}
@@ -78,7 +79,8 @@ def run_file(path: Path) -> Path:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """metrics.jsonl's rows; a ConfigError naming the file when it is missing, empty or not JSON rows."""
+    """metrics.jsonl's rows as written now (metrics.current_rows); a ConfigError naming the file when it is
+    missing, empty or not JSON rows."""
     rows = []
     for number, line in enumerate(run_file(path).read_text().splitlines(keepends=True), 1):
         if not line.strip() or not line.endswith("\n"):  # blank, or the row a live run is still writing
@@ -92,7 +94,7 @@ def read_rows(path: Path) -> list[dict]:
         rows.append(row)
     if not rows:
         raise ConfigError(f"{path}: no steps logged (the file is empty)")
-    return rows
+    return current_rows(rows)  # an older run's rows as written now
 
 
 def run_labels(configs: list[dict], names: list[str]) -> list[str]:
