@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import zmq
 
-from nanoverl_async.buffer.generator_time import GatedClock, WorkShares
+from nanoverl_async.buffer.generator_time import GatedClock, TokenRate, WorkShares
 from nanoverl_async.buffer.service import BufferService, parse_request
 from nanoverl_async.agents.data import prompt_source
 from nanoverl_async.agents import multiply_task
@@ -275,6 +275,37 @@ def test_work_shares_are_each_windows_reported_milliseconds_over_the_clocks_own(
     shares.observe(0, {"clock_ms": 3010, "busy_ms": 1511, "tool_wait_ms": 1000})  # 11 ms of 10: rounding, at most 1
     assert shares.fractions() == {"generators_busy_frac": 1.0, "generators_tool_wait_frac": 0.0}
     assert shares.fractions() == {"generators_busy_frac": 0.0, "generators_tool_wait_frac": 0.0}
+
+
+def test_the_token_rate_spans_the_latest_windows_so_a_window_without_arrivals_is_not_0():
+    rate = TokenRate(windows=3)
+    assert rate.rate(now=1.0) == 0.0  # no lease yet: nothing was generated, over no time
+    rate.start(now=2.0)  # the first lease: the window starts here
+    rate.start(now=2.5)  # (later leases change nothing)
+    rate.tokens += 300
+    assert rate.rate(now=5.0) == 100.0  # 300 tokens over 2..5
+    assert rate.rate(now=6.0) == 75.0  # a window with none: 300 over 2..6, not 0
+    rate.tokens += 100
+    assert rate.rate(now=8.0) == pytest.approx(400 / 6)  # 2..8: three windows
+    assert rate.rate(now=9.0) == 100 / 4  # the oldest window left: 5..9
+    assert rate.rate(now=10.0) == 100 / 4  # 6..10
+    assert rate.rate(now=11.0) == 0.0  # three windows without a token: 0, truly
+
+
+def test_a_batch_that_was_ready_at_once_reports_the_rate_generation_delivered(make_service):
+    """The live line's `0 tok/s`: two groups done before the first batch, so the second batch's window received
+    no token while the generators went on."""
+    service, client = make_service(B=1, G=1, eta=1, replicas=1)
+    for lease in client.lease(version=0, max_groups=2, generator_id=0):
+        client.push.send(encode(make_trajectory(lease, 0, [0, 0, 0])))
+    wait_for(service, lambda s: s["completed"] == 2)
+    first = service.next_batch(0, timeout_s=5).stats
+    batch = service.next_batch(1, timeout_s=5)
+    second = batch.stats
+    assert first["tokens_generated"] == 6 and second["tokens_generated"] == 0
+    assert 0 < second["tokens_per_s"] <= first["tokens_per_s"]  # the same 6 tokens, over both windows
+    logged = step_metrics(1, 1, batch, {}, step_seconds=0.01, samples_trained=2)
+    assert logged["tokens/generated_per_s"] == second["tokens_per_s"] and "buffer/tokens_per_s" not in logged
 
 
 def test_a_generators_clock_reaches_the_batch_stats(make_service):

@@ -22,7 +22,7 @@ def trajectory(version: int, reward: float, tool_calls: int) -> Trajectory:
 
 # the service's counters of a batch when nothing was dropped and the generators' clocks reported nothing
 QUIET_COUNTERS = {"dropped_stale": 0, "generators_gated_frac": 0.0, "generators_busy_frac": 0.0,
-                  "generators_tool_wait_frac": 0.0}
+                  "generators_tool_wait_frac": 0.0, "tokens_per_s": 0.0}
 
 
 def make_batch(step: int, trajectories: list[Trajectory], **counters) -> Batch:
@@ -33,8 +33,9 @@ def make_batch(step: int, trajectories: list[Trajectory], **counters) -> Batch:
 
 def test_step_metrics_keys_and_values(tmp_path):
     batch = make_batch(5, [trajectory(5, 1.0, 1), trajectory(3, 0.0, 0), trajectory(4, 1.0, 1), trajectory(4, 0.0, 0)],
-                       generator_versions={0: 4, 1: 5}, tokens_generated=120, dropped_stale=2, wait_s=0.25,
-                       generators_gated_frac=0.125, generators_busy_frac=0.625, generators_tool_wait_frac=0.25)
+                       generator_versions={0: 4, 1: 5}, tokens_generated=120, tokens_per_s=60.0, dropped_stale=2,
+                       wait_s=0.25, generators_gated_frac=0.125, generators_busy_frac=0.625,
+                       generators_tool_wait_frac=0.25)
     m = step_metrics(5, 2, batch, {"loss": 0.1, "grad_norm": 0.5}, step_seconds=2.0, samples_trained=24)
     assert m["step"] == 5 and m["reward/mean"] == 0.5 and m["reward/std"] == 0.5
     assert m["staleness/max"] == 2 and m["staleness/mean"] == 1.0 and m["staleness/limit"] == 2

@@ -50,7 +50,7 @@ import zmq
 
 from nanoverl_async.wire import trajectory as wire
 from nanoverl_async.buffer.gate import AdmissionGate
-from nanoverl_async.buffer.generator_time import GatedClock, WorkShares
+from nanoverl_async.buffer.generator_time import GatedClock, TokenRate, WorkShares
 from nanoverl_async.buffer.replay import ADDED, COMPLETED, FILTERED, Group, ReplayBuffer
 from nanoverl_async.config import BufferConfig, GeneratorConfig
 from nanoverl_async.observe.trace import SpanLog
@@ -65,6 +65,7 @@ STATE_FORMAT = 2  # buffer.msgpack's layout (state_bytes); bump when it changes 
 # A trajectory's bytes per token, at most: 13 in its arrays, and the text of its kept messages (a token is a
 # few bytes of text, the longest in common vocabularies a few hundred). Bounds what the PULL socket takes in.
 TRAJECTORY_BYTES_PER_TOKEN = 1024
+TOKEN_RATE_WINDOWS = 5  # windows between batches that tokens/generated_per_s is measured over (TokenRate)
 
 
 class OversizedLease(ValueError):
@@ -136,7 +137,7 @@ class BufferService:
                                  weights_refetched=0)
         self._generator_versions: dict[int, int] = {}
         self._refetches: dict[int, int] = {}  # generator -> the weights_refetched it last reported
-        self._tokens_since_batch = 0
+        self._tokens = TokenRate(TOKEN_RATE_WINDOWS)  # sampled tokens received, per window between batches
         self._gated = GatedClock(time.monotonic())
         self._work = WorkShares()
         self.trace = SpanLog(trace)
@@ -179,7 +180,7 @@ class BufferService:
                     stats = {**batch_stats(step, groups), **self.stats(), "wait_s": now - start,
                              "generators_gated_frac": self._gated.fraction(now, self.generators.replicas),
                              **self._work.fractions()}
-                    self._tokens_since_batch = 0
+                    stats["tokens_per_s"] = self._tokens.rate(now)  # after stats(): it ends the window's count
                     return Batch([t for g in groups for t in g.trajectories], stats)
                 if self._stop.is_set():
                     raise RuntimeError(f"buffer service closed while step {step} waited for a batch")
@@ -204,7 +205,7 @@ class BufferService:
                 "groups_ready": len(self.replay.ready),
                 "groups_started": self.gate.groups_started,
                 "generator_versions": dict(self._generator_versions),
-                "tokens_generated": self._tokens_since_batch,
+                "tokens_generated": self._tokens.tokens,
             }
 
     def publishing(self, version: int) -> None:
@@ -287,7 +288,7 @@ class BufferService:
             log.warning("buffer: dropped a malformed trajectory message (%d bytes): %s", len(message), error)
             return
         with self._cond:
-            self._tokens_since_batch += trajectory.num_generated
+            self._tokens.tokens += trajectory.num_generated
             outcome = self.replay.add(trajectory)
             if outcome == COMPLETED:
                 self.gate.complete(trajectory.group_id)
@@ -317,6 +318,7 @@ class BufferService:
                 self._refetches[generator_id] = refetched
                 return msgpack.packb({"ok": True}, use_bin_type=True)
             now = time.monotonic()
+            self._tokens.start(now)
             self._work.observe(generator_id, request)
             room = self.generators.max_groups_in_flight - self.gate.in_flight(generator_id)
             leases = self.gate.lease(request["version"], max(0, min(request["max_groups"], room)), now, generator_id)

@@ -39,6 +39,7 @@ BUFFER_STAT_KEYS = {
     "generators_gated_frac": "generators/gated_frac",  # share of generator time the gate refused new groups
     "generators_busy_frac": "generators/busy_frac",  # share of generator time the engine computed
     "generators_tool_wait_frac": "generators/tool_wait_frac",  # ... episodes in flight, all waiting on tools
+    "tokens_per_s": "tokens/generated_per_s",  # received over the latest windows between batches (TokenRate)
 }
 
 
@@ -62,7 +63,6 @@ def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, ste
         "staleness/limit": staleness_limit,
         "samples/trained": samples_trained,
         "time/step_s": step_seconds,  # wall time from the end of the previous step: wait + train + publish
-        "tokens/generated_per_s": stats.get("tokens_generated", 0) / max(step_seconds, 1e-9),
         "samples/per_s": len(trajectories) / max(step_seconds, 1e-9),
         "weights/version_lag_max": (step - min(generator_versions.values())) if generator_versions else 0,
         "episodes/tool_use_frac": float(np.mean([t.tool_calls > 0 for t in trajectories])),
