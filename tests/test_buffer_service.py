@@ -109,7 +109,7 @@ def test_batches_counters_and_bad_input(make_service):
     client.push.send(encode(make_trajectory({"group_id": 999, "prompt_index": 0}, 0, [0])))  # straggler
     wait_for(service, lambda s: s["dropped_stragglers"] == 1)
 
-    batch = service.next_batch(step=1, timeout_s=5.0)
+    batch = service.next_batch(version=1, timeout_s=5.0)
     assert [(t.group_id, t.sample_index) for t in batch.trajectories] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     stats = batch.stats
     assert stats["staleness_hist"] == {1: 4} and stats["staleness_token_hist"] == {1: 8}
@@ -122,8 +122,8 @@ def test_batches_counters_and_bad_input(make_service):
     assert stats["turns_mean"] == 2.0 and stats["tool_calls_mean"] == 1.0 and stats["reward_mean"] == 0.5
     assert stats["consumed"] == 2 and stats["leased"] == 4
 
-    with pytest.raises(TimeoutError, match=r"step 2 .*0 ready, 2 in flight"):
-        service.next_batch(step=2, timeout_s=0.2)
+    with pytest.raises(TimeoutError, match=r"step 3 .*version >= 1; 0 ready, 2 in flight"):  # the update of v2
+        service.next_batch(version=2, timeout_s=0.2)
     assert service.stats()["tokens_generated"] == 0
     started = time.monotonic()
     service.close()
@@ -136,7 +136,7 @@ def test_stale_group_is_dropped_and_its_prompt_reissued(make_service):
     client.push.send(encode(make_trajectory(lease, 0, [0])))
     wait_for(service, lambda s: s["groups_ready"] == 1)
     with pytest.raises(TimeoutError):
-        service.next_batch(step=1, timeout_s=0.1)  # version 0 is too old for step 1 with eta = 0
+        service.next_batch(version=1, timeout_s=0.1)  # version 0 is too old to update version 1 with eta = 0
     stats = service.stats()
     assert stats["dropped_stale"] == 1 and stats["released"] == 1 and stats["reissued"] == 1
     assert stats["groups_started"] == 0 and stats["groups_ready"] == 0
@@ -144,7 +144,7 @@ def test_stale_group_is_dropped_and_its_prompt_reissued(make_service):
     (again,) = client.lease(version=1, max_groups=1)
     assert again["prompt_index"] == lease["prompt_index"] and again["group_id"] != lease["group_id"]
     client.push.send(encode(make_trajectory(again, 0, [1])))
-    assert service.next_batch(step=1, timeout_s=5.0).trajectories[0].group_id == again["group_id"]
+    assert service.next_batch(version=1, timeout_s=5.0).trajectories[0].group_id == again["group_id"]
 
 
 def test_a_batch_holds_the_oldest_versions_whatever_completed_first(make_service):
@@ -162,7 +162,7 @@ def test_a_batch_holds_the_oldest_versions_whatever_completed_first(make_service
     for group_id, versions in ((0, [2, 2]), (3, [1]), (2, [1, 2]), (1, [1, 1])):  # the order they complete in
         client.push.send(encode(make_trajectory(leases[group_id], 0, versions)))
     wait_for(service, lambda s: s["groups_ready"] == 4)
-    batches = [service.next_batch(step=2, timeout_s=5.0) for _ in range(2)]
+    batches = [service.next_batch(version=2, timeout_s=5.0) for _ in range(2)]
     assert [[t.group_id for t in batch.trajectories] for batch in batches] == [[2, 3], [1, 0]]
     assert [batch.stats["staleness_hist"] for batch in batches] == [{1: 2}, {1: 1, 0: 1}]
 
@@ -188,7 +188,7 @@ def test_a_filtered_group_gives_its_slot_back_and_its_prompt_is_never_reissued(m
         trajectory = make_trajectory(kept, sample_index, [0])
         trajectory.reward = reward
         client.push.send(encode(trajectory))
-    batch = service.next_batch(step=0, timeout_s=5.0)
+    batch = service.next_batch(version=0, timeout_s=5.0)
     assert [t.prompt_index for t in batch.trajectories] == [1, 1, 1] and batch.stats["dropped_filtered"] == 1
     assert batch.stats["dropped_stragglers"] == 1
     service.publishing(1)
@@ -341,13 +341,13 @@ def test_trajectories_the_run_cannot_have_produced_are_malformed(make_service):
     assert service.stats()["groups_ready"] == 0
     for sample_index in (0, 1):  # the run goes on: the group completes with honest trajectories
         client.push.send(encode(make_trajectory(lease, sample_index, [0, 0])))
-    batch = service.next_batch(step=0, timeout_s=5.0)
+    batch = service.next_batch(version=0, timeout_s=5.0)
     assert batch.stats["staleness_hist"] == {0: 2} and batch.stats["malformed"] == 3
     service.publishing(1)  # once published, version 1 is honest
     (lease,) = client.lease(version=1, max_groups=1)
     for sample_index in (0, 1):
         client.push.send(encode(make_trajectory(lease, sample_index, [1, 1])))
-    assert service.next_batch(step=1, timeout_s=5.0).stats["malformed"] == 3
+    assert service.next_batch(version=1, timeout_s=5.0).stats["malformed"] == 3
 
 
 def test_a_group_takes_each_trajectory_id_once(make_service):
@@ -406,7 +406,7 @@ def test_trajectory_bounds_hold_at_their_exact_edges(make_service):
     assert service.stats()["too_long"] == 1 and service.stats()["tokens_generated"] == 0
     for good in (longest, last_id, make_trajectory(lease, 2, [1, 1])):
         client.push.send(encode(good))
-    batch = service.next_batch(step=1, timeout_s=5.0)
+    batch = service.next_batch(version=1, timeout_s=5.0)
     assert [len(t.token_ids) for t in batch.trajectories] == [7, 4, 5]
     metrics = step_metrics(1, 0, batch, {}, 1.0, 3)
     assert metrics["buffer/too_long"] == 1 and metrics["buffer/malformed"] == 3

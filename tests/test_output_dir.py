@@ -100,7 +100,7 @@ def died_after_step_2(out: Path) -> None:
     with pytest.raises(RayWouldStart):
         launcher.launch(config(out))
     logger = MetricsLogger(out, 4, progress=False)
-    logger.file.write('{"step": 0}\n{"step": 1}\n')
+    logger.file.write('{"step": 1}\n{"step": 2}\n')
     logger.close()
     folder = checkpoint.begin(str(out), 2)
     (folder / "learner").mkdir()
@@ -163,14 +163,14 @@ def test_the_metrics_writer_refuses_a_symlinked_file(tmp_path):
     """The writer's own check, for a link made after the launch checked the folder: no row reaches the target."""
     out, outside = tmp_path / "out", tmp_path / "outside.jsonl"
     died_after_step_2(out)
-    outside.write_bytes(b'{"step": 0}\n{"step": 7}\n')
+    outside.write_bytes(b'{"step": 1}\n{"step": 7}\n')
     (out / "metrics.jsonl").unlink()
     (out / "metrics.jsonl").symlink_to(outside)
     with pytest.raises(checkpoint.ConfigError) as raised:
         MetricsLogger(out, 4, progress=False, start_step=2)
     assert str(raised.value) == (f"config key 'run.output_dir': {out / 'metrics.jsonl'} is a symbolic link, which no "
                                  f"run writes; nothing was changed: move it away or choose another run.output_dir")
-    assert outside.read_bytes() == b'{"step": 0}\n{"step": 7}\n'
+    assert outside.read_bytes() == b'{"step": 1}\n{"step": 7}\n'
 
 
 @pytest.fixture
