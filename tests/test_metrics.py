@@ -155,6 +155,16 @@ def test_the_run_summary_averages_the_first_and_last_steps_rewards(tmp_path):
         assert lines[2] == f"  samples:     {tmp_path}/samples.jsonl (3 episodes a step)"
 
 
+def test_the_summary_gives_the_held_out_score_first_last_and_best(tmp_path):
+    rows = [summary_row(step, 0.5) for step in range(1, 7)]
+    for step, score in ((2, 0.3), (4, 0.75), (6, 0.625)):  # run.eval_every=2
+        rows[step - 1]["eval/reward_mean"] = score
+    lines = run_summary(rows, tmp_path, tmp_path / "final", log_samples=0).splitlines()
+    assert lines[1] == ("  eval:        eval/reward_mean 0.300 (step 2) -> 0.625 (step 6), best 0.750 (step 4); "
+                        "3 evaluations on data.val_files")
+    assert not any("eval" in line for line in run_summary(rows[:1], tmp_path, tmp_path, 0).splitlines())
+
+
 def test_the_logger_summarises_a_resumed_runs_earlier_steps_too(tmp_path):
     """MetricsLogger.summary reads metrics.jsonl: a run resumed from step_2 counts the earlier run's steps 1-2,
     not the row of step 3 that the earlier run logged after its checkpoint, and tells this launch's steps apart."""

@@ -76,6 +76,20 @@ def test_an_older_runs_rows_are_read_as_written_now(tmp_path):
         assert [r["step"] for r in read_rows(path)] == now
 
 
+def test_the_held_out_score_is_dashed_on_the_reward_panels_where_it_was_taken(tmp_path):
+    evaluated = {2: 0.5, 4: 0.75}  # run.eval_every=2
+    run = write_run(tmp_path / "run", [row(step, **({"eval/reward_mean": evaluated[step]} if step in evaluated else {}))
+                                       for step in (1, 2, 3, 4)])
+    plain = write_run(tmp_path / "plain", [row(step) for step in (1, 2)])
+    axes = {ax.get_title(): ax for ax in draw([read_run(run), read_run(plain)]).axes if ax.get_title()}
+    for title, xs in (("reward vs step", [2, 4]), ("reward vs wall clock", [4.0, 8.0])):  # time/step_s is 2 s
+        trained, held_out, other = axes[title].get_lines()  # the plain run has no dashed line
+        assert (held_out.get_linestyle(), held_out.get_color()) == ("--", trained.get_color())
+        assert held_out.get_xdata().tolist() == xs and held_out.get_ydata().tolist() == [0.5, 0.75]
+        assert axes[title].get_ylabel() == "reward/mean, eval/reward_mean (dashed)"
+    assert axes["generators gated"].get_ylabel() == "generators/gated_frac"
+
+
 @pytest.mark.parametrize("breakage,named", [
     (lambda run: (run / "metrics.jsonl").unlink(), "metrics.jsonl: no such file"),
     (lambda run: (run / "metrics.jsonl").write_text(""), "metrics.jsonl: no steps logged"),

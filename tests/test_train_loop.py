@@ -1,6 +1,6 @@
 """The controller's loop (launcher.train) as a reader of a run sees it, on roles faked in this process (no Ray, no
 model): one numbering of steps everywhere a step is read, from 1, the step that publishes version N being step N on
-the console, in metrics.jsonl and in the checkpoint it saves.
+the console, in metrics.jsonl and in the checkpoint it saves; the held-out score on the console where it was taken.
 Run alone: `python -m pytest tests/test_train_loop.py -q`.
 """
 
@@ -75,3 +75,11 @@ def test_a_resumed_loop_goes_on_with_the_step_after_its_checkpoint(tmp_path, mon
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and roles.published == saved == [3, 4]
     assert [line.split()[1] for line in capsys.readouterr().out.splitlines()] == ["3/4", "4/4"]
     assert rows[2]["samples/trained"] == 6
+
+
+def test_the_steps_that_evaluated_show_their_score_on_the_console(tmp_path, monkeypatch, capsys):
+    roles, rows, _ = run(tmp_path, monkeypatch, 0, "run.eval_every=2", "data.val_files=[unread.jsonl]")
+    assert roles.evaluated == [2, 4] and [r.get("eval/reward_mean") for r in rows] == [None, 0.2, None, 0.4]
+    lines = capsys.readouterr().out.splitlines()
+    assert ["eval/reward_mean" in line for line in lines] == [False, True, False, True]
+    assert "  eval/reward_mean 0.200  " in lines[1] and "  eval/reward_mean 0.400  " in lines[3]

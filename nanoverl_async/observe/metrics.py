@@ -137,22 +137,23 @@ def tied_groups_fraction(trajectories: list) -> float:
 
 
 SUMMARY_WINDOW = 5  # steps averaged at each end for the summary's reward first -> last (fewer in a short run)
+EVAL_KEY = "eval/reward_mean"  # the held-out score (generators/worker.py evaluate), shown where a step has it
 
 
 def run_summary(rows: list[dict], output_dir: Path, final: Path, log_samples: int,
                 predicted: Optional[dict[str, float]] = None, start_step: int = 0) -> str:
     """The lines a run ends with, from its metrics.jsonl rows (every step once, a resumed run's earlier ones
-    included): the steps this launch trained (after `start_step`, its checkpoint's) and the run's, reward/mean
-    averaged over the first and the last few steps, samples trained per second of step time (time/step_s:
-    waiting for the batch, training, publishing), the learner's peak memory beside its start-up prediction
-    (`predicted`: GB by memory/* key), where the model, samples and plot are."""
+    included): the steps this launch trained (after `start_step`, its checkpoint's) and the run's, samples trained
+    per second of step time (time/step_s: waiting for the batch, training, publishing), reward/mean averaged over
+    the first and the last few steps, the held-out score (`eval_line`), the learner's peak memory beside its
+    start-up prediction (`predicted`: GB by memory/* key), where the model, samples and plot are."""
     window = max(1, min(SUMMARY_WINDOW, len(rows) // 3))
     first, last = (float(np.mean([r["reward/mean"] for r in part])) for part in (rows[:window], rows[-window:]))
     samples = (f"{output_dir / 'samples.jsonl'} ({log_samples} episodes a step)" if log_samples
                else "not kept (run.log_samples=N keeps N episodes a step)")
     return "\n".join([
         f"done: {steps_done(rows, start_step)}; reward {first:.3f} -> {last:.3f} (mean of the first and the last "
-        f"{window} step(s))", *memory_line(rows, predicted or {}), f"  final model: {final}",
+        f"{window} step(s))", *eval_line(rows), *memory_line(rows, predicted or {}), f"  final model: {final}",
         f"  samples:     {samples}",
         f"  metrics:     {output_dir / 'metrics.jsonl'}; plot them: nanoverl-async plot {output_dir}"])
 
@@ -168,6 +169,18 @@ def steps_done(rows: list[dict], start_step: int) -> str:
     this = (f"steps {start_step + 1}-{rows[-1]['step']} in this launch ({len(launched)} steps, "
             f"{sum(r['time/step_s'] for r in launched):.0f} s)" if launched else "no step in this launch")
     return f"{this}; all {len(rows)} steps of metrics.jsonl in {run}"
+
+
+def eval_line(rows: list[dict]) -> list[str]:
+    """One line, the held-out score (run.eval_every) at the first and the last evaluation and at its best; none
+    without evaluations."""
+    evals = [row for row in rows if EVAL_KEY in row]
+    if not evals:
+        return []
+    first, last, best = evals[0], evals[-1], max(evals, key=lambda row: row[EVAL_KEY])
+    return [f"  eval:        {EVAL_KEY} {first[EVAL_KEY]:.3f} (step {first['step']}) -> {last[EVAL_KEY]:.3f} (step "
+            f"{last['step']}), best {best[EVAL_KEY]:.3f} (step {best['step']}); {len(evals)} evaluations on "
+            f"data.val_files"]
 
 
 def memory_line(rows: list[dict], predicted: dict[str, float]) -> list[str]:
@@ -265,7 +278,8 @@ class MetricsLogger:
         info = (f"reward {m['reward/mean']:.3f}  tools {m['episodes/tool_use_frac']:.2f}  "
                 f"tool_err {m['episodes/tool_errors']}/{m['episodes/tool_calls']}  "
                 f"staleness {m['staleness/mean']:.2f}/{m['staleness/max']}<={m['staleness/limit']}  "
-                f"{m['samples/per_s']:.0f} samples/s  {m['tokens/generated_per_s']:.0f} tok/s")
+                f"{m['samples/per_s']:.0f} samples/s  {m['tokens/generated_per_s']:.0f} tok/s"
+                + (f"  {EVAL_KEY} {m[EVAL_KEY]:.3f}" if EVAL_KEY in m else ""))  # run.eval_every's steps
         if self.bar is not None:
             self.bar.update(self.bar_task, completed=m["step"], info=info)
         else:
