@@ -10,7 +10,7 @@ only `run.resume=auto`. The launcher is SIGKILLed:
   3. and 4. at a random step between two checkpoints;
   5. after the last checkpoint is committed, before `final/` is written;
 then it is resumed until it finishes. Printed as one table: kills, the processes of the run still alive
-KILL_GRACE_S after each kill, launches, and the checks: every step 0..steps-1 logged exactly once, every
+KILL_GRACE_S after each kill, launches, and the checks: every step 1..steps logged exactly once, every
 prompt trained in exactly one step, the final model loads with `AutoModelForCausalLM.from_pretrained`.
 """
 
@@ -105,8 +105,8 @@ def main() -> None:
     def step_logged(step: int):
         return lambda: step in logged_steps(out)
 
-    # step s is saved as version s + 1: kill after steps that are not followed by a save
-    between = sorted(rng.sample([s for s in range(args.save_every, last_save - 1) if (s + 1) % args.save_every], 2))
+    # step N is saved as step_N every save_every steps: kill after steps that are not followed by a save
+    between = sorted(rng.sample([s for s in range(args.save_every + 1, last_save) if s % args.save_every], 2))
     moments = [("after step 1, before any checkpoint", step_logged(1)),
                ("during a checkpoint write", in_progress_save),
                (f"at step {between[0]}", step_logged(between[0])),
@@ -142,13 +142,13 @@ def main() -> None:
     table.add_column("result")
     for what, result in report:
         table.add_row(f"kill {what}", result)
-    table.add_row("every step logged exactly once", f"{steps == list(range(args.steps))} ({len(steps)} rows)")
+    table.add_row("every step logged exactly once", f"{steps == list(range(1, args.steps + 1))} ({len(steps)} rows)")
     table.add_row("every prompt trained in exactly one step",
                   f"{len(prompts) == len(set(prompts))} ({len(set(prompts))} distinct prompts)")
     table.add_row("final model loads", f"True ({sum(p.numel() for p in model.parameters()):,} parameters)")
     table.add_row(f"no process outlives the launcher by {KILL_GRACE_S:.0f} s", f"{outlived == 0} ({outlived} did)")
     Console(width=160).print(table)
-    if steps != list(range(args.steps)) or len(prompts) != len(set(prompts)) or outlived:
+    if steps != list(range(1, args.steps + 1)) or len(prompts) != len(set(prompts)) or outlived:
         raise SystemExit(1)
 
 

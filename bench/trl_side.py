@@ -215,7 +215,7 @@ def main(argv=None) -> int:
                 self.t0 = time.perf_counter()
 
         def on_step_end(self, targs, state, control, **kwargs):
-            rows.append({"step": state.global_step - 1, "wall_s": time.perf_counter() - self.t0,
+            rows.append({"step": state.global_step, "wall_s": time.perf_counter() - self.t0,
                          "reward_mean": sum(step_rewards) / max(1, len(step_rewards)), "samples": len(step_rewards)})
             step_rewards.clear()
 

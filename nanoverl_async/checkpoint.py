@@ -17,13 +17,14 @@ so a run is done only when a complete final/ exists.
 
 Only the run's own files: a run marks the folder it creates or claims with MARKER (a run id and the
 top-level entries the run created, each listed by `claim` before it is first written; what is inside a
-listed directory is the run's). `run.overwrite`, and `run.resume=auto` in a folder whose run died before
-its first checkpoint, delete only listed entries (refusing a checkpoints/ that holds what no save writes).
-A non-empty folder without the marker (a user's, or a run's from a version before markers) is refused
-whatever the flags, as is an entry the marker does not list or a symbolic link (a run writes none, so no
-write follows one out of the folder); nothing is changed then. A folder that cannot be written is refused
-before anything starts (`check_output_dir`), and a failed write on a full or read-only disk ends the run
-naming the path (`writing`).
+listed directory is the run's). `run.overwrite`, `run.resume=auto` in a folder whose run died before its
+first checkpoint, and any fresh launch in a folder whose run finished no step (it died starting) delete only
+listed entries, saying so in a line (refusing a checkpoints/ that holds what no save writes). A non-empty
+folder without the marker (a user's, or a run's from a version before markers) is refused whatever the flags,
+as is an entry the marker does not list or a symbolic link (a run writes none, so no write follows one out of
+the folder); nothing is changed then. These refusals, and a folder that cannot be written, come before anything
+starts (`inspect_output_dir`, which the CLI calls before Ray starts), and a failed write on a full or read-only
+disk ends the run naming the path (`writing`).
 
 Not saved: the generators' partial episodes (docs/design.md "Checkpoints and resume"): a resumed
 buffer re-issues every prompt that was in flight, and the generators sample it again from the restored
@@ -46,7 +47,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from nanoverl_async.config import Config, ConfigError, RunConfig, to_dict
 
@@ -102,13 +103,20 @@ def check_output_dir(output_dir: str) -> None:
                           f"{error.strerror or error}); choose another run.output_dir") from None
 
 
-def open_output_dir(cfg: Config) -> Optional[Path]:
-    """Make run.output_dir ready, marked as this run's, and return the checkpoint to resume from (None: a
-    fresh run), losing no earlier run and no file of the user's: a folder without MARKER, or holding an
-    entry it does not list, is refused; a fresh run refuses a run's folder unless run.overwrite clears it,
-    or run.resume=auto finds a run that died before its first checkpoint (then it starts afresh); either
-    deletes only the listed entries. A resume refuses a checkpoint of another lineage (LINEAGE_KEYS) or of a
-    finished run."""
+class OutputDir(NamedTuple):
+    """What a launch will do with run.output_dir (`inspect_output_dir`)."""
+    resume_from: Optional[Path]  # the checkpoint to resume from; None: a fresh run
+    marker: Optional[dict]  # the folder's MARKER; None: no run's folder yet (missing or empty)
+    clearing: Optional[str]  # the line saying why the run found there is cleared for this one; None: not cleared
+
+
+def inspect_output_dir(cfg: Config) -> OutputDir:
+    """What launching `cfg` will do with run.output_dir, changing nothing; every refusal is a ConfigError here, so
+    the CLI refuses before Ray starts and `launch` before it builds anything. Refused, losing no earlier run and
+    no file of the user's: a folder without MARKER, or holding an entry it does not list; a run's folder for a
+    fresh run, unless run.overwrite clears it, run.resume=auto finds a run that died before its first checkpoint,
+    or the run there finished no step (`finished_a_step`: it died starting); a checkpoint of another lineage
+    (LINEAGE_KEYS) or of a finished run."""
     out = Path(cfg.run.output_dir)
     check_output_dir(cfg.run.output_dir)
     resume_from = find_checkpoint(cfg.run)
@@ -120,18 +128,41 @@ def open_output_dir(cfg: Config) -> Optional[Path]:
     for name in present:
         refuse_foreign(out / name, marker["entries"])
     if resume_from is None and present:
-        died_early = cfg.run.resume == "auto" and not is_final(out / FINAL)
-        if not (cfg.run.overwrite or died_early):
+        if cfg.run.overwrite:
+            clearing = f"run.overwrite=true: clearing the run in {out}"
+        elif cfg.run.resume == "auto" and not is_final(out / FINAL):
+            clearing = f"run.resume=auto: no complete checkpoint in {out}; starting a fresh run"
+        elif not finished_a_step(out):
+            clearing = f"{out}: the run there finished no step (no metrics row, no checkpoint); starting afresh"
+        else:
             hint = "" if cfg.run.resume else "run.resume=auto to continue it, "
             raise ConfigError(f"config key 'run.output_dir': '{out}' already holds a run and no checkpoint is "
                               f"resumed; set {hint}a new run.output_dir, or run.overwrite=true to clear it")
-        clear_run(out, marker["entries"])
-        if died_early:
-            print(f"run.resume=auto: no complete checkpoint in {out}; starting a fresh run", file=sys.stderr)
-    if resume_from is None or marker is None:  # a new run: its mark comes before any file of it
+        refuse_foreign_saves(out, marker["entries"])
+        return OutputDir(None, marker, clearing)
+    return OutputDir(resume_from, marker, None)
+
+
+def finished_a_step(out: Path) -> bool:
+    """Whether the run in `out` finished a step: a metrics.jsonl with anything in it (observe/metrics.py writes the
+    file empty at the start and a row at the end of each step; a torn row counts), a checkpoint, or final/."""
+    metrics = out / "metrics.jsonl"
+    saves = checkpoints_dir(str(out))
+    return ((metrics.is_file() and metrics.stat().st_size > 0) or is_final(out / FINAL)
+            or (saves.is_dir() and any(is_checkpoint(p) for p in saves.iterdir())))
+
+
+def open_output_dir(cfg: Config) -> Optional[Path]:
+    """Make run.output_dir ready as `inspect_output_dir` found it, marked as this run's, and return the checkpoint
+    to resume from (None: a fresh run). A run cleared for this one loses only the entries it listed, in one line."""
+    out, found = Path(cfg.run.output_dir), inspect_output_dir(cfg)
+    if found.clearing is not None:
+        clear_run(out, found.marker["entries"])
+        print(found.clearing, file=sys.stderr)
+    if found.resume_from is None or found.marker is None:  # a new run: its mark comes before any file of it
         out.mkdir(parents=True, exist_ok=True)
         write_marker(out, {"run_id": uuid.uuid4().hex, "entries": []})
-    return resume_from
+    return found.resume_from
 
 
 def read_marker(out: Path) -> dict:
@@ -187,9 +218,8 @@ def refuse_foreign(path: Path, listed: Optional[list]) -> None:
                       f"another run.output_dir")
 
 
-def clear_run(out: Path, listed: list) -> None:
-    """Delete the entries the run listed in `out`; if its checkpoints/ holds anything a save does not write,
-    refuse before deleting anything."""
+def refuse_foreign_saves(out: Path, listed: list) -> None:
+    """A ConfigError if the run's checkpoints/ in `out` holds anything a save does not write."""
     saves = out / "checkpoints"
     if "checkpoints" in listed and saves.is_dir():
         foreign = [p for p in sorted(saves.iterdir())
@@ -197,6 +227,12 @@ def clear_run(out: Path, listed: list) -> None:
         if foreign:
             raise ConfigError(f"config key 'run.output_dir': '{out}' holds {foreign[0]}, which no run writes; "
                               f"nothing was deleted: choose another run.output_dir or move it away")
+
+
+def clear_run(out: Path, listed: list) -> None:
+    """Delete the entries the run listed in `out`, after `refuse_foreign_saves` (again: the folder may have changed
+    since it was inspected)."""
+    refuse_foreign_saves(out, listed)
     for entry in (out / name for name in listed):
         shutil.rmtree(entry) if entry.is_dir() else entry.unlink(missing_ok=True)
 

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "replay":
         return replay_run(args.run_dir)
 
+    from nanoverl_async.checkpoint import inspect_output_dir
     from nanoverl_async.runtime.preflight import prepare  # no torch: a config is checked in a fraction of a second
 
     try:  # bad input fails in one line here, before Ray starts
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "validate":
             print(to_yaml(prepared), end="")
             return 0
+        inspect_output_dir(prepared)  # a folder the launch may not use (holding a run, a user's files)
     except ConfigError as error:
         return config_error(error)
 

@@ -9,10 +9,11 @@ classes it runs them in (role_actors.py, learners/pool.py). A role that dies end
 naming it, never a hang: the loop waits on the buffer and on every generator at once, and every wait has
 a timeout.
 
-Checkpoints (run.save_every, run.resume; layout in checkpoint.py): after publishing version t + 1 the
-loop saves the whole async state (learner ranks collectively, the buffer its own file, the controller
-meta.json last). A resumed run loads it into freshly placed roles before any generator leases, publishes
-the restored weights first, and continues at the checkpoint's step.
+Steps count from 1, as everything a user reads does (the console, metrics.jsonl, checkpoints): step N updates
+weights version N - 1 into version N and publishes it. Checkpoints (run.save_every, run.resume; layout in
+checkpoint.py): after publishing version N the loop saves the whole async state as step_N (learner ranks
+collectively, the buffer its own file, the controller meta.json last). A resumed run loads it into freshly placed
+roles before any generator leases, publishes the restored weights first, and continues with step N + 1.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def launch(cfg: Config, started: Optional[float] = None) -> Path:
     start-up counts from (the CLI's process start; default: now), up to the first trained step (time/startup_s)."""
     started = time.time() if started is None else started
     cfg = prepare(cfg)  # files, user code and run.resume checked; user paths made absolute
+    checkpoint.inspect_output_dir(cfg)  # a folder this launch may not use is refused before the model is built
     phase(started, f"model {cfg.model.path}" + (" (built on first use, then cached)" if ":" in cfg.model.path else ""))
     try:  # a missing model, or a tokenizer that drops whitespace, fails here in one line, not in each role
         model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
@@ -69,7 +71,7 @@ def launch(cfg: Config, started: Optional[float] = None) -> Path:
     check_positions(model_path, cfg.agent.max_total_tokens)  # the buffer drops longer trajectories
     predicted = predicted_memory(cfg, model_path, started)  # a builder's model too, before Ray and the roles
     output_dir = Path(cfg.run.output_dir)
-    resume_from = checkpoint.open_output_dir(cfg)  # None: a fresh run (into an empty or overwritten dir)
+    resume_from = checkpoint.open_output_dir(cfg)  # None: a fresh run (into an empty or cleared dir)
     checkpoint.claim(output_dir, "config.yaml").write_text(to_yaml(cfg))
     start = checkpoint.read_meta(resume_from)["step"] if resume_from else 0
     if resume_from:
@@ -130,32 +132,32 @@ def train(cfg: Config, roles: "Roles", logger: MetricsLogger, start: int = 0,
     With `started` (launch's start), the first step logs time/startup_s: seconds from then until it is trained."""
     samples_trained = start * cfg.data.prompts_per_step * cfg.data.samples_per_prompt  # every batch is B x G
     last_step_end = time.monotonic()
-    for step in range(start, cfg.run.total_steps):
-        batch = roles.next_batch(step)  # blocks until B complete groups with step - version <= eta
+    for step in range(start + 1, cfg.run.total_steps + 1):  # step N: weights version N - 1 -> version N
+        batch = roles.next_batch(version=step - 1)  # blocks until B complete groups at most eta versions older
         waited = time.monotonic() - last_step_end
-        if started is not None and step == start:
+        if started is not None and step == start + 1:
             phase(started, f"first batch ready; training step {step}")
         with roles.failures("learner pool"):
-            train_batch = roles.learners.prepare(batch.trajectories)  # proximal logprobs (version `step`), advantages
+            train_batch = roles.learners.prepare(batch.trajectories)  # proximal logprobs (version step - 1), advantages
             prepared = time.monotonic()
             learner_metrics = roles.learners.update(train_batch)  # ppo_epochs x minibatches FSDP2 steps
             trained = time.monotonic()
-            roles.publish_weights(version=step + 1)  # async; generators apply it when ready
+            roles.publish_weights(version=step)  # async; generators apply it when ready
         samples_trained += len(batch.trajectories)
         now = time.monotonic()
         learner_metrics.update({"time/wait_batch_s": waited, "time/train_s": trained - last_step_end - waited,
                                 "time/publish_s": now - trained})  # publish: the gather (+ nccl: the load)
-        if started is not None and step == start:
+        if started is not None and step == start + 1:
             learner_metrics["time/startup_s"] = time.time() - started
-        if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
-            learner_metrics.update(roles.evaluate(step + 1))  # eval/*: data.val_files on generator 0's weights
+        if cfg.run.eval_every and step % cfg.run.eval_every == 0:
+            learner_metrics.update(roles.evaluate(step))  # eval/*: data.val_files on generator 0's weights
         logger.log(step_metrics(step, cfg.staleness.max, batch, learner_metrics, now - last_step_end,
                                 samples_trained), batch.trajectories)  # and run.log_samples episodes
         if trace:  # run.trace: this step's phases and episodes, and what the roles recorded meanwhile
             trace.step(step, batch.trajectories, (last_step_end, last_step_end + waited, prepared, trained, now))
         if cfg.run.record:  # the learner's input stream, for `nanoverl-async replay` (record.py)
             record.write_batch(cfg.run.output_dir, step, batch.trajectories)
-        maybe_checkpoint(cfg, roles, step + 1)  # the state after step `step`: weights version step + 1
+        maybe_checkpoint(cfg, roles, step)  # step_N: the state after N steps, weights version N
         last_step_end = time.monotonic()  # a save's time is not the next step's
 
 
@@ -178,8 +180,11 @@ def maybe_checkpoint(cfg: Config, roles: "Roles", version: int) -> None:
 def announce_resume(cfg: Config, resume_from: Path, started: float) -> None:
     """One line: the checkpoint resumed, and any other settings it resumes with (say a new learning rate:
     allowed, but never silent)."""
-    changed = checkpoint.changed_keys(checkpoint.read_meta(resume_from)["config"], checkpoint.trained_config(cfg))
-    phase(started, f"resuming from {resume_from.name} ({resume_from})"
+    meta = checkpoint.read_meta(resume_from)
+    changed = checkpoint.changed_keys(meta["config"], checkpoint.trained_config(cfg))
+    left = (f"steps {meta['step'] + 1}-{cfg.run.total_steps}" if meta["step"] < cfg.run.total_steps
+            else "no step left, final/ to write")
+    phase(started, f"resuming from {resume_from.name} ({resume_from}): {left}"
           + (f" with changed config keys: {', '.join(changed)}" if changed else ""))
 
 
@@ -295,10 +300,11 @@ class Roles:
         return self.get("generator 0", self.generators[0].evaluate.remote(self.val_samples, version),
                         self.cfg.run.step_timeout_s)
 
-    def next_batch(self, step: int):
-        """The buffer's batch for `step`, while watching every generator: a dead one fails the run,
-        even when the batch is ready at the same moment (checked before the batch is returned)."""
-        batch_ref = self.buffer.next_batch.remote(step, self.cfg.run.step_timeout_s)
+    def next_batch(self, version: int):
+        """The buffer's batch for the update of weights `version` (step version + 1), while watching every
+        generator: a dead one fails the run, even when the batch is ready at the same moment (checked before
+        the batch is returned)."""
+        batch_ref = self.buffer.next_batch.remote(version, self.cfg.run.step_timeout_s)
         runs = list(self.generator_runs)
         while True:
             ready, _ = ray.wait([batch_ref, *runs], num_returns=1)
@@ -307,7 +313,7 @@ class Roles:
                 name = self.generator_runs[run_ref]
                 with self.failures(name):
                     ray.get(run_ref)
-                raise RunFailed(f"{name} stopped unexpectedly during step {step}")
+                raise RunFailed(f"{name} stopped unexpectedly during step {version + 1}")
             if batch_ref in ready:
                 with self.failures("buffer"):
                     return ray.get(batch_ref)

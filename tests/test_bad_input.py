@@ -514,8 +514,8 @@ class BrokenCalculatorEnv(multiply_task.MultiplyEnv):
 
 def log_steps(tmp_path, steps: list[list]) -> MetricsLogger:
     logger = MetricsLogger(tmp_path, total_steps=len(steps), progress=True)  # not a terminal: plain lines
-    for step, trajectories in enumerate(steps):
-        batch = make_batch(step, trajectories, **QUIET_COUNTERS)
+    for step, trajectories in enumerate(steps, start=1):
+        batch = make_batch(step - 1, trajectories, **QUIET_COUNTERS)
         logger.log(step_metrics(step, 1, batch, {}, step_seconds=1.0, samples_trained=4), trajectories)
     logger.close()
     return logger
@@ -533,8 +533,8 @@ def test_failing_tool_calls_are_on_the_console_line_and_warned_about_once_past_h
     out, err = capsys.readouterr()
     assert [re.search(r"tool_err \S+", line).group() for line in out.splitlines()] == [
         "tool_err 2/4", "tool_err 3/4", "tool_err 4/4"]
-    assert err.count("tool calls failed") == 1 and err.startswith(  # then the tied-rewards warning of steps 0-2
-        "warning: step 1: 3 of 4 tool calls failed (first: broken_calculator: error: calculator backend down);"), err
+    assert err.count("tool calls failed") == 1 and err.startswith(  # then the tied-rewards warning of steps 1-3
+        "warning: step 2: 3 of 4 tool calls failed (first: broken_calculator: error: calculator backend down);"), err
 
 
 def test_every_reward_zero_without_ground_truth_is_warned_about_once(tmp_path, capsys):
@@ -553,7 +553,7 @@ def test_every_reward_zero_without_ground_truth_is_warned_about_once(tmp_path, c
     assert not any(key.startswith("reward/ground_truth") for key in rows[0])  # a count, not a reward part
     err = capsys.readouterr().err  # (and, after 3 steps of tied groups, the tied-rewards warning)
     assert err.count("no ground truth") == 1 and err.startswith(
-        "warning: step 2: every reward is 0, and 2 of 2 episodes were scored against no ground truth"), err
+        "warning: step 3: every reward is 0, and 2 of 2 episodes were scored against no ground truth"), err
 
 
 # --- the wire: what a faulty generator or a hostile peer sends -> counted and ignored; the run goes on
@@ -627,7 +627,7 @@ def test_the_buffer_counts_and_ignores_every_bad_message_and_still_hands_out_a_b
         push.send(encode(copy))
         push.send(encode(make_trajectory({"group_id": 99, "prompt_index": 0}, 1, [0])))  # no such lease
         push.send(encode(make_trajectory(lease, 1, [0, 0])))  # the real second sample completes the group
-        batch = service.next_batch(step=0, timeout_s=ONE_LINE_TIMEOUT_S)
+        batch = service.next_batch(version=0, timeout_s=ONE_LINE_TIMEOUT_S)
         stats = batch.stats
         assert stats["malformed"] == len(TRAJECTORY_CASES) and stats["malformed_requests"] == len(REQUEST_CASES)
         assert stats["dropped_duplicates"] == 2 and stats["dropped_stragglers"] == 1

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import zmq
 
-from nanoverl_async.buffer.generator_time import GatedClock, WorkShares
+from nanoverl_async.buffer.generator_time import GatedClock, TokenRate, WorkShares
 from nanoverl_async.buffer.service import BufferService, parse_request
 from nanoverl_async.agents.data import prompt_source
 from nanoverl_async.agents import multiply_task
@@ -109,7 +109,7 @@ def test_batches_counters_and_bad_input(make_service):
     client.push.send(encode(make_trajectory({"group_id": 999, "prompt_index": 0}, 0, [0])))  # straggler
     wait_for(service, lambda s: s["dropped_stragglers"] == 1)
 
-    batch = service.next_batch(step=1, timeout_s=5.0)
+    batch = service.next_batch(version=1, timeout_s=5.0)
     assert [(t.group_id, t.sample_index) for t in batch.trajectories] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     stats = batch.stats
     assert stats["staleness_hist"] == {1: 4} and stats["staleness_token_hist"] == {1: 8}
@@ -122,8 +122,8 @@ def test_batches_counters_and_bad_input(make_service):
     assert stats["turns_mean"] == 2.0 and stats["tool_calls_mean"] == 1.0 and stats["reward_mean"] == 0.5
     assert stats["consumed"] == 2 and stats["leased"] == 4
 
-    with pytest.raises(TimeoutError, match=r"step 2 .*0 ready, 2 in flight"):
-        service.next_batch(step=2, timeout_s=0.2)
+    with pytest.raises(TimeoutError, match=r"step 3 .*version >= 1; 0 ready, 2 in flight"):  # the update of v2
+        service.next_batch(version=2, timeout_s=0.2)
     assert service.stats()["tokens_generated"] == 0
     started = time.monotonic()
     service.close()
@@ -136,7 +136,7 @@ def test_stale_group_is_dropped_and_its_prompt_reissued(make_service):
     client.push.send(encode(make_trajectory(lease, 0, [0])))
     wait_for(service, lambda s: s["groups_ready"] == 1)
     with pytest.raises(TimeoutError):
-        service.next_batch(step=1, timeout_s=0.1)  # version 0 is too old for step 1 with eta = 0
+        service.next_batch(version=1, timeout_s=0.1)  # version 0 is too old to update version 1 with eta = 0
     stats = service.stats()
     assert stats["dropped_stale"] == 1 and stats["released"] == 1 and stats["reissued"] == 1
     assert stats["groups_started"] == 0 and stats["groups_ready"] == 0
@@ -144,7 +144,7 @@ def test_stale_group_is_dropped_and_its_prompt_reissued(make_service):
     (again,) = client.lease(version=1, max_groups=1)
     assert again["prompt_index"] == lease["prompt_index"] and again["group_id"] != lease["group_id"]
     client.push.send(encode(make_trajectory(again, 0, [1])))
-    assert service.next_batch(step=1, timeout_s=5.0).trajectories[0].group_id == again["group_id"]
+    assert service.next_batch(version=1, timeout_s=5.0).trajectories[0].group_id == again["group_id"]
 
 
 def test_a_batch_holds_the_oldest_versions_whatever_completed_first(make_service):
@@ -162,7 +162,7 @@ def test_a_batch_holds_the_oldest_versions_whatever_completed_first(make_service
     for group_id, versions in ((0, [2, 2]), (3, [1]), (2, [1, 2]), (1, [1, 1])):  # the order they complete in
         client.push.send(encode(make_trajectory(leases[group_id], 0, versions)))
     wait_for(service, lambda s: s["groups_ready"] == 4)
-    batches = [service.next_batch(step=2, timeout_s=5.0) for _ in range(2)]
+    batches = [service.next_batch(version=2, timeout_s=5.0) for _ in range(2)]
     assert [[t.group_id for t in batch.trajectories] for batch in batches] == [[2, 3], [1, 0]]
     assert [batch.stats["staleness_hist"] for batch in batches] == [{1: 2}, {1: 1, 0: 1}]
 
@@ -188,7 +188,7 @@ def test_a_filtered_group_gives_its_slot_back_and_its_prompt_is_never_reissued(m
         trajectory = make_trajectory(kept, sample_index, [0])
         trajectory.reward = reward
         client.push.send(encode(trajectory))
-    batch = service.next_batch(step=0, timeout_s=5.0)
+    batch = service.next_batch(version=0, timeout_s=5.0)
     assert [t.prompt_index for t in batch.trajectories] == [1, 1, 1] and batch.stats["dropped_filtered"] == 1
     assert batch.stats["dropped_stragglers"] == 1
     service.publishing(1)
@@ -277,6 +277,37 @@ def test_work_shares_are_each_windows_reported_milliseconds_over_the_clocks_own(
     assert shares.fractions() == {"generators_busy_frac": 0.0, "generators_tool_wait_frac": 0.0}
 
 
+def test_the_token_rate_spans_the_latest_windows_so_a_window_without_arrivals_is_not_0():
+    rate = TokenRate(windows=3)
+    assert rate.rate(now=1.0) == 0.0  # no lease yet: nothing was generated, over no time
+    rate.start(now=2.0)  # the first lease: the window starts here
+    rate.start(now=2.5)  # (later leases change nothing)
+    rate.tokens += 300
+    assert rate.rate(now=5.0) == 100.0  # 300 tokens over 2..5
+    assert rate.rate(now=6.0) == 75.0  # a window with none: 300 over 2..6, not 0
+    rate.tokens += 100
+    assert rate.rate(now=8.0) == pytest.approx(400 / 6)  # 2..8: three windows
+    assert rate.rate(now=9.0) == 100 / 4  # the oldest window left: 5..9
+    assert rate.rate(now=10.0) == 100 / 4  # 6..10
+    assert rate.rate(now=11.0) == 0.0  # three windows without a token: 0, truly
+
+
+def test_a_batch_that_was_ready_at_once_reports_the_rate_generation_delivered(make_service):
+    """The live line's `0 tok/s`: two groups done before the first batch, so the second batch's window received
+    no token while the generators went on."""
+    service, client = make_service(B=1, G=1, eta=1, replicas=1)
+    for lease in client.lease(version=0, max_groups=2, generator_id=0):
+        client.push.send(encode(make_trajectory(lease, 0, [0, 0, 0])))
+    wait_for(service, lambda s: s["completed"] == 2)
+    first = service.next_batch(0, timeout_s=5).stats
+    batch = service.next_batch(1, timeout_s=5)
+    second = batch.stats
+    assert first["tokens_generated"] == 6 and second["tokens_generated"] == 0
+    assert 0 < second["tokens_per_s"] <= first["tokens_per_s"]  # the same 6 tokens, over both windows
+    logged = step_metrics(1, 1, batch, {}, step_seconds=0.01, samples_trained=2)
+    assert logged["tokens/generated_per_s"] == second["tokens_per_s"] and "buffer/tokens_per_s" not in logged
+
+
 def test_a_generators_clock_reaches_the_batch_stats(make_service):
     service, client = make_service(B=1, G=1, eta=0, replicas=1)
     reply = client.ask({"op": "lease", "generator_id": 0, "version": 0, "max_groups": 1, "clock_ms": 400,
@@ -310,13 +341,13 @@ def test_trajectories_the_run_cannot_have_produced_are_malformed(make_service):
     assert service.stats()["groups_ready"] == 0
     for sample_index in (0, 1):  # the run goes on: the group completes with honest trajectories
         client.push.send(encode(make_trajectory(lease, sample_index, [0, 0])))
-    batch = service.next_batch(step=0, timeout_s=5.0)
+    batch = service.next_batch(version=0, timeout_s=5.0)
     assert batch.stats["staleness_hist"] == {0: 2} and batch.stats["malformed"] == 3
     service.publishing(1)  # once published, version 1 is honest
     (lease,) = client.lease(version=1, max_groups=1)
     for sample_index in (0, 1):
         client.push.send(encode(make_trajectory(lease, sample_index, [1, 1])))
-    assert service.next_batch(step=1, timeout_s=5.0).stats["malformed"] == 3
+    assert service.next_batch(version=1, timeout_s=5.0).stats["malformed"] == 3
 
 
 def test_a_group_takes_each_trajectory_id_once(make_service):
@@ -375,7 +406,7 @@ def test_trajectory_bounds_hold_at_their_exact_edges(make_service):
     assert service.stats()["too_long"] == 1 and service.stats()["tokens_generated"] == 0
     for good in (longest, last_id, make_trajectory(lease, 2, [1, 1])):
         client.push.send(encode(good))
-    batch = service.next_batch(step=1, timeout_s=5.0)
+    batch = service.next_batch(version=1, timeout_s=5.0)
     assert [len(t.token_ids) for t in batch.trajectories] == [7, 4, 5]
     metrics = step_metrics(1, 0, batch, {}, 1.0, 3)
     assert metrics["buffer/too_long"] == 1 and metrics["buffer/malformed"] == 3

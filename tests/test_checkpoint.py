@@ -215,17 +215,20 @@ def test_folders_are_published_whole_pruned_and_found_by_auto(tmp_path):
     assert checkpoint.find_checkpoint(explicit) == root / "step_4"
 
 
-def test_resumed_metrics_keep_each_step_once(tmp_path):
+@pytest.mark.parametrize("first", [1, 0], ids=["counted-from-1", "counted-from-0-before-2026-11-29"])
+def test_resumed_metrics_keep_each_step_once(tmp_path, first):
+    """A run that saved step_4, logged step 5, then crashed writing step 6's row, resumed: steps 1-4 kept, then 5;
+    an older run's rows, counted from 0 (learner/version one ahead), are counted as now when the file is rewritten."""
     logger = MetricsLogger(tmp_path, 6, progress=False)
-    for step in range(5):  # a run that saved at step 4, logged step 4, then crashed mid-write
-        logger.file.write(json.dumps({"step": step}) + "\n")
-    logger.file.write('{"step": 5, "rew')
+    for step in range(first, first + 5):
+        logger.file.write(json.dumps({"step": step, "learner/version": step + 1 - first}) + "\n")
+    logger.file.write(f'{{"step": {first + 5}, "rew')
     logger.close()
     logger = MetricsLogger(tmp_path, 6, progress=False, start_step=4)
-    logger.file.write(json.dumps({"step": 4}) + "\n")
+    logger.file.write(json.dumps({"step": 5, "learner/version": 5}) + "\n")
     logger.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]
+    assert [(row["step"], row["learner/version"]) for row in rows] == [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5)]
 
 
 @pytest.mark.parametrize("override, key", [
@@ -267,14 +270,14 @@ def test_a_fresh_run_never_reuses_an_output_dir_silently(tmp_path):
     """The lost-run bug: a second fresh run into the same directory overwrote metrics.jsonl and config.yaml
     and kept the first run's checkpoints, which a later resume=auto then mixed in under another seed."""
     saved_run(tmp_path, 4)
-    checkpoint.claim(tmp_path, "metrics.jsonl").write_text('{"step": 0}\n')
+    checkpoint.claim(tmp_path, "metrics.jsonl").write_text('{"step": 1}\n')
     first = marker(tmp_path)
     assert first["entries"] == ["checkpoints", "metrics.jsonl"]  # what the run created, as it created it
     for resume in ((), ("run.resume=''",)):
         with pytest.raises(ConfigError, match=r"run\.output_dir.*already holds a run.*run\.resume=auto.*"
                                               r"run\.overwrite=true"):
             checkpoint.open_output_dir(launch_config(tmp_path, *resume))
-    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n'  # nothing touched
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing touched
     assert checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=6")) \
         == tmp_path / "checkpoints" / "step_4"
     assert marker(tmp_path) == first  # a resume is the same run
@@ -372,7 +375,7 @@ def test_auto_starts_afresh_after_a_crash_before_the_first_checkpoint(tmp_path, 
     run.resume=auto is a fresh run there ("a fresh run if there is none"), clearing only the run's files."""
     checkpoint.open_output_dir(launch_config(tmp_path))
     checkpoint.claim(tmp_path, "config.yaml").write_text("x")
-    checkpoint.claim(tmp_path, "metrics.jsonl").write_text('{"step": 0}\n')
+    checkpoint.claim(tmp_path, "metrics.jsonl").write_text('{"step": 1}\n')
     checkpoint.begin(str(tmp_path), 2)
     assert checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto")) is None
     assert [p.name for p in tmp_path.iterdir()] == [checkpoint.MARKER]

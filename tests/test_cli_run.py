@@ -42,11 +42,11 @@ def test_a_run_with_every_observation_key_on(observed_run):
     steps = 4
     check_run(observed_run, steps)
     samples = [json.loads(line) for line in (observed_run / "samples.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in samples] == [step for step in range(steps) for _ in range(3)]
+    assert [s["step"] for s in samples] == [step for step in range(1, steps + 1) for _ in range(3)]
     assert all(s["messages"][0]["role"] == "user" and s["versions"] for s in samples)
     assert any(m["role"] == "tool" for s in samples for m in s["messages"])  # the warm start calls tools
     phases = ["] starting Ray", "] model builtin:tiny", "] learner memory: an update's peak predicted at",
-              "] placing the buffer, 2 generator(s) and 1 learner rank(s)", "] roles ready", "] first batch ready; training step 0"]
+              "] placing the buffer, 2 generator(s) and 1 learner rank(s)", "] roles ready", "] first batch ready; training step 1"]
     console = (observed_run / "console.txt").read_text()
     assert all(line in console for line in phases), console[-2000:]
     assert sorted(phases, key=console.index) == phases  # in order, one line each, with seconds since launch
@@ -77,7 +77,7 @@ def test_cli_runs_two_ranks_two_generators_synchronously_with_drain(ray_session,
 
 def check_run(path, steps: int) -> None:
     rows = read_metrics(path)
-    assert [row["step"] for row in rows] == list(range(steps))
+    assert [row["step"] for row in rows] == [row["learner/version"] for row in rows] == list(range(1, steps + 1))
     for row in rows:
         assert REQUIRED_KEYS <= set(row)
         assert row["staleness/max"] <= row["staleness/limit"]
@@ -120,7 +120,7 @@ def test_a_non_number_reward_fails_the_run_in_one_line_and_keeps_what_was_logged
             "Step(reward=None): the reward must be a finite number, not NoneType at none_env.py:9 in step\n") in err
     assert "Traceback" not in err
     steps = [row["step"] for row in read_metrics(out)]
-    assert steps[:2] == [0, 1] and steps == list(range(len(steps)))  # index 4 is leased at version 2 at the earliest
+    assert steps[:2] == [1, 2] and steps == list(range(1, len(steps) + 1))  # index 4: leased at version 2 at earliest
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [step for step in steps for _ in range(2)]
 
@@ -160,21 +160,25 @@ def test_cli_saves_and_resumes_the_whole_async_state(ray_session, tmp_path, caps
     shutil.rmtree(tmp_path / "final")  # as if it had crashed after its last checkpoint, before final/
     assert launch_in_process(tmp_path, "run.total_steps=4", "run.resume=auto", *common) == 0
     resumed = [line for line in capsys.readouterr().err.splitlines() if "resuming from" in line]
-    assert len(resumed) == 1 and resumed[0].endswith(f"] resuming from step_4 ({tmp_path.resolve()}/checkpoints/step_4)")
+    assert len(resumed) == 1 and resumed[0].endswith(
+        f"] resuming from step_4 ({tmp_path.resolve()}/checkpoints/step_4): no step left, final/ to write")
     assert (tmp_path / "final" / "config.json").is_file()
     capsys.readouterr()  # only the next launch's stderr below
     again = launch_in_process(tmp_path, "run.total_steps=6", *common)  # a fresh launch must not reuse the directory
     stderr = capsys.readouterr().err
     assert again == 2 and "run.resume=auto" in stderr and "Traceback" not in stderr
     assert launch_in_process(tmp_path, "run.total_steps=6", "run.resume=auto", *common) == 0
-    assert "changed config keys" not in capsys.readouterr().err  # only run.* changed, which resuming allows
+    err = capsys.readouterr().err
+    assert "changed config keys" not in err and "resuming from step_4" in err  # only run.*, which resuming allows
+    assert "] resuming from step_4" in err and f"checkpoints/step_4): steps 5-6\n" in err
     rows = read_metrics(tmp_path)
-    assert [row["step"] for row in rows] == list(range(6))
-    assert rows[4]["learner/version"] == 5  # the restored weights were version 4, trained once more
+    assert [row["step"] for row in rows] == list(range(1, 7))
+    assert rows[4]["learner/version"] == 5  # step 5: the restored weights were version 4, trained once more
+    assert "done: steps 5-6 in this launch (2 steps, " in err and "all 6 steps of metrics.jsonl in " in err
     for row in rows:
-        assert row["staleness/max"] <= 1  # step t trained on versions >= t - staleness.max
-        assert row["buffer/consumed"] == 4 * (row["step"] + 1)  # the gate's counters were restored too
-        assert row["samples/trained"] == 16 * (row["step"] + 1)
+        assert row["staleness/max"] <= 1  # step N trained on versions >= N - 1 - staleness.max
+        assert row["buffer/consumed"] == 4 * row["step"]  # the gate's counters were restored too
+        assert row["samples/trained"] == 16 * row["step"]
     trained = [index for row in rows for index in row["batch/prompt_indices"]]
     assert len(trained) == 6 * 4 and len(set(trained)) == len(trained)  # no prompt trained on twice
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())

@@ -24,10 +24,10 @@ def test_config_runs_a_few_steps(ray_session, tmp_path, name, expected_steps_per
     cfg = load_config(f"configs/{name}.yaml", SMALL + [f"run.output_dir={tmp_path}"])
     launch(cfg)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [0, 1]
+    assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
         assert row["learner/optimizer_steps"] == expected_steps_per_batch
-        assert row["learner/version"] == row["step"] + 1  # one version per batch, whatever the steps
+        assert row["learner/version"] == row["step"]  # one version per batch, whatever the steps
         assert math.isfinite(row["learner/loss"]) and math.isfinite(row["learner/mismatch_kl"])
         assert row["staleness/max"] <= row["staleness/limit"]
     if cfg.algorithm.group_filter:

@@ -20,7 +20,7 @@ def launch(config, tmp_path, *overrides):
 
 def test_example_environment_runs(ray_session, tmp_path):
     rows = launch("examples/arithmetic_env.yaml", tmp_path)
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     assert all(0 <= r["reward/mean"] <= 1 and 0 <= r["episodes/tool_error_rate"] <= 1 for r in rows)
 
 
@@ -39,6 +39,6 @@ def test_verl_parquet_with_custom_reward_trains(ray_session, tmp_path):
     metrics = launch("configs/agent_grpo.yaml", tmp_path, f"data.train_files=[{tmp_path / 'train.parquet'}]",
                      f"reward.path={tmp_path / 'reward.py'}", "reward.name=my_score", "agent.max_turns=1",
                      f"data.val_files=[{tmp_path / 'train.parquet'}]", "run.eval_every=2")
-    assert [r["step"] for r in metrics] == [0, 1] and all(r["episodes/tool_calls_mean"] == 0 for r in metrics)
+    assert [r["step"] for r in metrics] == [1, 2] and all(r["episodes/tool_calls_mean"] == 0 for r in metrics)
     assert "eval/reward_mean" not in metrics[0] and metrics[1]["eval/episodes"] == len(rows)  # every 2 steps
     assert 0 <= metrics[1]["eval/reward_mean"] <= 1

@@ -306,7 +306,7 @@ def test_another_group_with_the_same_system_prompt_finds_its_blocks_by_hash(mode
     requests = [(0, system + [1, 2], 6), (0, system + [1, 2], 6), (3, system + [7], 5), (3, [9, 9], 5)]
     completions = staggered(engine, requests, temperature=1.0)
     # the second sample copies its first's 15 tokens; the later group finds the 12 tokens of the 3 full blocks
-    # per request, as the agent loop sums them for metrics.jsonl's generator/prefix_cache_hit_frac
+    # per request, as the agent loop sums them for metrics.jsonl's generators/prefix_cache_hit_frac
     assert [(c.prefill_tokens, c.cached_tokens) for c in completions] == [(15, 0), (15, 15), (14, 12), (2, 0)]
     # the group's 4 blocks, its second sample's copy of the last and a block each at position 16, then 1 each
     assert sum(c.preemptions for c in completions) == 0 and engine.cache.pool.peak == 4 + 1 + 2 + 1 + 1

@@ -54,13 +54,13 @@ def kill_and_wait(actor, timeout_s: float = 30.0) -> None:
     raise AssertionError("killed actor still answers")
 
 
-def assert_a_dead_role_fails_the_run_naming_it(roles, victim: str, step: int) -> None:
+def assert_a_dead_role_fails_the_run_naming_it(roles, victim: str, version: int) -> None:
     """Kill `victim` of a healthy run: the next step fails within seconds, naming it, never hangs."""
     actor = {"generator": roles.generators[0], "buffer": roles.buffer, "learner": roles.learners.ranks[0]}[victim]
     kill_and_wait(actor)
     started = time.monotonic()
     with pytest.raises(RunFailed, match={"generator": "generator 0", "buffer": "buffer", "learner": "learner"}[victim]):
-        train_batch = roles.next_batch(step)
+        train_batch = roles.next_batch(version)
         with role_failures("learner pool"):
             roles.learners.update(roles.learners.prepare(train_batch.trajectories))
     assert time.monotonic() - started < 30
@@ -72,7 +72,7 @@ def test_dead_role_fails_the_run_naming_it(ray_session, random_tiny_model, tmp_p
     try:
         batch = roles.next_batch(0)  # everything is up and streaming
         assert len(batch.trajectories) == 4
-        assert_a_dead_role_fails_the_run_naming_it(roles, victim, step=1)
+        assert_a_dead_role_fails_the_run_naming_it(roles, victim, version=1)
     finally:
         roles.shutdown()
 
@@ -101,15 +101,15 @@ def test_a_hostile_lease_request_during_a_run_is_refused_and_the_run_goes_on(ray
             dealer.send(msgpack.packb({"op": "lease", **claim}))
             assert dealer.poll(10_000)
             assert "error" in msgpack.unpackb(dealer.recv(), raw=False)
-        for step in (1, 2):
+        for version in (1, 2):
             with role_failures("learner pool"):
                 roles.learners.update(roles.learners.prepare(batch.trajectories))
-            roles.publish_weights(version=step)
-            batch = roles.next_batch(step)
+            roles.publish_weights(version=version)
+            batch = roles.next_batch(version)
         stats = batch.stats
         assert stats["malformed_requests"] == 2 and set(stats["generator_versions"]) == {0}
         assert stats["staleness_max"] >= 0 and len(batch.trajectories) == 4
-        assert_a_dead_role_fails_the_run_naming_it(roles, "learner", step=3)
+        assert_a_dead_role_fails_the_run_naming_it(roles, "learner", version=3)
     finally:
         context.destroy(linger=0)
         roles.shutdown()

@@ -100,13 +100,46 @@ def died_after_step_2(out: Path) -> None:
     with pytest.raises(RayWouldStart):
         launcher.launch(config(out))
     logger = MetricsLogger(out, 4, progress=False)
-    logger.file.write('{"step": 0}\n{"step": 1}\n')
+    logger.file.write('{"step": 1}\n{"step": 2}\n')
     logger.close()
     folder = checkpoint.begin(str(out), 2)
     (folder / "learner").mkdir()
     (folder / "learner" / ".metadata").write_bytes(b"x")
     (folder / "buffer.msgpack").write_bytes(b"x")
     checkpoint.commit(folder, checkpoint.make_meta(prepare(config(out)), 2, {}), 2)
+
+
+def test_the_same_command_takes_over_a_run_that_died_before_its_first_step(tmp_path, capsys):
+    """A first launch that died starting leaves its marker, config.yaml and an empty metrics.jsonl: the same command
+    again clears exactly those, says so in one line and starts. Once a step is logged, the folder is refused."""
+    out = tmp_path / "out"
+    with pytest.raises(RayWouldStart):
+        launcher.launch(config(out))
+    MetricsLogger(out, 4, progress=False).close()  # opened before the first step, empty
+    capsys.readouterr()
+    with pytest.raises(RayWouldStart):
+        launch_status(out)
+    assert error_lines(capsys.readouterr().err) == (f"{out}: the run there finished no step (no metrics row, no "
+                                                    f"checkpoint); starting afresh\n")
+    assert sorted(p.name for p in out.iterdir()) == [checkpoint.MARKER, "config.yaml"]  # the new launch's alone
+    logger = MetricsLogger(out, 4, progress=False)
+    logger.file.write('{"step": 1')  # a row, even a torn one: a step was trained
+    logger.close()
+    before = tree(out)
+    assert launch_status(out) == 2
+    assert "already holds a run and no checkpoint is resumed" in capsys.readouterr().err and tree(out) == before
+
+
+def test_the_cli_refuses_a_folder_holding_a_run_before_ray_starts(tmp_path, capsys):
+    out = tmp_path / "out"
+    died_after_step_2(out)
+    before = tree(out)
+    capsys.readouterr()
+    assert main(["launch", "configs/agent_grpo.yaml", f"run.output_dir={out}", "run.progress=false"]) == 2
+    assert capsys.readouterr().err == (f"{PREFIX}'{out}' already holds a run and no checkpoint is resumed; set "
+                                       f"run.resume=auto to continue it, a new run.output_dir, or run.overwrite=true "
+                                       f"to clear it\n")
+    assert tree(out) == before
 
 
 @pytest.mark.parametrize("name", ["config.yaml", "metrics.jsonl"])
@@ -130,14 +163,14 @@ def test_the_metrics_writer_refuses_a_symlinked_file(tmp_path):
     """The writer's own check, for a link made after the launch checked the folder: no row reaches the target."""
     out, outside = tmp_path / "out", tmp_path / "outside.jsonl"
     died_after_step_2(out)
-    outside.write_bytes(b'{"step": 0}\n{"step": 7}\n')
+    outside.write_bytes(b'{"step": 1}\n{"step": 7}\n')
     (out / "metrics.jsonl").unlink()
     (out / "metrics.jsonl").symlink_to(outside)
     with pytest.raises(checkpoint.ConfigError) as raised:
         MetricsLogger(out, 4, progress=False, start_step=2)
     assert str(raised.value) == (f"config key 'run.output_dir': {out / 'metrics.jsonl'} is a symbolic link, which no "
                                  f"run writes; nothing was changed: move it away or choose another run.output_dir")
-    assert outside.read_bytes() == b'{"step": 0}\n{"step": 7}\n'
+    assert outside.read_bytes() == b'{"step": 1}\n{"step": 7}\n'
 
 
 @pytest.fixture

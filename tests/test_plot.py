@@ -58,14 +58,42 @@ def test_runs_are_labelled_by_their_config_differences():
 
 def test_the_row_a_live_run_is_writing_is_left_out(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text(json.dumps(row(0)) + "\n\n" + json.dumps(row(1))[:20])
-    assert [r["step"] for r in read_rows(path)] == [0]
+    path.write_text(json.dumps(row(1)) + "\n\n" + json.dumps(row(2))[:20])
+    assert [r["step"] for r in read_rows(path)] == [1]
+
+
+def test_an_older_runs_rows_are_read_as_written_now(tmp_path):
+    """Rows written before 2026-11-29: the engines' counters under `generator/` (now `generators/`), and steps
+    counted from 0 (learner/version one ahead; rows cut to a few keys tell by their first step, 0)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps(row(1, **{"generator/preemptions": 3, "generator/prefix_cache_hit_frac": 0.5})) + "\n")
+    (read,) = read_rows(path)
+    assert (read["generators/preemptions"], read["generators/prefix_cache_hit_frac"]) == (3, 0.5)
+    assert not any(key.startswith("generator/") for key in read) and read["step"] == 1
+    for older, now in (([row(0), row(1)], [1, 2]), ([row(4, **{"learner/version": 5})], [5]),
+                       ([row(4, **{"learner/version": 4})], [4]), ([row(3)], [3])):
+        path.write_text("".join(json.dumps(r) + "\n" for r in older))
+        assert [r["step"] for r in read_rows(path)] == now
+
+
+def test_the_held_out_score_is_dashed_on_the_reward_panels_where_it_was_taken(tmp_path):
+    evaluated = {2: 0.5, 4: 0.75}  # run.eval_every=2
+    run = write_run(tmp_path / "run", [row(step, **({"eval/reward_mean": evaluated[step]} if step in evaluated else {}))
+                                       for step in (1, 2, 3, 4)])
+    plain = write_run(tmp_path / "plain", [row(step) for step in (1, 2)])
+    axes = {ax.get_title(): ax for ax in draw([read_run(run), read_run(plain)]).axes if ax.get_title()}
+    for title, xs in (("reward vs step", [2, 4]), ("reward vs wall clock", [4.0, 8.0])):  # time/step_s is 2 s
+        trained, held_out, other = axes[title].get_lines()  # the plain run has no dashed line
+        assert (held_out.get_linestyle(), held_out.get_color()) == ("--", trained.get_color())
+        assert held_out.get_xdata().tolist() == xs and held_out.get_ydata().tolist() == [0.5, 0.75]
+        assert axes[title].get_ylabel() == "reward/mean, eval/reward_mean (dashed)"
+    assert axes["generators gated"].get_ylabel() == "generators/gated_frac"
 
 
 @pytest.mark.parametrize("breakage,named", [
     (lambda run: (run / "metrics.jsonl").unlink(), "metrics.jsonl: no such file"),
     (lambda run: (run / "metrics.jsonl").write_text(""), "metrics.jsonl: no steps logged"),
-    (lambda run: (run / "metrics.jsonl").write_text('{"step": 0}\n[1, 2]\n'), "metrics.jsonl:2: not a metrics row"),
+    (lambda run: (run / "metrics.jsonl").write_text('{"step": 1}\n[1, 2]\n'), "metrics.jsonl:2: not a metrics row"),
     (lambda run: (run / "config.yaml").unlink(), "config.yaml: no such file"),
     (lambda run: (run / "config.yaml").write_text("a: [1,\n"), "config.yaml' is not valid YAML"),
 ], ids=["no-metrics", "empty-metrics", "bad-row", "no-config", "bad-config"])
@@ -110,7 +138,7 @@ def test_the_figure_of_two_real_runs_has_every_panel(two_runs):
     tool_use = axes["tool use: share of episodes with a tool call"].get_lines()[0].get_ydata()
     assert tool_use.tolist() == [r["episodes/tool_use_frac"] for r in rows]
     for line in reward.get_lines():  # one point per step, for each run
-        assert line.get_xdata().tolist() == list(range(4))
+        assert line.get_xdata().tolist() == [1, 2, 3, 4]
         assert line.get_ydata().tolist() == [r["reward/mean"] for r in rows]
     wall = axes["reward vs wall clock"].get_lines()[0].get_xdata()
     assert np.allclose(wall, np.cumsum([r["time/step_s"] for r in rows]))
@@ -120,7 +148,7 @@ def test_the_figure_of_two_real_runs_has_every_panel(two_runs):
     bars = axes[f"step time: {labels[1]}"].patches  # wait, train and publish for each step
     assert len(bars) == 3 * 4
     tops = [max(bar.get_y() + bar.get_height() for bar in bars if bar.get_x() < step < bar.get_x() + 1)
-            for step in range(4)]
+            for step in (1, 2, 3, 4)]
     assert np.allclose(tops, [r["time/step_s"] for r in rows])
 
 

@@ -47,9 +47,9 @@ def test_groups_complete_at_group_size_and_come_out_oldest_first():
         replay.open(group_id, prompt, lease_version=0)
     assert fill(replay, 1, 11, [1, 1]) == [ADDED, COMPLETED]  # version 1, arrives first
     assert fill(replay, 2, 12, [0, 2]) == [ADDED, COMPLETED]  # version 0 = min over trajectories
-    assert replay.take(step=2, batch_groups=3, staleness=2) == ([], [])  # only 2 ready: nothing taken
+    assert replay.take(version=2, batch_groups=3, staleness=2) == ([], [])  # only 2 ready: nothing taken
     assert fill(replay, 0, 10, [2, 2]) == [ADDED, COMPLETED]
-    groups, dropped = replay.take(step=2, batch_groups=2, staleness=2)
+    groups, dropped = replay.take(version=2, batch_groups=2, staleness=2)
     assert dropped == [] and [g.group_id for g in groups] == [2, 1]
     assert [t.sample_index for t in groups[0].trajectories] == [0, 1]
     assert len(replay.ready) == 1 and not replay.open_groups
@@ -90,7 +90,7 @@ def test_group_filter_drops_tied_groups_and_gives_their_slot_back_without_reissu
     assert replay.counters["dropped_filtered"] == 1 and len(replay.ready) == 1
     assert gate.groups_started == 1 and gate.frontier()["reissue"] == []  # slot back, prompt consumed
     assert replay.add(make_trajectory(tied.group_id, tied.prompt_index, 0, [1])) == STRAGGLER
-    groups, _ = replay.take(step=1, batch_groups=B, staleness=0)
+    groups, _ = replay.take(version=1, batch_groups=B, staleness=0)
     assert [g.group_id for g in groups] == [informative.group_id]
 
 
@@ -103,8 +103,8 @@ def test_consumption_check_drops_stale_group_and_gate_reissues_its_prompt():
         replay.open(lease.group_id, lease.prompt_index, lease.version)
         assert fill(replay, lease.group_id, lease.prompt_index, [version] * G)[-1] == COMPLETED
         gate.complete(lease.group_id)
-    # step 2 may use version >= 1: the version-0 group is dropped, the version-2 group is taken
-    groups, dropped = replay.take(step=2, batch_groups=B, staleness=eta)
+    # the update of version 2 may use version >= 1: the version-0 group is dropped, the version-2 group is taken
+    groups, dropped = replay.take(version=2, batch_groups=B, staleness=eta)
     assert [g.group_id for g in dropped] == [old.group_id] and [g.group_id for g in groups] == [fresh.group_id]
     assert replay.counters["dropped_stale"] == 1
     started = gate.groups_started
@@ -117,12 +117,12 @@ def test_consumption_check_drops_stale_group_and_gate_reissues_its_prompt():
 
 
 def test_consumption_check_keeps_lag_eta_and_drops_eta_plus_one():
-    """t - u <= eta is fresh: at step 3 with eta 1, a version-2 group is taken and a version-1 group dropped."""
+    """v - u <= eta is fresh: the update of version 3 with eta 1 takes a version-2 group and drops a version-1 one."""
     replay = ReplayBuffer(group_size=1)
     for group_id, version in [(0, 1), (1, 2)]:
         replay.open(group_id, prompt_index=group_id, lease_version=version)
         assert fill(replay, group_id, group_id, [version]) == [COMPLETED]
-    groups, dropped = replay.take(step=3, batch_groups=1, staleness=1)
+    groups, dropped = replay.take(version=3, batch_groups=1, staleness=1)
     assert [g.group_id for g in groups] == [1] and [g.group_id for g in dropped] == [0]
 
 
@@ -146,7 +146,7 @@ def test_gate_alone_does_not_bound_staleness_of_a_long_tail():
         gate.consume(group.group_id)
         lease_and_finish(version=step + 1, finish=1)  # the generator got new weights: one more slot
     assert fill(replay, tail.group_id, tail.prompt_index, [0]) == [COMPLETED]  # finally done, version 0
-    groups, dropped = replay.take(step=2, batch_groups=1, staleness=1)
+    groups, dropped = replay.take(version=2, batch_groups=1, staleness=1)
     assert [g.group_id for g in dropped] == [tail.group_id]
     assert all(2 - t.version <= 1 for g in groups for t in g.trajectories)
 

@@ -28,17 +28,21 @@ def logged(run_dir):
 
 def test_recorded_batches_read_back_in_order(tmp_path):
     batches = [episodes([(3, [2, 4], 0.0), (5, [1], 1.0), (2, [3, 3, 1], 0.5)], seed=step) for step in range(2)]
-    for step, batch in enumerate(batches):
+    older = tmp_path / "before-2026-11-29"  # a record counted from 0, as metrics.jsonl was
+    older.mkdir()
+    for step, batch in enumerate(batches, start=1):
         write_batch(tmp_path, step, batch)
-    read = read_batches(tmp_path, 2, vocab_size=100)
-    for recorded, batch in zip(read, batches):
-        assert [(t.id, t.reward) for t in recorded] == [(t.id, t.reward) for t in batch]
-        assert all((r.token_ids == t.token_ids).all() and (r.behaviour_logprobs == t.behaviour_logprobs).all()
-                   for r, t in zip(recorded, batch))
-    with pytest.raises(ConfigError, match="step_000002.msgpack: missing"):
+        write_batch(older, step - 1, batch)
+    for folder in (tmp_path, older):
+        read = read_batches(folder, 2, vocab_size=100)
+        for recorded, batch in zip(read, batches, strict=True):
+            assert [(t.id, t.reward) for t in recorded] == [(t.id, t.reward) for t in batch]
+            assert all((r.token_ids == t.token_ids).all() and (r.behaviour_logprobs == t.behaviour_logprobs).all()
+                       for r, t in zip(recorded, batch))
+    with pytest.raises(ConfigError, match="step_000003.msgpack: missing"):
         read_batches(tmp_path, 3, vocab_size=100)
-    step_path(tmp_path, 1).write_bytes(msgpack.packb({"step": 7, "trajectories": []}))
-    with pytest.raises(ConfigError, match="step_000001.msgpack: not a recorded batch: holds step 7"):
+    step_path(tmp_path, 2).write_bytes(msgpack.packb({"step": 7, "trajectories": []}))
+    with pytest.raises(ConfigError, match="step_000002.msgpack: not a recorded batch: holds step 7"):
         read_batches(tmp_path, 2, vocab_size=100)
 
 

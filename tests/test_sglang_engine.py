@@ -295,7 +295,7 @@ def run_cli_on_fake_servers(tmp_path, *overrides: str) -> list[dict]:
                              f"generator.sglang.weights_dir={tmp_path / 'w'}",
                              f"generator.sglang.server_command=[{sys.executable},{FAKE}]", *overrides) == 0
     rows = read_metrics(tmp_path)
-    assert [row["step"] for row in rows] == [0, 1, 2]
+    assert [row["step"] for row in rows] == [1, 2, 3]
     return rows
 
 

@@ -35,12 +35,13 @@ def trace_events(steps, lease_s, update_s, batch, group):
     events = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}
               for pid, name in ((1, "learners"), (2, "buffer"), (3, "generator 0"))]
     t, group_id = 0.0, 0
-    for step in range(steps):
-        if step:
-            events.append(span("gate closed", 2, 9, previous, t, generator_id=0, version=step - 1))
+    for version in range(steps):  # step version + 1 trains groups of `version`, publishes version + 1
+        step = version + 1
+        if version:
+            events.append(span("gate closed", 2, 9, previous, t, generator_id=0, version=version - 1))
         for lane in range(batch):
             events.append(span("lease", 2, 10 + lane, t, t + lease_s, group_id=group_id, prompt_index=group_id,
-                               generator_id=0, version=step, outcome="completed"))
+                               generator_id=0, version=version, outcome="completed"))
             for sample in range(group):
                 tid = 100 + lane * group + sample
                 events.append(span("episode", 3, tid, t, t + lease_s, group_id=group_id, sample_index=sample,
@@ -48,11 +49,11 @@ def trace_events(steps, lease_s, update_s, batch, group):
                 events.append(span("generate", 3, tid, t, t + lease_s))
             group_id += 1
         marks = [t, t + lease_s + HANDOVER_S]
-        for seconds in (PREPARE_S, update_s[step] if isinstance(update_s, list) else update_s, PUBLISH_S):
+        for seconds in (PREPARE_S, update_s[version] if isinstance(update_s, list) else update_s, PUBLISH_S):
             marks.append(marks[-1] + seconds)
         for name, a, b in zip(("wait batch", "prepare", "update", "publish"), marks, marks[1:]):
-            events.append(span(name, 1, 1, a, b, step=step))
-        events.append(span(f"weights v{step + 1}", 3, 2, marks[-1], marks[-1] + WEIGHTS_S, version=step + 1))
+            events.append(span(name, 1, 1, a, b, step=step, **({"version": step} if name == "publish" else {})))
+        events.append(span(f"weights v{step}", 3, 2, marks[-1], marks[-1] + WEIGHTS_S, version=step))
         previous, t = t + lease_s, marks[-1] + WEIGHTS_S
     return events
 
@@ -67,7 +68,7 @@ def write_run(path, *, steps=12, lease_s=0.2, update_s=0.5, staleness=1, batch=2
     (path / "config.yaml").write_text(to_yaml(cfg))
     step_s = lease_s + HANDOVER_S + PREPARE_S + update_s + PUBLISH_S  # the wait began as the weights arrived
     rows = [{"step": s, "time/step_s": step_s, "staleness/histogram": {"0": batch * group},
-             "generators/gated_frac": 0.5, "episodes/length_mean": 10.0} for s in range(steps)]
+             "generators/gated_frac": 0.5, "episodes/length_mean": 10.0} for s in range(1, steps + 1)]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     events = trace_events(steps, lease_s, update_s, batch, group) if events is None else events
     (path / "trace.json").write_text(json.dumps(events))
@@ -118,7 +119,7 @@ def test_a_generator_that_leased_late_delays_the_first_steps_as_in_the_run(tmp_p
     """The learner began waiting 0.25 s before the generator's first lease (a generator still loading its
     model): the source says so, and the simulated run, which starts the generator as late, takes 0.25 s longer."""
     events = trace_events(12, 0.3, 0.5, 2, 2)
-    first_wait = next(e for e in events if e["name"] == "wait batch" and e["args"]["step"] == 0)
+    first_wait = next(e for e in events if e["name"] == "wait batch" and e["args"]["step"] == 1)
     first_wait["ts"], first_wait["dur"] = first_wait["ts"] - 250_000, first_wait["dur"] + 250_000
     late = read_source(str(write_run(tmp_path / "late", lease_s=0.3, update_s=0.5, staleness=0, events=events)),
                        cores=8)
@@ -224,6 +225,32 @@ def test_the_learner_noise_is_the_spread_of_its_seconds_per_token(tmp_path):
     compute = PREPARE_S + 0.5 + PUBLISH_S  # the 75th percentile is a longer step, the 25th a usual one
     assert jittered.noise == pytest.approx(np.log((compute + 0.25) / compute) / 1.349, rel=0.01)
     assert jittered.slowdowns[1] is None  # the generator never computed beside it: no slowdown to fit
+
+
+def test_a_run_written_before_steps_counted_from_1_reads_as_the_same_run(tmp_path):
+    """Before 2026-11-29 metrics.jsonl and trace.json counted steps from 0, and a publish span named no version
+    (metrics.current_rows, run_costs.read_events): the same run in either numbering is the same source."""
+    events = trace_events(12, 0.2, [0.5, *[0.5, 0.75] * 5, 0.5], 2, 2)
+
+    def as_before(event: dict) -> dict:
+        args = dict(event.get("args", {}))
+        if event["name"] in ("wait batch", "prepare", "update", "publish"):
+            args["step"] -= 1
+            args.pop("version", None)
+        if event["name"] == "episode":
+            args["trained_step"] -= 1
+        return {**event, "args": args} if event.get("ph") == "X" else event
+
+    runs = {"now": write_run(tmp_path / "now", events=events),
+            "older": write_run(tmp_path / "older", events=[as_before(e) for e in events])}
+    for name, shift in (("now", 0), ("older", 1)):  # episode lengths that differ by step: the rows must line up
+        rows = [json.loads(line) for line in (runs[name] / "metrics.jsonl").read_text().splitlines()]
+        (runs[name] / "metrics.jsonl").write_text("".join(
+            json.dumps({**row, "step": row["step"] - shift, "episodes/length_mean": 10.0 + row["step"] % 3}) + "\n"
+            for row in rows))
+    now, older = (read_source(str(runs[name]), cores=8) for name in ("now", "older"))
+    assert now.step_costs.tolist() == older.step_costs.tolist() and now.weight_delays == older.weight_delays
+    assert now.noise == older.noise and now.slowdowns == older.slowdowns and now.noise > 0.01
 
 
 def calls_with_swaps(clean: int, hit: int, extra_s: float) -> tuple[np.ndarray, dict]:

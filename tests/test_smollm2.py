@@ -109,5 +109,5 @@ def test_the_config_launches_for_two_steps(path, ray_session, tmp_path):
     assert launch_in_process(tmp_path, "run.total_steps=2", "data.prompts_per_step=1", "data.samples_per_prompt=2",
                              "agent.max_new_tokens=24", "agent.max_turns=2", config="configs/smollm2_tools.yaml") == 0
     rows = read_metrics(tmp_path)
-    assert [row["step"] for row in rows] == [0, 1] and rows[-1]["samples/trained"] == 4
+    assert [row["step"] for row in rows] == [1, 2] and rows[-1]["samples/trained"] == 4
     assert (tmp_path / "final" / "model.safetensors").is_file()

@@ -146,7 +146,7 @@ def test_call_results_and_errors():
     started = time.perf_counter()
     timed_out = run(call_tool(as_tool(slow), {"seconds": 5}, timeout_s=0.05))
     assert (timed_out.text, timed_out.error) == ("error: timeout after 0.05s", True)
-    assert time.perf_counter() - started < 1
+    assert time.perf_counter() - started < 5  # at the timeout, not when the 5 s tool ended
     own_limit = run(call_tool(as_tool(slow, timeout_s=0.02), {"seconds": 5}, timeout_s=10))
     assert own_limit.text == "error: timeout after 0.02s"
     assert run(call_tool(as_tool(search), {"query": "x" * 100}, max_chars=10)).text == "x" * 10
@@ -165,10 +165,11 @@ def test_a_blocking_tool_that_never_returns_holds_neither_the_call_nor_its_loop(
     started = time.monotonic()
     caller.start()
     caller.join(3)
-    seconds = time.monotonic() - started
+    seconds, returned_while_stuck = time.monotonic() - started, not caller.is_alive()
     release.set()
     caller.join()
-    assert outcome == [ToolResult("error: timeout after 0.2s", True)] and 0.2 <= seconds < 0.2 + 0.5, seconds
+    # at its timeout, not before, and while the tool was still stuck (never on a loaded machine's wall clock)
+    assert outcome == [ToolResult("error: timeout after 0.2s", True)] and returned_while_stuck and seconds >= 0.2
 
 
 def test_an_async_tool_that_swallows_its_cancellation_is_left_behind_after_the_grace():
@@ -185,13 +186,14 @@ def test_an_async_tool_that_swallows_its_cancellation_is_left_behind_after_the_g
         calling = asyncio.ensure_future(call_tool(as_tool(stubborn), {}, timeout_s=0.2))
         started = time.monotonic()
         await asyncio.wait({calling}, timeout=3)
-        seconds = time.monotonic() - started
+        seconds, returned_while_running = time.monotonic() - started, calling.done()
         release.set()
-        return await calling, seconds
+        return await calling, seconds, returned_while_running
 
-    result, seconds = run(call())
+    result, seconds, returned_while_running = run(call())
     assert result == ToolResult("error: timeout after 0.2s", True)
-    assert 0.2 + CANCEL_GRACE_S <= seconds < 0.2 + CANCEL_GRACE_S + 0.5, seconds
+    # after the timeout and the whole grace, and while the tool still ran: left behind, not waited for
+    assert returned_while_running and seconds >= 0.2 + CANCEL_GRACE_S, seconds
 
 
 @pytest.mark.parametrize("fn", [slow, slow_blocking])
@@ -204,7 +206,8 @@ def test_the_calls_of_64_concurrent_episodes_overlap(fn):
     started = time.monotonic()
     results = run(episodes())
     seconds = time.monotonic() - started
-    assert results == [ToolResult("done", False)] * 64 and 2.0 <= seconds < 3.0, seconds
+    # one wave: calls queued for a thread would take a second wave, 2 s more (the bound leaves 2 s for a loaded machine)
+    assert results == [ToolResult("done", False)] * 64 and 2.0 <= seconds < 4.0, seconds
 
 
 def test_hermes_parser():

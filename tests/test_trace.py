@@ -158,7 +158,8 @@ def test_a_real_run_traces_every_role_and_each_episode_before_its_training(obser
     assert {"episode", "generate", "tool", "lease", "prepare", "update", "publish"} <= span_names
     assert any(name.startswith("weights v") for name in span_names)
     prepare = {e["args"]["step"]: e["ts"] for e in events if e["name"] == "prepare"}
-    assert sorted(prepare) == [0, 1, 2, 3]
+    assert sorted(prepare) == [1, 2, 3, 4]
+    assert [e["args"] for e in events if e["name"] == "publish"] == [{"step": s, "version": s} for s in (1, 2, 3, 4)]
     episodes = [(s, e, ev) for spans in by_track.values() for s, e, ev in spans if ev["name"] == "episode"]
     assert len(episodes) == 4 * 4 * 4  # every trained trajectory, once
     for start, end, episode in episodes:

@@ -95,7 +95,7 @@ def test_the_default_job_on_two_hosts_survives_losing_one_and_resumes(hosts, tmp
     resumed = hosts.run(hosts.head, [*launch, "run.resume=auto"], 600, **ENV)
     assert "resum" in resumed.stderr.lower() or (out / "final").is_dir()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == list(range(STEPS))  # every step once: the lost ones re-run
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # every step once: the lost ones re-run
     assert all(0 <= row["reward/mean"] <= 1 for row in rows)
     # versions flowed back from the head to the generator: no batch older than the staleness limit, so
     # by the last step the generator sampled with weights the learner published many steps in

@@ -253,7 +253,7 @@ def test_the_tiny_model_learns_the_workload(ray_session, tmp_path, config):
                                                  "run.progress=false"])
     launch(cfg)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == list(range(LEARNING_STEPS))
+    assert [row["step"] for row in rows] == list(range(1, LEARNING_STEPS + 1))
     first, last = (statistics.mean(row["reward/mean"] for row in part) for part in (rows[:3], rows[-3:]))
     assert last >= first + 0.2, [round(row["reward/mean"], 2) for row in rows]
     calls = [row for row in rows if row["episodes/tool_calls"]]

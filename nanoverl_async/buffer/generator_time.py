@@ -1,10 +1,13 @@
 """Where the generators' time goes, per window between two batches (buffer/service.py hands out a window's
 shares with each batch): `GatedClock`, measured by the buffer from the lease replies it gives (the gate
-refusing new groups), and `WorkShares`, from each generator's own clock (generators/worker.py GeneratorClock).
-Pure bookkeeping on the times and totals given: tests/test_buffer_service.py drives both.
+refusing new groups), and `WorkShares`, from each generator's own clock (generators/worker.py GeneratorClock);
+and what it delivered, `TokenRate`. Pure bookkeeping on the times and totals given: tests/test_buffer_service.py
+drives them.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 
 class GatedClock:
@@ -58,3 +61,29 @@ class WorkShares:
         # (min: the totals are whole milliseconds, each rounded down on its own)
         return {f"generators_{key[:-3]}_frac": min(1.0, value / moved[0]) if moved[0] else 0.0
                 for key, value in zip(self.KEYS[1:], moved[1:])}
+
+
+class TokenRate:
+    """Sampled tokens the generators delivered per second over the latest `windows` windows between batches:
+    `tokens/generated_per_s`. Tokens arrive with their finished episode, so one window (a step whose batch was
+    ready at once) can hold none while every generator is decoding, and the next one the tokens of two: over a
+    few windows the rate is what generation delivered, and 0 only if nothing arrived in all of them. The first
+    window starts at the first lease, before which nothing is generated."""
+
+    def __init__(self, windows: int):
+        self.tokens, self.window_start = 0, None  # the current window's tokens; its start (None: no lease yet)
+        self.closed: deque = deque(maxlen=windows)  # (start, tokens) of the latest windows
+
+    def start(self, now: float) -> None:
+        """A lease was granted at `now`: generation may begin (the first one starts the first window)."""
+        if self.window_start is None:
+            self.window_start = now
+
+    def rate(self, now: float) -> float:
+        """Tokens per second over the latest windows, the current one ended at `now`; starts the next window (none
+        before the first lease: a resumed run's first batches may come from restored groups)."""
+        if self.window_start is not None:
+            self.closed.append((self.window_start, self.tokens))
+            self.tokens, self.window_start = 0, now
+        seconds = now - self.closed[0][0] if self.closed else 0.0
+        return sum(tokens for _, tokens in self.closed) / seconds if seconds > 0 else 0.0

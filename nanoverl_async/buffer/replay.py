@@ -1,9 +1,10 @@
 """The replay buffer: trajectories grouped by lease, handed out as complete groups, oldest first.
 
 A group is opened when its lease is granted (`open`), fills up with its G trajectories (`add`), and
-is then ready. `take(t, B, eta)` is the consumption check of docs/design.md "The consumption check":
+is then ready. `take(v, B, eta)`, for the batch that updates weights v, is the consumption check of
+docs/design.md "The consumption check":
 
-  1. every ready group with t - u > eta (u = the group's version, the minimum over its trajectories)
+  1. every ready group with v - u > eta (u = the group's version, the minimum over its trajectories)
      is removed and returned as dropped, so the caller can give its slot back and re-issue its prompt;
   2. then the B oldest ready groups (by version, then completion order) are removed and returned, by
      version and then lease order, or none at all if fewer than B are ready (never a partial batch).
@@ -17,7 +18,7 @@ Invariants: a trajectory only joins the open group named by its group_id, at an 
 with an id no other member has;
 a trajectory for an unknown group (a straggler of an expired lease, whose prompt now runs under a new
 group_id) or a duplicate sample is dropped and counted, never mixed in. Every group handed out has G
-trajectories, ordered by sample_index, and satisfies t - u <= eta.
+trajectories, ordered by sample_index, and satisfies v - u <= eta.
 
 Checkpoints (`state` / `restore`): ready groups with their trajectories (the trajectory wire codec,
 never pickle), the partial groups' finished trajectories, and the counters. `restore` keeps only the
@@ -106,9 +107,10 @@ class ReplayBuffer:
         self.ready[group.group_id] = group
         return COMPLETED
 
-    def take(self, step: int, batch_groups: int, staleness: int) -> tuple[list[Group], list[Group]]:
-        """The consumption check, then the `batch_groups` oldest fresh groups (or none): (groups, dropped)."""
-        dropped = [g for g in self.ready.values() if step - g.version > staleness]
+    def take(self, version: int, batch_groups: int, staleness: int) -> tuple[list[Group], list[Group]]:
+        """The consumption check for the batch that updates weights `version`, then the `batch_groups` oldest fresh
+        groups (or none): (groups, dropped)."""
+        dropped = [g for g in self.ready.values() if version - g.version > staleness]
         for group in dropped:
             del self.ready[group.group_id]
         self.counters["dropped_stale"] += len(dropped)

@@ -15,8 +15,9 @@ One background thread owns both sockets, bound on `host` (wire.host as placed) a
     asking for more than generator.max_groups_in_flight groups (a generator never holds more; counted
     apart too: oversized_leases); a lease gets at most that many incomplete groups per generator. A
     refusal names the field, never the buffer's state (the newest version, what is in flight).
-The learner side calls `next_batch(step, timeout_s)`, which blocks on a condition until B fresh
-complete groups are ready, applying the consumption check (replay.py) first.
+The learner side calls `next_batch(version, timeout_s)` for the batch that will update weights `version` (step
+version + 1), which blocks on a condition until B fresh complete groups are ready, applying the consumption check
+(replay.py) first.
 
 Invariants: a message that fails to decode or validate is dropped, counted and logged, and the thread
 keeps running (validation includes at most agent.max_total_tokens tokens, counted apart too: too_long,
@@ -50,7 +51,7 @@ import zmq
 
 from nanoverl_async.wire import trajectory as wire
 from nanoverl_async.buffer.gate import AdmissionGate
-from nanoverl_async.buffer.generator_time import GatedClock, WorkShares
+from nanoverl_async.buffer.generator_time import GatedClock, TokenRate, WorkShares
 from nanoverl_async.buffer.replay import ADDED, COMPLETED, FILTERED, Group, ReplayBuffer
 from nanoverl_async.config import BufferConfig, GeneratorConfig
 from nanoverl_async.observe.trace import SpanLog
@@ -65,6 +66,7 @@ STATE_FORMAT = 2  # buffer.msgpack's layout (state_bytes); bump when it changes 
 # A trajectory's bytes per token, at most: 13 in its arrays, and the text of its kept messages (a token is a
 # few bytes of text, the longest in common vocabularies a few hundred). Bounds what the PULL socket takes in.
 TRAJECTORY_BYTES_PER_TOKEN = 1024
+TOKEN_RATE_WINDOWS = 5  # windows between batches that tokens/generated_per_s is measured over (TokenRate)
 
 
 class OversizedLease(ValueError):
@@ -93,14 +95,15 @@ def parse_request(payload: bytes) -> dict:
     return request
 
 
-def batch_stats(step: int, groups: list[Group]) -> dict:
-    """Per-batch staleness (lag = step - version) per trajectory and per generated token, and episode shape;
-    the only place these are computed: metrics.step_metrics logs them (metrics.BUFFER_STAT_KEYS)."""
+def batch_stats(version: int, groups: list[Group]) -> dict:
+    """Per-batch staleness (lag = `version`, the weights the batch updates, - the sampling version) per trajectory
+    and per generated token, and episode shape; the only place these are computed: metrics.step_metrics logs them
+    (metrics.BUFFER_STAT_KEYS)."""
     trajectories = [t for g in groups for t in g.trajectories]
-    lags = [step - t.version for t in trajectories if t.version >= 0]
+    lags = [version - t.version for t in trajectories if t.version >= 0]
     token_lags = Counter()
     for t in trajectories:
-        values, counts = np.unique(step - t.versions[t.versions >= 0], return_counts=True)
+        values, counts = np.unique(version - t.versions[t.versions >= 0], return_counts=True)
         token_lags.update(dict(zip(values.tolist(), counts.tolist())))
     tokens = sum(token_lags.values())
     return {
@@ -136,7 +139,7 @@ class BufferService:
                                  weights_refetched=0)
         self._generator_versions: dict[int, int] = {}
         self._refetches: dict[int, int] = {}  # generator -> the weights_refetched it last reported
-        self._tokens_since_batch = 0
+        self._tokens = TokenRate(TOKEN_RATE_WINDOWS)  # sampled tokens received, per window between batches
         self._gated = GatedClock(time.monotonic())
         self._work = WorkShares()
         self.trace = SpanLog(trace)
@@ -157,8 +160,8 @@ class BufferService:
                  self.endpoints["leases"])
 
     # ---- learner side ----
-    def next_batch(self, step: int, timeout_s: float) -> Batch:
-        """The trajectories of the B oldest fresh complete groups for training step `step`."""
+    def next_batch(self, version: int, timeout_s: float) -> Batch:
+        """The trajectories of the B oldest fresh complete groups for the update of weights `version`."""
         start = time.monotonic()
         deadline = start + timeout_s
         with self._cond:
@@ -166,28 +169,28 @@ class BufferService:
                 if self._error is not None:  # its message here: the cause does not survive a trip through Ray
                     raise RuntimeError(f"buffer service thread died: {type(self._error).__name__}: "
                                        f"{self._error}") from self._error
-                groups, dropped = self.replay.take(step, self.prompts_per_step, self.staleness)
+                groups, dropped = self.replay.take(version, self.prompts_per_step, self.staleness)
                 for group in dropped:
                     self.gate.release(group.group_id, reissue=True)
                 if dropped:
-                    log.info("step %d: dropped %d stale groups (versions %s, eta %d)", step, len(dropped),
+                    log.info("step %d: dropped %d stale groups (versions %s, eta %d)", version + 1, len(dropped),
                              sorted(g.version for g in dropped), self.staleness)
                 if groups:
                     for group in groups:
                         self.gate.consume(group.group_id)
                     now = time.monotonic()
-                    stats = {**batch_stats(step, groups), **self.stats(), "wait_s": now - start,
+                    stats = {**batch_stats(version, groups), **self.stats(), "wait_s": now - start,
                              "generators_gated_frac": self._gated.fraction(now, self.generators.replicas),
                              **self._work.fractions()}
-                    self._tokens_since_batch = 0
+                    stats["tokens_per_s"] = self._tokens.rate(now)  # after stats(): it ends the window's count
                     return Batch([t for g in groups for t in g.trajectories], stats)
                 if self._stop.is_set():
-                    raise RuntimeError(f"buffer service closed while step {step} waited for a batch")
+                    raise RuntimeError(f"buffer service closed while step {version + 1} waited for a batch")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(
-                        f"buffer: step {step} waited {timeout_s:.1f}s for {self.prompts_per_step} complete "
-                        f"groups of {self.group_size} with version >= {step - self.staleness}; "
+                        f"buffer: step {version + 1} waited {timeout_s:.1f}s for {self.prompts_per_step} complete "
+                        f"groups of {self.group_size} with version >= {version - self.staleness}; "
                         f"{len(self.replay.ready)} ready, {self.gate.in_flight()} in flight, "
                         f"{self.replay.counters['dropped_stale']} dropped as stale so far, "
                         f"generator versions {self._generator_versions or 'none reported'}")
@@ -204,7 +207,7 @@ class BufferService:
                 "groups_ready": len(self.replay.ready),
                 "groups_started": self.gate.groups_started,
                 "generator_versions": dict(self._generator_versions),
-                "tokens_generated": self._tokens_since_batch,
+                "tokens_generated": self._tokens.tokens,
             }
 
     def publishing(self, version: int) -> None:
@@ -287,7 +290,7 @@ class BufferService:
             log.warning("buffer: dropped a malformed trajectory message (%d bytes): %s", len(message), error)
             return
         with self._cond:
-            self._tokens_since_batch += trajectory.num_generated
+            self._tokens.tokens += trajectory.num_generated
             outcome = self.replay.add(trajectory)
             if outcome == COMPLETED:
                 self.gate.complete(trajectory.group_id)
@@ -317,6 +320,7 @@ class BufferService:
                 self._refetches[generator_id] = refetched
                 return msgpack.packb({"ok": True}, use_bin_type=True)
             now = time.monotonic()
+            self._tokens.start(now)
             self._work.observe(generator_id, request)
             room = self.generators.max_groups_in_flight - self.gate.in_flight(generator_id)
             leases = self.gate.lease(request["version"], max(0, min(request["max_groups"], room)), now, generator_id)

@@ -4,7 +4,8 @@ from metrics.jsonl's rows (`run_summary`).
 
 One JSON object per training step (one batch), flat keys `group/name` (e.g. `reward/mean`, `staleness/max`).
 `step_metrics` turns what one step produced (the batch's stats, the learner's metrics, timings) into
-that flat dict; it is pure so the keys can be tested without running anything.
+that flat dict; it is pure so the keys can be tested without running anything. Steps count from 1, as on the
+console and in checkpoint names: step N updates weights version N - 1 into version N (step_N holds them).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ BUFFER_STAT_KEYS = {
     "generators_gated_frac": "generators/gated_frac",  # share of generator time the gate refused new groups
     "generators_busy_frac": "generators/busy_frac",  # share of generator time the engine computed
     "generators_tool_wait_frac": "generators/tool_wait_frac",  # ... episodes in flight, all waiting on tools
+    "tokens_per_s": "tokens/generated_per_s",  # received over the latest windows between batches (TokenRate)
 }
 
 
@@ -49,7 +51,8 @@ def engine_total(trajectories: list, key: str) -> int:
 
 def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, step_seconds: float,
                  samples_trained: int) -> dict:
-    """Everything logged for step `step`; `batch` is the buffer's Batch, `learner` the pool's metrics."""
+    """Everything logged for step `step` (from 1: it updates weights version step - 1); `batch` is the buffer's
+    Batch, `learner` the pool's metrics."""
     trajectories, stats = batch.trajectories, batch.stats
     generator_versions = stats.get("generator_versions", {})
     metrics = {"step": step}
@@ -62,9 +65,9 @@ def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, ste
         "staleness/limit": staleness_limit,
         "samples/trained": samples_trained,
         "time/step_s": step_seconds,  # wall time from the end of the previous step: wait + train + publish
-        "tokens/generated_per_s": stats.get("tokens_generated", 0) / max(step_seconds, 1e-9),
         "samples/per_s": len(trajectories) / max(step_seconds, 1e-9),
-        "weights/version_lag_max": (step - min(generator_versions.values())) if generator_versions else 0,
+        # behind the weights the step updates (version step - 1), as the staleness lags are
+        "weights/version_lag_max": (step - 1 - min(generator_versions.values())) if generator_versions else 0,
         "episodes/tool_use_frac": float(np.mean([t.tool_calls > 0 for t in trajectories])),
         # errors / calls over the batch (malformed, unknown tool, bad arguments, raised, timed out)
         "episodes/tool_error_rate": tool_errors / max(1, tool_calls),
@@ -77,9 +80,9 @@ def step_metrics(step: int, staleness_limit: int, batch: Any, learner: dict, ste
         "episodes/length_mean": float(np.mean([len(t.token_ids) for t in trajectories])),
         # the engine's prefix cache: the share of the batch's prefilled context tokens served from cached
         # blocks (a group's shared prompt, an episode's earlier turns), and rows preempted for KV memory
-        "generator/prefix_cache_hit_frac": engine_total(trajectories, "cached_tokens")
+        "generators/prefix_cache_hit_frac": engine_total(trajectories, "cached_tokens")
         / max(1, engine_total(trajectories, "prefill_tokens")),
-        "generator/preemptions": engine_total(trajectories, "preemptions"),
+        "generators/preemptions": engine_total(trajectories, "preemptions"),
         "episodes/generated_tokens_mean": float(np.mean([t.num_generated for t in trajectories])),
         "batch/tied_groups_frac": tied_groups_fraction(trajectories),
         # which prompts this step trained on: a resumed run never trains on one twice (tests/test_cli_run.py)
@@ -134,24 +137,50 @@ def tied_groups_fraction(trajectories: list) -> float:
 
 
 SUMMARY_WINDOW = 5  # steps averaged at each end for the summary's reward first -> last (fewer in a short run)
+EVAL_KEY = "eval/reward_mean"  # the held-out score (generators/worker.py evaluate), shown where a step has it
 
 
 def run_summary(rows: list[dict], output_dir: Path, final: Path, log_samples: int,
-                predicted: Optional[dict[str, float]] = None) -> str:
+                predicted: Optional[dict[str, float]] = None, start_step: int = 0) -> str:
     """The lines a run ends with, from its metrics.jsonl rows (every step once, a resumed run's earlier ones
-    included): steps, reward/mean averaged over the first and the last few steps, samples trained per second
-    of step time (time/step_s: waiting for the batch, training, publishing), the learner's peak memory beside
-    its start-up prediction (`predicted`: GB by memory/* key), where the model, samples and plot are."""
+    included): the steps this launch trained (after `start_step`, its checkpoint's) and the run's, samples trained
+    per second of step time (time/step_s: waiting for the batch, training, publishing), reward/mean averaged over
+    the first and the last few steps, the held-out score (`eval_line`), the learner's peak memory beside its
+    start-up prediction (`predicted`: GB by memory/* key), where the model, samples and plot are."""
     window = max(1, min(SUMMARY_WINDOW, len(rows) // 3))
     first, last = (float(np.mean([r["reward/mean"] for r in part])) for part in (rows[:window], rows[-window:]))
-    seconds = sum(r["time/step_s"] for r in rows)
     samples = (f"{output_dir / 'samples.jsonl'} ({log_samples} episodes a step)" if log_samples
                else "not kept (run.log_samples=N keeps N episodes a step)")
     return "\n".join([
-        f"done: {len(rows)} steps in {seconds:.0f} s, {rows[-1]['samples/trained'] / max(seconds, 1e-9):.1f} "
-        f"samples/s; reward {first:.3f} -> {last:.3f} (mean of the first and the last {window} step(s))",
-        *memory_line(rows, predicted or {}), f"  final model: {final}", f"  samples:     {samples}",
+        f"done: {steps_done(rows, start_step)}; reward {first:.3f} -> {last:.3f} (mean of the first and the last "
+        f"{window} step(s))", *eval_line(rows), *memory_line(rows, predicted or {}), f"  final model: {final}",
+        f"  samples:     {samples}",
         f"  metrics:     {output_dir / 'metrics.jsonl'}; plot them: nanoverl-async plot {output_dir}"])
+
+
+def steps_done(rows: list[dict], start_step: int) -> str:
+    """The steps trained, in time/step_s, and the run's samples/s; for a resumed run (`start_step` > 0) the steps of
+    this launch apart from the run's."""
+    seconds = sum(r["time/step_s"] for r in rows)
+    run = f"{seconds:.0f} s, {rows[-1]['samples/trained'] / max(seconds, 1e-9):.1f} samples/s"
+    if not start_step:
+        return f"{len(rows)} steps in {run}"
+    launched = [r for r in rows if r["step"] > start_step]
+    this = (f"steps {start_step + 1}-{rows[-1]['step']} in this launch ({len(launched)} steps, "
+            f"{sum(r['time/step_s'] for r in launched):.0f} s)" if launched else "no step in this launch")
+    return f"{this}; all {len(rows)} steps of metrics.jsonl in {run}"
+
+
+def eval_line(rows: list[dict]) -> list[str]:
+    """One line, the held-out score (run.eval_every) at the first and the last evaluation and at its best; none
+    without evaluations."""
+    evals = [row for row in rows if EVAL_KEY in row]
+    if not evals:
+        return []
+    first, last, best = evals[0], evals[-1], max(evals, key=lambda row: row[EVAL_KEY])
+    return [f"  eval:        {EVAL_KEY} {first[EVAL_KEY]:.3f} (step {first['step']}) -> {last[EVAL_KEY]:.3f} (step "
+            f"{last['step']}), best {best[EVAL_KEY]:.3f} (step {best['step']}); {len(evals)} evaluations on "
+            f"data.val_files"]
 
 
 def memory_line(rows: list[dict], predicted: dict[str, float]) -> list[str]:
@@ -171,19 +200,23 @@ TIED_STEPS_WARNING = 3  # consecutive steps where every group ties before the lo
 
 class MetricsLogger:
     """Appends metrics to metrics.jsonl, shows a progress line, mirrors to wandb when enabled. A run
-    resumed at `start_step` appends to the file, after dropping the rows of steps >= start_step that the
+    resumed at `start_step` appends to the file, after dropping the rows of steps after start_step that the
     earlier run logged after its checkpoint, so every step appears once."""
 
     def __init__(self, output_dir: Path, total_steps: int, progress: bool = True,
                  wandb_config: Optional[dict] = None, start_step: int = 0, log_samples: int = 0,
                  print_sample_every: int = 0):
-        self.path = Path(output_dir) / "metrics.jsonl"  # the folder exists: launch wrote config.yaml there first
+        # the folder exists (launch wrote config.yaml there first); claimed before a resumed run reads it
+        self.path = checkpoint.claim(output_dir, "metrics.jsonl")
         self.closing = ExitStack()  # what close() ends: the files, the bar, the wandb run
-        self.file = self.closing.enter_context(_open_rows(self.path, start_step))
+        # a resumed run's earlier rows are counted as now, its samples as its metrics (current_rows)
+        shift = counted_from_zero(_logged_rows(self.path)) if start_step and self.path.is_file() else 0
+        self.file = self.closing.enter_context(_open_rows(self.path, start_step, shift))
         self.log_samples, self.print_sample_every = log_samples, print_sample_every
         samples = Path(output_dir) / "samples.jsonl"
-        self.samples = self.closing.enter_context(_open_rows(samples, start_step)) if log_samples else None
-        self.total_steps, self.progress, self.started = total_steps, progress, time.monotonic()
+        self.samples = self.closing.enter_context(_open_rows(samples, start_step, shift)) if log_samples else None
+        self.total_steps, self.start_step, self.progress = total_steps, start_step, progress
+        self.started = time.monotonic()
         self.tied_steps, self.warned = 0, set()  # the warnings given: each at most once a run
         self.bar = self.wandb_run = None
         if progress and sys.stdout.isatty():  # a live bar in a terminal; plain lines when piped to a file
@@ -205,7 +238,7 @@ class MetricsLogger:
             chosen = trajectories[:: max(1, len(trajectories) // self.log_samples)][: self.log_samples]
             records = [sample_record(metrics["step"], t) for t in chosen]
             self.samples.write("".join(json.dumps(r) + "\n" for r in records))
-            if self.print_sample_every and (metrics["step"] + 1) % self.print_sample_every == 0:
+            if self.print_sample_every and metrics["step"] % self.print_sample_every == 0:
                 print(sample_line(records[0]), flush=True)
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in metrics.items() if not isinstance(v, (dict, list))},
@@ -245,36 +278,68 @@ class MetricsLogger:
         info = (f"reward {m['reward/mean']:.3f}  tools {m['episodes/tool_use_frac']:.2f}  "
                 f"tool_err {m['episodes/tool_errors']}/{m['episodes/tool_calls']}  "
                 f"staleness {m['staleness/mean']:.2f}/{m['staleness/max']}<={m['staleness/limit']}  "
-                f"{m['samples/per_s']:.0f} samples/s  {m['tokens/generated_per_s']:.0f} tok/s")
+                f"{m['samples/per_s']:.0f} samples/s  {m['tokens/generated_per_s']:.0f} tok/s"
+                + (f"  {EVAL_KEY} {m[EVAL_KEY]:.3f}" if EVAL_KEY in m else ""))  # run.eval_every's steps
         if self.bar is not None:
-            self.bar.update(self.bar_task, completed=m["step"] + 1, info=info)
+            self.bar.update(self.bar_task, completed=m["step"], info=info)
         else:
             elapsed = time.monotonic() - self.started
-            print(f"step {m['step'] + 1:>4}/{self.total_steps}  {info}  {elapsed:.0f}s", flush=True)
+            print(f"step {m['step']:>4}/{self.total_steps}  {info}  {elapsed:.0f}s", flush=True)
 
     def summary(self, final: Path, predicted: Optional[dict[str, float]] = None) -> str:
         """`run_summary` of the rows logged so far, with `final` the final model's folder."""
         rows = [json.loads(line) for line in self.path.read_text().splitlines()]
-        return run_summary(rows, self.path.parent.resolve(), final.resolve(), self.log_samples, predicted)
+        return run_summary(rows, self.path.parent.resolve(), final.resolve(), self.log_samples, predicted,
+                           self.start_step)
 
     def close(self) -> None:
         self.closing.close()
 
 
-def _open_rows(path: Path, start_step: int):
+# metrics.jsonl as versions before 2026-11-29 wrote it: a row's step counted from 0 (the weights version it
+# updated; learner/version was step + 1), and these keys had a singular prefix (one prefix per role since).
+RENAMED = {"generator/prefix_cache_hit_frac": "generators/prefix_cache_hit_frac",
+           "generator/preemptions": "generators/preemptions"}
+
+
+def current_rows(rows: list[dict], shift: Optional[int] = None) -> list[dict]:
+    """A run's rows as this version writes them, whichever version wrote them: every reader of a run's rows goes
+    through here (plot, simulate; a resumed run rewrites its files so). `shift`: the steps' renumbering, by
+    default `counted_from_zero(rows)` (samples.jsonl is told by its run's metrics.jsonl)."""
+    shift = counted_from_zero(rows) if shift is None else shift
+    return [{**{RENAMED.get(key, key): value for key, value in row.items()}, "step": row["step"] + shift}
+            for row in rows]
+
+
+def counted_from_zero(rows: list[dict]) -> int:
+    """1 if metrics rows count steps from 0 (written before 2026-11-29), else 0: there a row's learner/version
+    is step + 1, now step; rows without it (a copy cut to some keys) tell by a first step 0, never written now."""
+    if not rows:
+        return 0
+    first = rows[0]
+    return int(first["learner/version"] == first["step"] + 1 if "learner/version" in first else first["step"] == 0)
+
+
+def _open_rows(path: Path, start_step: int, shift: int = 0):
     """A .jsonl of per-step rows, opened for appending, line-buffered (each row is on disk once written: a
-    crashed run keeps its steps). A run resumed at `start_step` first drops the rows of steps >= start_step
-    that the earlier run wrote after its checkpoint, so every step appears once."""
+    crashed run keeps its steps). A run resumed at `start_step` (the steps its checkpoint holds) first keeps
+    only the rows of steps up to it, renumbered by `shift` (`current_rows`): the earlier run may have logged
+    steps after its checkpoint, and each step appears once."""
     checkpoint.claim(path.parent, path.name)  # never a link's target; listed in the run's marker
     if start_step and path.is_file():
-        rows = [line for line in path.read_text().splitlines() if _step_of(line) < start_step]
-        path.write_text("".join(f"{row}\n" for row in rows))
+        rows = [row for row in current_rows(_logged_rows(path), shift) if row["step"] <= start_step]
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path.open("a" if start_step else "w", buffering=1)
 
 
-def _step_of(line: str) -> float:
-    """A metrics.jsonl row's step; infinity for a blank or torn line (a crash mid-write), which is dropped."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return float("inf")
+def _logged_rows(path: Path) -> list[dict]:
+    """The rows of a .jsonl of per-step rows, as written; a blank or torn line (a crash mid-write) is left out."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and "step" in row:
+            rows.append(row)
+    return rows

@@ -5,7 +5,8 @@
 
 Reads each run directory's metrics.jsonl (one row per step, metrics.py) and config.yaml, and draws:
 
-    reward vs step            | reward vs wall clock      every run overlaid, one colour per run
+    reward vs step            | reward vs wall clock      every run overlaid, one colour per run; dashed with
+                                                          squares: eval/reward_mean where run.eval_every evaluated
     generators gated          | generated tokens/s
     tool use                  | tool errors               (the episodes/tool_* keys of docs/metrics.md)
     staleness: <run 1>        | step time: <run 1>        one row per run: the share of the batch at each
@@ -36,6 +37,7 @@ from matplotlib.ticker import MaxNLocator
 from nanoverl_async.checkpoint import changed_keys, claim
 from nanoverl_async.config import ConfigError
 from nanoverl_async.config_file import read_yaml
+from nanoverl_async.observe.metrics import EVAL_KEY, current_rows
 
 # keys that say where and how a run was started, not what it trained: they never label a run
 UNLABELLED_KEYS = {"run.output_dir", "run.resume", "run.overwrite", "run.progress"}
@@ -44,9 +46,10 @@ MAX_LABEL_KEYS = 4  # further differing keys are summarised as "+N more", so a l
 TIME_SPLIT = {"time/wait_batch_s": "wait for batch", "time/train_s": "train", "time/publish_s": "publish"}
 TIME_COLOURS = ("#b0b0b0", "#4c72b0", "#dd8452")
 TITLE_CHARS = 60  # a run row's title wraps here: two titles side by side fit the figure's width
-# the overlaid panels: (title, x: "step" or "wall_s", the metrics key drawn (also the y label), x label)
-OVERLAYS = (("reward vs step", "step", "reward/mean", "step"),
-            ("reward vs wall clock", "wall_s", "reward/mean", "training wall clock (s)"),
+# the overlaid panels: (title, x: "step" or "wall_s", the metrics key drawn (also the y label), x label[, a key drawn
+# dashed on the steps that have it])
+OVERLAYS = (("reward vs step", "step", "reward/mean", "step", EVAL_KEY),
+            ("reward vs wall clock", "wall_s", "reward/mean", "training wall clock (s)", EVAL_KEY),
             ("generators gated", "step", "generators/gated_frac", "step"),
             ("generated tokens/s", "step", "tokens/generated_per_s", "step"),
             ("tool use: share of episodes with a tool call", "step", "episodes/tool_use_frac", "step"),
@@ -78,7 +81,8 @@ def run_file(path: Path) -> Path:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """metrics.jsonl's rows; a ConfigError naming the file when it is missing, empty or not JSON rows."""
+    """metrics.jsonl's rows as written now (metrics.current_rows); a ConfigError naming the file when it is
+    missing, empty or not JSON rows."""
     rows = []
     for number, line in enumerate(run_file(path).read_text().splitlines(keepends=True), 1):
         if not line.strip() or not line.endswith("\n"):  # blank, or the row a live run is still writing
@@ -92,7 +96,7 @@ def read_rows(path: Path) -> list[dict]:
         rows.append(row)
     if not rows:
         raise ConfigError(f"{path}: no steps logged (the file is empty)")
-    return rows
+    return current_rows(rows)  # an older run's rows as written now
 
 
 def run_labels(configs: list[dict], names: list[str]) -> list[str]:
@@ -164,13 +168,21 @@ def draw(runs: list[Run]) -> Figure:
 
 
 def draw_overlay(ax, panel: tuple, runs: list[list[dict]], labels: list[str]) -> None:
-    """One OVERLAYS panel: each run's metrics rows, one line each; x "wall_s" is the running sum of time/step_s."""
-    title, x, key, x_label = panel
+    """One OVERLAYS panel: each run's metrics rows, one line each, and its dashed key where rows have it (in the
+    run's colour, out of the legend; named in the y label when drawn); x "wall_s" is the running sum of time/step_s."""
+    title, x, key, x_label, *dashed = panel
+    drawn = set()
     for index, (rows, label) in enumerate(zip(runs, labels)):
         xs = np.cumsum(column(rows, "time/step_s")) if x == "wall_s" else column(rows, x)
         marker = "o" if len(rows) <= 30 else None  # a short run's steps stay visible as points
         ax.plot(xs, column(rows, key), color=f"C{index}", marker=marker, markersize=3, label=label)
-    ax.set(title=title, xlabel=x_label, ylabel=key)
+        for other in dashed:
+            ys = column(rows, other)
+            kept = ~np.isnan(ys)  # the steps that have it: a line through them, not points between gaps
+            if kept.any():
+                ax.plot(xs[kept], ys[kept], color=f"C{index}", linestyle="--", marker="s", markersize=4)
+                drawn.add(other)
+    ax.set(title=title, xlabel=x_label, ylabel=", ".join([key, *(f"{d} (dashed)" for d in dashed if d in drawn)]))
     ax.grid(alpha=0.3)
 
 

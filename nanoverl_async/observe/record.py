@@ -13,7 +13,8 @@ bfloat16 run a difference below bfloat16's rounding goes unseen). A mismatch mea
 itself is not a function of its input (a kernel, a world size, a changed library), which separates a
 learner divergence from a generation one.
 
-Layout: `record/step_NNNNNN.msgpack`, one per training step: {"step": int, "trajectories": [bytes]}, each
+Layout: `record/step_NNNNNN.msgpack`, one per training step, counted from 1 as metrics.jsonl counts them (a
+record before 2026-11-29 counts from 0, and is read so): {"step": int, "trajectories": [bytes]}, each
 trajectory in its wire form (trajectory.encode), in batch order. A resumed run rewrites the steps from its
 checkpoint on, so the folder always holds the history that produced final/. The files are data: each
 trajectory is read back as the buffer reads one off the wire (decode, check_bounds), so a bad one is named
@@ -49,11 +50,13 @@ def write_batch(output_dir: str | Path, step: int, trajectories: list[Trajectory
 
 def read_batches(output_dir: str | Path, total_steps: int, vocab_size: int,
                  max_tokens: Optional[int] = None) -> list[list[Trajectory]]:
-    """Steps 0..total_steps-1 as recorded, each trajectory valid and within the run's bounds: token ids below
-    the model's `vocab_size`, at most `max_tokens` tokens, none sampled by weights newer than its step's (the
-    learner at step s holds version s); ConfigError naming the first missing or bad file, trajectory and field."""
+    """Steps 1..total_steps as recorded, each trajectory valid and within the run's bounds: token ids below
+    the model's `vocab_size`, at most `max_tokens` tokens, none sampled by weights newer than those its step
+    updated (version step - 1); ConfigError naming the first missing or bad file, trajectory and field."""
     batches = []
-    for step in range(total_steps):
+    first = 0 if step_path(output_dir, 0).is_file() else 1  # 0: recorded before 2026-11-29
+    for version in range(total_steps):  # the weights the step's batch updated
+        step = first + version
         path, where = step_path(output_dir, step), ""
         if not path.is_file():
             raise ConfigError(f"{path}: missing; replay needs every step of a run launched with run.record=true")
@@ -65,7 +68,7 @@ def read_batches(output_dir: str | Path, total_steps: int, vocab_size: int,
             for i, message in enumerate(record["trajectories"]):
                 where = f"trajectory {i}: "
                 batches[-1].append(decode(message))
-                check_bounds(batches[-1][-1], vocab_size, step, max_tokens)
+                check_bounds(batches[-1][-1], vocab_size, version, max_tokens)
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise ConfigError(f"{path}: not a recorded batch: {where}{error}") from None
     return batches

@@ -116,14 +116,21 @@ def read_events(events: list[dict], path: Path) -> dict:
     names = {e.get("pid"): e["args"].get("name", "") for e in events if e.get("name") == "process_name"}
     spans: dict = {"steps": {}, "lease": [], "episode": [], "generate": {}, "calls of": {}, "weights": [],
                    "gate closed": []}
+    learners = [e for e in events if e.get("ph") == "X" and names.get(e.get("pid")) == "learners"]
+    # A trace written before 2026-11-29 counted steps from 0, as its metrics.jsonl did (metrics.current_rows), and
+    # its publish spans named no version: its steps are counted as now.
+    shift = 0 if any("version" in e.get("args", {}) for e in learners) else 1
     for e in events:
         if e.get("ph") != "X":
             continue
         start, end, args = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e.get("args", {})
         kind = "weights" if e["name"].startswith("weights v") else e["name"]
         if names.get(e.get("pid")) == "learners":
-            spans["steps"].setdefault(args["step"], {})[kind] = (start, end)
-        elif kind in ("lease", "episode", "gate closed", "weights"):
+            spans["steps"].setdefault(args["step"] + shift, {})[kind] = (start, end)
+        elif kind == "episode":
+            spans[kind].append((start, end, {**args, "trained_step": args["trained_step"] + shift, "pid": e["pid"],
+                                             "tid": e["tid"]}))
+        elif kind in ("lease", "gate closed", "weights"):
             spans[kind].append((start, end, {**args, "pid": e["pid"], "tid": e["tid"]}))
         elif kind == "generate":
             spans["generate"].setdefault((e["pid"], e["tid"]), []).append((start, end))
@@ -271,7 +278,7 @@ def step_costs(spans: dict, learner_work: Callable, drain: bool) -> tuple[np.nda
         rows.append([handover, *(learner_work(*phases[p]) for p in COMPUTE)])
         # publish end -> the generator holds the weights (drain: -> receipt; the simulation drains itself)
         delays.append([max(0.0, (start if drain else end) - published) for start, end, args in spans["weights"]
-                       if args.get("version") == step + 1])
+                       if args.get("version") == step])  # step N publishes version N
     between = [max(0.0, after["wait batch"][0] - before["publish"][1])
                for (_, before), (_, after) in zip(steps, steps[1:])]
     between.append(np.median(between) if between else 0.0)  # the last step has none of its own: the others' median

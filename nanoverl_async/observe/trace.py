@@ -173,10 +173,12 @@ class PipelineTrace:
         self.pids, self.tids, self.lanes = {}, {}, {}
 
     def step(self, step: int, trajectories: list[Trajectory], marks: tuple[float, ...]) -> None:
-        """After step `step`: its phases (`marks`: time.monotonic() when its wait began and after each of
-        STEP_PHASES), the episodes it trained, and the spans every role closed since the last step."""
+        """After step `step` (counted from 1, as metrics.jsonl does): its phases (`marks`: time.monotonic() when its
+        wait began and after each of STEP_PHASES; "publish" names the weights version it published, `step`), the
+        episodes it trained, and the spans every role closed since the last step."""
         to_wall = time.time() - time.monotonic()  # read now: the marks are seconds old, clock slew cannot matter
-        spans = [("learners", Span("steps", name, to_wall + a, to_wall + b, {"step": step}))
+        spans = [("learners", Span("steps", name, to_wall + a, to_wall + b,
+                                   {"step": step, **({"version": step} if name == "publish" else {})}))
                  for name, a, b in zip(STEP_PHASES, marks, marks[1:])]
         spans += [(f"generator {t.generator_id}", episode_span(t, step)) for t in trajectories if t.spans]
         if not self.pids:  # the first step: every role's offset, then the processes' names (learners first)
