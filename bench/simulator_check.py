@@ -4,6 +4,11 @@ one after the other), predicts every eta from the eta 2 run and prints predicted
     python bench/simulator_check.py                                   # 20 steps each, alone on the machine
     python bench/simulator_check.py --keep tests/data/recorded_runs/quiet --machine quiet
     python bench/simulator_check.py --runs /tmp/sim/loaded-r1 --keep tests/data/recorded_runs/loaded-1 --machine loaded
+    python bench/simulator_check.py --abba 0,1,4 --keep tests/data/recorded_abba/quiet-1 --machine quiet
+
+--abba X,Y: for each eta X, A B B A reruns (A: eta 2, B: eta X, all traced); each A predicts the ratio of eta X's
+samples/s to eta 2's, its 80% interval against the ratio the four runs measured, and the same-setting pairs (A
+against A, B against B) give the machine's run-to-run spread (simulate.RUN_TO_RUN is calibrated on it).
 
 The issue's bar (issue 34): on a machine of its own the prediction lands within 15% of each measured run; on a
 machine loaded by another job within 25%, or the answer says it cannot tell. --keep writes each run's compact
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -26,7 +32,8 @@ from nanoverl_async.config import load_config
 from nanoverl_async.launcher import launch
 from nanoverl_async.observe.plot import read_rows
 from nanoverl_async.observe.run_costs import TRACE, load_trace, measured, trace_path
-from nanoverl_async.observe.simulate import report
+from nanoverl_async.observe.run_costs import read_source
+from nanoverl_async.observe.simulate import cannot_tell, predict, ratio, report
 
 # what `compact` keeps: the metrics keys run_costs.py and this script read, the trace args run_costs.read_events reads
 READ_KEYS = {"step", "time/step_s", "staleness/histogram", "generators/gated_frac", "episodes/length_mean",
@@ -40,6 +47,37 @@ def record(out: Path, steps: int, overrides: list[str]) -> None:
     for eta in ETAS:
         launch(load_config(CONFIG, [*overrides, f"staleness.max={eta}", f"run.total_steps={steps}", "run.trace=true",
                                     f"run.output_dir={out / f'eta{eta}'}", "run.overwrite=true", "run.progress=false"]))
+
+
+ABBA = ("A1", "B1", "B2", "A2")  # the order of an A B B A set's runs: A at eta TRACED, B at the eta compared
+
+
+def record_abba(out: Path, etas: list[int], steps: int, overrides: list[str]) -> None:
+    for eta in etas:
+        for name in ABBA:
+            launch(load_config(CONFIG, [*overrides, f"staleness.max={TRACED if name[0] == 'A' else eta}",
+                                        f"run.total_steps={steps}", "run.trace=true", "run.overwrite=true",
+                                        f"run.output_dir={out / f'eta{eta}' / name}", "run.progress=false"]))
+
+
+def compare_abba(runs: Path) -> list[str]:
+    """Per compared eta and traced A: the predicted ratio of eta X's samples/s to eta 2's (median, 80% interval,
+    or why it cannot tell) against the A B B A ratio measured; then the run-to-run spread of same-setting pairs."""
+    out, pairs = [f"{'eta':>4}{'from':>6}{'predicted':>11}{'80% of runs':>13}{'measured':>10}  inside"], []
+    for folder in sorted(runs.glob("eta*"), key=lambda p: int(p.name[3:])):
+        eta, rates = int(folder.name[3:]), {name: samples_per_s(folder / name) for name in ABBA}
+        truth = (rates["B1"] + rates["B2"]) / (rates["A1"] + rates["A2"])
+        pairs += [math.log(rates["A2"] / rates["A1"]), math.log(rates["B2"] / rates["B1"])]
+        for name in ("A1", "A2"):
+            source = read_source(str(folder / name))
+            predictions = {(e, 1): predict(source, e, 1) for e in (TRACED, eta)}
+            median, low, high = ratio(predictions[(eta, 1)], predictions[(TRACED, 1)])
+            why = cannot_tell(source, predictions)
+            out.append(f"{eta:>4}{name:>6}{median:>11.2f}{f'{low:.2f}-{high:.2f}':>13}{truth:>10.2f}  "
+                       + (why if why else "yes" if low <= truth <= high else "no"))
+    spread = math.sqrt(sum(p * p for p in pairs) / len(pairs) / 2)  # per run: a pair's log ratio holds two runs
+    return [*out, f"run to run: sd of log samples/s {spread:.3f} from {len(pairs)} same-setting pairs "
+                  f"(simulate.RUN_TO_RUN)"]
 
 
 def samples_per_s(run: Path) -> float:
@@ -76,10 +114,11 @@ def compact(run_dir: str, into: str) -> Path:
     return target
 
 
-def keep(runs: Path, into: Path, machine: str, load: tuple) -> None:
+def keep(runs: Path, into: Path, machine: str, load: tuple, abba: bool) -> None:
     """Compact copies of the runs and machine.json; load: /proc/loadavg before and after (None with --runs)."""
-    for eta in ETAS:
-        compact(str(runs / f"eta{eta}"), str(into / f"eta{eta}"))
+    kept = sorted(runs.glob("eta*/[AB]?")) if abba else [runs / f"eta{eta}" for eta in ETAS]
+    for run in kept:
+        compact(str(run), str(into / run.relative_to(runs)))
     (into / "machine.json").write_text(json.dumps(
         {"machine": machine, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": os.cpu_count(),
          "loadavg_before": load[0], "loadavg_after": load[1], "traced": f"eta{TRACED}"}, indent=1) + "\n")
@@ -92,17 +131,19 @@ def main() -> None:
     parser.add_argument("--runs", help="runs already recorded (RUNS/eta0, eta2, eta4): launch nothing")
     parser.add_argument("--keep", help="write the runs' compact copies and machine.json here")
     parser.add_argument("--machine", choices=("quiet", "loaded"), help="with --keep: the machine the runs had")
+    parser.add_argument("--abba", help="A B B A reruns of eta 2 (A) against each of these etas (B), e.g. 0,4")
     args, overrides = parser.parse_known_args()
     if args.keep and not args.machine:
         parser.error("--keep needs --machine quiet|loaded")
     load = [Path("/proc/loadavg").read_text().strip()]
     runs = Path(args.runs or args.out)
+    etas = [int(e) for e in args.abba.split(",")] if args.abba else []
     if not args.runs:
-        record(runs, args.steps, overrides)
+        record_abba(runs, etas, args.steps, overrides) if etas else record(runs, args.steps, overrides)
     load.append(Path("/proc/loadavg").read_text().strip())
-    print("\n".join(compare(runs)))
+    print("\n".join(compare_abba(runs) if etas else compare(runs)))
     if args.keep:
-        keep(runs, Path(args.keep), args.machine, (None, None) if args.runs else load)
+        keep(runs, Path(args.keep), args.machine, (None, None) if args.runs else load, bool(etas))
 
 
 if __name__ == "__main__":

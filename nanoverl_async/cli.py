@@ -130,7 +130,7 @@ def observe(args: argparse.Namespace) -> int:
         else:
             from nanoverl_async.observe.simulate import report
 
-            print(report(args.run_dir, args.staleness, args.generators, args.cores, args.seed))
+            print(report(args.run_dir, args.staleness, args.generators, args.cores, args.seed, progress=True))
     except ConfigError as error:
         print(f"nanoverl-async {args.command}: {error}", file=sys.stderr)
         return 2

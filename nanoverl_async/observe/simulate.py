@@ -41,9 +41,11 @@ from __future__ import annotations
 
 import heapq
 import math
+import sys
 import textwrap
 from collections import Counter
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import numpy as np
 
@@ -62,6 +64,12 @@ NOISY = 0.15  # the learner's step-to-step noise (run_costs.py `learner_steps`) 
 #               the machine (alone, the same work takes the same time within a few %): then it cannot tell
 CROWDED = 0.7  # interference (run_costs.py `fit_interference`) under which another job took cores: alone on a
 #               machine, roles that fit its cores barely slow each other (each runs learner/generator.torch_threads)
+# A run's samples/s differs from the next one's of the same config on the same machine (the host's other load,
+# its caches, its clock): sd of log samples/s, pooled over 14 same-setting pairs of A B B A reruns of the default
+# job on the 2-core machine (0.064 from 8, 0.098 from 6; docs/benchmarks.md "The simulator against A B B A
+# reruns"). Each simulated run draws such a factor, so an interval says where another run would land, not only
+# where this run's costs, resampled, put it.
+RUN_TO_RUN = 0.08
 WIDE = 0.15  # an interval wider than +-15% of its median, or a miss of the run's own samples/s by more: cannot tell
 GENERATING, LEARNING, REAL = 0, 1, 2  # the virtual clocks of generators' groups and the learner's compute; timers
 HEADER = (f"{'setting':<26}{'samples/s':>10}{'80% of runs':>13}{'mean':>6}{'max':>5}{'gated':>7}"
@@ -70,13 +78,16 @@ HEADER = (f"{'setting':<26}{'samples/s':>10}{'80% of runs':>13}{'mean':>6}{'max'
 
 @dataclass
 class Prediction:
-    samples_per_s: np.ndarray  # one per simulated run
+    samples_per_s: np.ndarray  # one per simulated run, on the run's resampled costs
     lags: Counter  # lag -> trajectories trained at that lag, over the runs
     gated_frac: float
+    machine: np.ndarray | float = 1.0  # per simulated run: its machine's speed that run (lognormal, sd RUN_TO_RUN)
 
-    def spread(self) -> tuple[float, float, float]:
-        """(median, low, high) of samples/s over the simulated runs: low and high the INTERVAL percentiles."""
-        return tuple(float(v) for v in np.percentile(self.samples_per_s, [50, *INTERVAL]))
+    def spread(self, run_to_run: bool = True) -> tuple[float, float, float]:
+        """(median, low, high) of samples/s over the simulated runs, low and high the INTERVAL percentiles; with
+        `run_to_run`, each run at its machine's speed (else only the run's own costs, resampled, vary)."""
+        values = self.samples_per_s * self.machine if run_to_run else self.samples_per_s
+        return tuple(float(v) for v in np.percentile(values, [50, *INTERVAL]))
 
 
 def nearest(keys: np.ndarray, center: int, minimum: int) -> np.ndarray:
@@ -256,8 +267,10 @@ def predict(source: Source, staleness: int, generators: int, seed: int = 0) -> P
     runs = [Simulation(resample(source, np.random.default_rng([seed, r])), staleness, generators,
                        np.random.default_rng([seed, r, staleness, generators])).run(source.steps)
             for r in range(REPEATS)]
-    return Prediction(np.concatenate([r.samples_per_s for r in runs]), sum((r.lags for r in runs), Counter()),
-                      float(np.mean([r.gated_frac for r in runs])))
+    samples_per_s = np.concatenate([r.samples_per_s for r in runs])
+    machine = np.exp(np.random.default_rng([seed, staleness, generators, 1]).normal(0, RUN_TO_RUN, len(samples_per_s)))
+    return Prediction(samples_per_s, sum((r.lags for r in runs), Counter()),
+                      float(np.mean([r.gated_frac for r in runs])), machine)
 
 
 def parse_list(text: str, flag: str, least: int) -> list[int]:
@@ -272,8 +285,9 @@ def parse_list(text: str, flag: str, least: int) -> list[int]:
 
 
 def ratio(a: Prediction, b: Prediction) -> tuple[float, float, float]:
-    """(median, low, high) of a's samples/s over b's, simulated run by simulated run (the same replicate)."""
-    return Prediction(a.samples_per_s / b.samples_per_s, Counter(), 0.0).spread()
+    """(median, low, high) of a's samples/s over b's, simulated run by simulated run (the same replicate of the
+    run's costs, each setting's run on a machine speed of its own)."""
+    return Prediction(a.samples_per_s * a.machine / (b.samples_per_s * b.machine), Counter(), 0.0).spread()
 
 
 def cannot_tell(source: Source, predictions: dict) -> str | None:
@@ -282,21 +296,22 @@ def cannot_tell(source: Source, predictions: dict) -> str | None:
     neither role was seen computing alone (so its speed alone is unknown); an interval is too wide (then the
     steps a run would need, an interval narrowing with the square root of the steps); or the simulation misses
     the run's own samples/s."""
-    width = max((high - low) / 2 / median for median, low, high in (p.spread() for p in predictions.values()))
+    # what more steps would narrow: the spread of the run's own costs (a machine's run-to-run speed stays)
+    width = max((high - low) / 2 / median for median, low, high in (p.spread(False) for p in predictions.values()))
     own, measured = predictions[(source.staleness, source.generators)].spread()[0], source.measured["samples_per_s"]
     needed, slowest = math.ceil(source.steps * (width / WIDE) ** 2), min(source.interference)
-    reasons = (
-        (source.noise or 0) > NOISY, f"the learner's same work took +-{source.noise or 0:.0%} different times from "
-        f"step to step (alone on a machine: under {NOISY:.0%}): another job shared the machine",
-        source.slowdowns == (None, None), "the run never had generation or the learner computing alone: their "
-        "speed alone is unknown",
-        slowest < CROWDED, f"the roles slowed each other to {slowest:.2f}x (under {CROWDED}x) beyond what sharing "
-        f"{source.cores:g} cores explains: another job took cores",
-        width > WIDE, f"{source.steps} steps leave an 80% interval of +-{width:.0%} (over {WIDE:.0%}); trace a run "
-        f"of >= {needed} steps (run.total_steps={needed})",
-        abs(own / measured - 1) > WIDE, f"the simulation misses this run's own samples/s by {own / measured - 1:+.0%}"
-        f" ({own:.1f} vs {measured:.1f}, over {WIDE:.0%})")
-    return next((f"cannot tell: {why}" for bad, why in zip(reasons[::2], reasons[1::2]) if bad), None)
+    reasons = [  # (whether it holds, why it cannot tell), in order
+        ((source.noise or 0) > NOISY, f"the learner's same work took +-{source.noise or 0:.0%} different times from "
+         f"step to step (alone on a machine: under {NOISY:.0%}): another job shared the machine"),
+        (source.slowdowns == (None, None), "the run never had generation or the learner computing alone: their "
+         "speed alone is unknown"),
+        (slowest < CROWDED, f"the roles slowed each other to {slowest:.2f}x (under {CROWDED}x) beyond what sharing "
+         f"{source.cores:g} cores explains: another job took cores"),
+        (width > WIDE, f"{source.steps} steps leave an 80% interval of +-{width:.0%} (over {WIDE:.0%}); trace a run "
+         f"of >= {needed} steps (run.total_steps={needed})"),
+        (abs(own / measured - 1) > WIDE, f"the simulation misses this run's own samples/s by "
+         f"{own / measured - 1:+.0%} ({own:.1f} vs {measured:.1f}, over {WIDE:.0%})")]
+    return next((f"cannot tell: {why}" for holds, why in reasons if holds), None)
 
 
 def decide(source: Source, predictions: dict) -> str:
@@ -331,13 +346,16 @@ def row(label: str, samples_per_s: float, lags: Counter, gated_frac: float, with
 
 def model_notes(source: Source) -> str:
     """What the predictions assume, in the words the table is printed with."""
-    generator, learner = (f"{value:.2f}x" if value is not None else f"not measured: taken as {other}"
-                          for value, other in zip(source.slowdowns, ("the learner", "generation")))
-    noise = "not measured" if source.noise is None else f"+-{source.noise:.0%}"
-    return (f"Model: generation beside the learner ran at {generator} its speed alone, the learner beside generation"
-            f" at {learner} (simulated as {source.interference[0]:.2f}x, {source.interference[1]:.2f}x); a weight "
-            f"swap added {source.swap_work:.3f} s to each group in flight on its generator; the learner's "
-            f"step-to-step noise {noise} (alone on a machine: under {NOISY:.0%}). "
+    def slowed(role: str, other: str, value: Optional[float], simulated: float) -> str:
+        return (f"{role} beside {other} ran at {value:.2f}x its speed alone" if value is not None else
+                f"{role} never ran alone in this run, so it is taken to slow beside {other} as {other} slows beside "
+                f"it") + f" (simulated as {simulated:.2f}x)"
+    noise = "could not be measured" if source.noise is None else f"was +-{source.noise:.0%}"
+    return (f"Model: {slowed('generation', 'the learner', source.slowdowns[0], source.interference[0])}; "
+            f"{slowed('the learner', 'generation', source.slowdowns[1], source.interference[1])}. A weight swap added "
+            f"{source.swap_work:.3f} s to each group in flight on its generator. The learner's step-to-step noise "
+            f"{noise} (alone on a machine: under {NOISY:.0%}). A run's speed varies from run to run by "
+            f"+-{RUN_TO_RUN:.1%} (sd), drawn for each simulated run. "
             f"Each setting: {REPEATS} simulated runs of {source.steps} steps, each on a bootstrap replicate of this "
             f"run's leases and steps; intervals hold {INTERVAL[1] - INTERVAL[0]}% of them. Every setting trains the "
             f"same samples per step: the same reward at a step only if staleness does not slow learning (compare "
@@ -346,8 +364,9 @@ def model_notes(source: Source) -> str:
 
 
 def report(run_dir: str, staleness: str, generators: str | None = None, cores: float | None = None,
-           seed: int = 0) -> str:
-    """The one-line answer, then its evidence: the table and the model's assumptions."""
+           seed: int = 0, progress: bool = False) -> str:
+    """The one-line answer, then its evidence: the table and the model's assumptions; with `progress`, a line on
+    stderr as each setting's simulation starts."""
     etas = parse_list(staleness, "--staleness", 0)
     counts = parse_list(generators, "--generators", 1) if generators is not None else []
     if cores is not None and not cores > 0:
@@ -355,7 +374,12 @@ def report(run_dir: str, staleness: str, generators: str | None = None, cores: f
     source = read_source(run_dir, cores)
     settings = sorted({(s, g) for s in etas for g in counts or [source.generators]}
                       | {(source.staleness, source.generators)})  # the run's own: the model's self-check
-    predictions = {(s, g): predict(source, s, g, seed) for s, g in settings}
+    predictions = {}
+    for number, (s, g) in enumerate(settings, start=1):  # seconds each on a large run: say what it is doing
+        if progress:
+            print(f"simulating staleness.max={s} generator.replicas={g} ({number} of {len(settings)})",
+                  file=sys.stderr, flush=True)
+        predictions[(s, g)] = predict(source, s, g, seed)
     lines = [decide(source, predictions), HEADER,
              row(f"measured eta={source.staleness} gen={source.generators}", **source.measured)]
     for (s, g), p in predictions.items():
