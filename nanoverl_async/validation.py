@@ -138,13 +138,7 @@ def _rules(cfg: Config) -> Iterator[tuple[str, bool, str]]:
         f"must be in (0, 1] or a whole number, got {gpus}"
     yield "agent.max_new_tokens", agent.max_new_tokens >= agent.max_total_tokens, \
         "must be smaller than agent.max_total_tokens"
-    # A hook that hangs is named by its own timeout only if that comes before the buffer gives up on the batch.
-    for key in ("agent.hook_timeout_s", "agent.rollout_timeout_s"):
-        yield key, get_key(cfg, key) >= run.step_timeout_s, \
-            f"must be below run.step_timeout_s ({run.step_timeout_s:g}), or a hung hook fails the step unnamed"
-    yield "agent.rollout_timeout_s", agent.rollout_timeout_s >= cfg.buffer.lease_timeout_s, \
-        (f"must be below buffer.lease_timeout_s ({cfg.buffer.lease_timeout_s:g}): a group's lease must outlive its "
-         f"episodes, or it expires and its prompt is issued again while they run")
+    yield from _hook_timeout_rules(cfg)
     yield "model.path", not cfg.model.path, "must not be empty"
     nccl = cfg.generator.engine == "sglang" and cfg.generator.sglang.weight_transport == "nccl"
     yield "weight_sync.mode", nccl and cfg.weight_sync.mode != "interrupt", \
@@ -189,6 +183,17 @@ def _rules(cfg: Config) -> Iterator[tuple[str, bool, str]]:
         "needs data.samples_per_prompt >= 2 (a single-sample group always ties and would be dropped)"
     yield "algorithm.overlong.buffer", algo.overlong.buffer >= agent.max_total_tokens, \
         f"must be below agent.max_total_tokens ({agent.max_total_tokens})"
+
+def _hook_timeout_rules(cfg: Config) -> Iterator[tuple[str, bool, str]]:
+    """A hook that hangs is named by its own timeout only if that comes before the buffer gives up on the batch;
+    a group's lease must outlive its episodes."""
+    for key in ("agent.hook_timeout_s", "agent.rollout_timeout_s"):
+        yield key, get_key(cfg, key) >= cfg.run.step_timeout_s, \
+            f"must be below run.step_timeout_s ({cfg.run.step_timeout_s:g}), or a hung hook fails the step unnamed"
+    yield "agent.rollout_timeout_s", cfg.agent.rollout_timeout_s >= cfg.buffer.lease_timeout_s, \
+        (f"must be below buffer.lease_timeout_s ({cfg.buffer.lease_timeout_s:g}): a group's lease must outlive its "
+         f"episodes, or it expires and its prompt is issued again while they run")
+
 
 def _lora_rules(lora, nccl: bool) -> Iterator[tuple[str, bool, str]]:
     """learner.lora's: its own bounds, and the weight transport its versions need."""
