@@ -37,7 +37,8 @@ def random_tiny_model(tmp_path_factory):
 def make_roles(model_path, tmp_path):
     cfg = load_config("configs/agent_grpo.yaml", [f"model.path={model_path}", f"run.output_dir={tmp_path}",
                                                  "data.prompts_per_step=2", "data.samples_per_prompt=2",
-                                                 "run.step_timeout_s=60"])
+                                                 "run.step_timeout_s=60", "agent.hook_timeout_s=30",
+                                                 "agent.rollout_timeout_s=50"])
     return Roles(prepare(cfg), model_path)  # as launch() does: roles get the prepared config
 
 

@@ -105,9 +105,11 @@ def test_the_engine_runs_the_real_model(path):
 @needs_package
 @pytest.mark.slow
 def test_the_config_launches_for_two_steps(path, ray_session, tmp_path):
-    """`nanoverl-async launch configs/smollm2_tools.yaml run.total_steps=2`, made as cheap as it gets."""
+    """`nanoverl-async launch configs/smollm2_tools.yaml run.total_steps=2`, made as cheap as it gets: a warm start
+    of one step on 4 demonstrations, evaluated on 2 episodes (turns as long as the solver writes: 48 tokens)."""
     assert launch_in_process(tmp_path, "run.total_steps=2", "data.prompts_per_step=1", "data.samples_per_prompt=2",
-                             "agent.max_new_tokens=24", "agent.max_turns=2", config="configs/smollm2_tools.yaml") == 0
+                             "agent.max_turns=2", "model.warm_start.demos=4", "model.warm_start.eval_episodes=2",
+                             config="configs/smollm2_tools.yaml") == 0
     rows = read_metrics(tmp_path)
     assert [row["step"] for row in rows] == [1, 2] and rows[-1]["samples/trained"] == 4
     assert (tmp_path / "final" / "model.safetensors").is_file()

@@ -66,9 +66,9 @@ CROWDED = 0.7  # interference (run_costs.py `fit_interference`) under which anot
 #               machine, roles that fit its cores barely slow each other (each runs learner/generator.torch_threads)
 # A run's samples/s differs from the next one's of the same config on the same machine (the host's other load,
 # its caches, its clock): sd of log samples/s, pooled over 14 same-setting pairs of A B B A reruns of the default
-# job on the 2-core machine (0.064 from 8, 0.098 from 6; docs/benchmarks.md "The simulator against A B B A
-# reruns"). Each simulated run draws such a factor, so an interval says where another run would land, not only
-# where this run's costs, resampled, put it.
+# job on the 2-core machine (0.064 from 8, 0.098 from 6), in
+# docs/benchmarks.md "The simulator against A B B A reruns, CPU". Each simulated run draws such a factor, so an
+# interval says where another run would land, not only where this run's costs, resampled, put it.
 RUN_TO_RUN = 0.08
 WIDE = 0.15  # an interval wider than +-15% of its median, or a miss of the run's own samples/s by more: cannot tell
 GENERATING, LEARNING, REAL = 0, 1, 2  # the virtual clocks of generators' groups and the learner's compute; timers
