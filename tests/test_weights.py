@@ -209,6 +209,12 @@ def test_a_generator_asks_again_for_damaged_versions_and_the_count_reaches_the_m
         worker = GeneratorWorker(0, cfg, str(tmp_path))
         running = asyncio.ensure_future(worker.run(service.endpoints, tamperer.endpoint))
         try:
+            # the worker's subscription, through the tamperer, before version 1: a subscriber joining mid-version
+            # misses its first buckets and rightly asks again, which would count one refetch more than DAMAGED
+            deadline = time.monotonic() + 30
+            while publisher.counts["subscriptions"] < 1:
+                assert not running.done() and time.monotonic() < deadline, "the generator never subscribed"
+                await asyncio.sleep(0.01)
             for version in range(1, DAMAGED + 2):
                 service.publishing(version)
                 weights = models[version].state_dict()
