@@ -88,18 +88,22 @@ def recipe(cfg: Config, base: str) -> dict:
     """Everything that determines the warm-started model, JSON-able: its cache key."""
     task = [] if cfg.data.train_files else [cfg.data.task]
     sources = [cfg.model.warm_start.solver, cfg.agent.env, cfg.reward.path, *task]
-    return {"base": _files_digest([p for p in Path(base).rglob("*") if p.is_file()]),
+    return {"base": _files_digest([p for p in Path(base).rglob("*") if p.is_file()], content=False),
             "sources": {spec: _source_digest(spec) for spec in sources if spec},
-            "data": _files_digest([Path(p) for p in [*cfg.data.train_files, *cfg.data.val_files]]),
+            "data": _files_digest([Path(p) for p in [*cfg.data.train_files, *cfg.data.val_files]], content=False),
             "warm_start": to_dict(cfg.model.warm_start), "agent": to_dict(cfg.agent), "reward": to_dict(cfg.reward),
             "dtype": cfg.model.dtype, "temperature": cfg.generator.temperature, "seed": cfg.run.seed}
 
 
-def _files_digest(paths: list[Path]) -> str:
+def _files_digest(paths: list[Path], content: bool = True) -> str:
+    """A hash of the files' names, sizes and contents; without `content`, their modification times instead (a
+    model's weights, a dataset: reading gigabytes at every launch to find the cached warm start costs too much)."""
     digest = hashlib.blake2b(digest_size=16)
     for path in sorted(paths):
-        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
-        digest.update(path.read_bytes())
+        stat = path.stat()
+        digest.update(f"{path.name}\0{stat.st_size}\0{'' if content else stat.st_mtime_ns}\0".encode())
+        if content:
+            digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
