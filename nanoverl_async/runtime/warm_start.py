@@ -25,8 +25,9 @@ DeepSeek-R1, and of agentic RL recipes). The user writes the solver, the environ
    tool and the mean reward, kept beside the model (warm_start.json) and printed at every launch.
 
 The model is cached like the built-in ones (models/cache.py): its directory is named by a hash of everything
-that determines it (the base model's files, the source files of the solver, environment, task and reward,
-the agent's limits, these settings), so an edited solver makes a new one and an unchanged config finds it.
+that determines it (the base model's files by name, size and time, the source files of the solver, environment,
+task and reward by content, the agent's limits, these settings), so an edited solver makes a new one and an
+unchanged config finds it.
 """
 
 from __future__ import annotations
