@@ -47,7 +47,8 @@ from nanoverl_async.agents.data import load_samples, prompt_source
 from nanoverl_async.agents.env import env_factory
 from nanoverl_async.agents.rewards import load_reward
 from nanoverl_async.agents.tool_parsers import write_calls
-from nanoverl_async.agents.user_code import BUILTINS, UserCodeError, call_user, defined_at, load_object
+from nanoverl_async.agents.user_code import (BUILTINS, UserCodeError, broken_contract, call_user, defined_at,
+                                             load_object)
 from nanoverl_async.config import Config, to_dict
 from nanoverl_async.generators.engine import Completion, SamplingParams
 from nanoverl_async.models.cache import build_once
@@ -129,8 +130,8 @@ def write(cfg: Config, base: str, directory: Path) -> str:
     shown = asyncio.run(demonstrations(solver, samples, new_env, tokenizer, cfg))
     kept = [(ids, mask) for ids, mask, reward in shown if reward > 0]
     if not kept:
-        raise UserCodeError(f"model.warm_start.solver {getattr(solver, '__name__', solver)}{defined_at(solver)}: "
-                            f"none of its {len(shown)} demonstrations earned a reward > 0 from agent.env")
+        raise UserCodeError(f"{solver_hook(solver)}{defined_at(solver)}: none of its {len(shown)} demonstrations "
+                            f"earned a reward > 0 from agent.env")
     model = _model(base, cfg)
     loss = train(model, kept, settings.batch_size, settings.epochs, settings.lr, cfg.run.seed)
     model.to(DTYPES[cfg.model.dtype]).save_pretrained(directory, safe_serialization=True)
@@ -143,6 +144,11 @@ def write(cfg: Config, base: str, directory: Path) -> str:
     return f"{len(kept)} of {len(shown)} demonstrations, final loss {loss:.3f}"
 
 
+def solver_hook(solver: Callable) -> str:
+    """How errors name the solver: 'model.warm_start.solver solve'."""
+    return f"model.warm_start.solver {getattr(solver, '__name__', solver)}"
+
+
 class Teacher:
     """An engine (generators/engine.Engine) whose every turn the solver writes for one episode, from the
     sample and the episode's messages so far, each within agent.hook_timeout_s as any hook (user_code.call_user);
@@ -150,7 +156,7 @@ class Teacher:
 
     def __init__(self, solver: Callable, sample: dict, tokenizer):
         self.solver, self.sample, self.tokenizer = solver, sample, tokenizer
-        self.hook = f"model.warm_start.solver {getattr(solver, '__name__', solver)}"
+        self.hook = solver_hook(solver)
         self.episode: Optional[Episode] = None  # set once the episode exists: its messages are the solver's input
 
     async def generate(self, input_ids: list[int], params: SamplingParams, episode_id=None) -> Completion:
@@ -160,8 +166,7 @@ class Teacher:
         if not (isinstance(turn, str) or (isinstance(calls, list) and calls and all(
                 isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)
                 for c in calls))):
-            raise UserCodeError(f"{self.hook}{defined_at(self.solver)} returned {type(turn).__name__} {turn!r:.60}; "
-                                f"return {EXPECTED}")
+            raise broken_contract(self.hook, self.solver, turn, f"return {EXPECTED}")
         try:
             text = turn if isinstance(turn, str) else write_calls(calls, self.episode.tool_format)
         except ValueError as error:
