@@ -39,6 +39,11 @@ trl/trainer/grpo_trainer.py and trl/chat_template_utils.py of 1.16.0):
   5. generation also stops at `</call>`: the model's generation_config lists it as an eos id, which TRL
      adds to its stop ids (otherwise the model would write its own `<res>` instead of calling the tool).
 
+The slow tool (`--tool-median-s` > 0, from a config with `agent.env: builtin:slow-tool`): the same calculator
+behind the project's lognormal delay (`slow_tool_task.delayed`, an `async def` tool: TRL gathers a
+completion's calls on its event loop; it runs completions one after another), drawn from a generator seeded
+with --seed.
+
 Written files: --out, one JSON line per step {step, wall_s (since the first step began), reward_mean,
 samples}; --summary, one JSON object: versions, timings, and the re-score: every episode's completion ids
 are scored again the project's way (the final turn is the tokens after the last tool result; a turn ending
@@ -54,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import tempfile
 import time
@@ -87,6 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--max-total-tokens", type=int, default=96)
     p.add_argument("--max-observation-chars", type=int, default=40)
+    p.add_argument("--tool-median-s", type=float, default=0.0, help="the slow tool's median delay (0: instant)")
+    p.add_argument("--tool-p99-s", type=float, default=0.0, help="its 99th percentile")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: the trainer's GPU (accelerate)")
     return p.parse_args(argv)
@@ -132,7 +140,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from nanoverl_async.agents import multiply_task
+    from nanoverl_async.agents import multiply_task, slow_tool_task
     from nanoverl_async.models.load import load_tokenizer, resolve_model_path
     from nanoverl_async.models.tiny import CALL_END, END, RES_END
     from nanoverl_async.agents.tool_parsers import parse_builtin
@@ -172,6 +180,11 @@ def main(argv=None) -> int:
             return multiply_task.calculator(expression)[:max_chars]
         except Exception as error:
             return f"error: {error}"[:max_chars]
+
+    tool = calculator
+    if args.tool_median_s > 0:  # builtin:slow-tool's calculator: the same delays, an `async def` tool
+        latency, rng = slow_tool_task.Lognormal(args.tool_median_s, args.tool_p99_s), random.Random(args.seed)
+        tool = slow_tool_task.delayed(calculator, lambda: latency.sample(rng), blocking=False)
 
     class TinyGRPOTrainer(GRPOTrainer):
         def _get_tool_suffix_ids(self, tool_messages):  # adaptation 3: the chat-template delta
@@ -238,7 +251,7 @@ def main(argv=None) -> int:
             dataloader_num_workers=0,
         )
         trainer = TinyGRPOTrainer(model=model, reward_funcs=[multiply_reward], args=config, train_dataset=dataset,
-                                  processing_class=tokenizer, tools=[calculator], callbacks=[StepClock()])
+                                  processing_class=tokenizer, tools=[tool], callbacks=[StepClock()])
         trainer.train()
 
     Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows))

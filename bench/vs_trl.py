@@ -1,6 +1,7 @@
 """nanoverl-async vs TRL's synchronous GRPOTrainer on our own default job, side by side.
 
     python bench/vs_trl.py --trl-python /work/trl-venv/bin/python [--steps 60] [--repeats 2] [--vary-seed]
+                           [--config configs/agent_grpo.yaml | configs/slow_tool.yaml]
                            [--device cpu|cuda] [--model PATH] [--project-overrides key=value ...] [--out results.json]
 
 --device cuda runs both sides on one GPU, in bfloat16 (autocast over float32 weights on both): TRL's trainer
@@ -17,7 +18,7 @@ and transformers). --trl-python defaults to this interpreter.
 
 Each side runs as its own subprocess (its own process tree), interleaved A B B A (TRL, project, project,
 TRL for --repeats 2) so that slow drift of the machine hits both sides alike:
-  - project: `nanoverl-async launch configs/agent_grpo.yaml run.output_dir=<tmp> run.progress=false
+  - project: `nanoverl-async launch <--config> run.output_dir=<tmp> run.progress=false
     run.overwrite=true run.total_steps=<steps> [--project-overrides]`, read from <tmp>/metrics.jsonl;
   - TRL: bench/trl_side.py with the config's task and learner settings (prompts, model, B x G, lr, clip,
     turn and token limits, temperature; --project-overrides apply to our side only), 2 torch threads.
@@ -59,6 +60,7 @@ WINDOW = 5
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=CONFIG, help="the job: the default one, or the slow tool's")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--repeats", type=int, default=2, help="runs per side, interleaved A B B A ...")
     p.add_argument("--vary-seed", action="store_true",
@@ -97,7 +99,7 @@ def run_project(args, scratch: Path, index: int, seed: int) -> dict:
     output_dir = scratch / f"project_{index}"
     cli = Path(sys.executable).parent / "nanoverl-async"
     command = [str(cli)] if cli.exists() else [sys.executable, "-m", "nanoverl_async.cli"]
-    command += ["launch", CONFIG, f"run.output_dir={output_dir}", "run.progress=false", "run.overwrite=true",
+    command += ["launch", args.config, f"run.output_dir={output_dir}", "run.progress=false", "run.overwrite=true",
                 f"run.total_steps={args.steps}", f"run.seed={seed}", *args.project_overrides]
     wall = run_logged(command, scratch / f"project_{index}.log", "nanoverl-async")
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -121,7 +123,12 @@ def job_overrides(args) -> list[str]:
 
 def trl_arguments(cfg) -> list[str]:
     """The job's task and learner settings for bench/trl_side.py (from the config, without our overrides)."""
-    return ["--model", cfg.model.path, "--dtype", cfg.model.dtype,
+    if cfg.agent.env not in ("", "builtin:slow-tool"):
+        raise SystemExit(f"agent.env={cfg.agent.env!r}: the TRL side runs the multiply task, with or without "
+                         f"builtin:slow-tool's delays")
+    latency = {"median_s": 0.2, "p99_s": 2.0, **cfg.agent.env_args} if cfg.agent.env else {"median_s": 0, "p99_s": 0}
+    return ["--tool-median-s", str(latency["median_s"]), "--tool-p99-s", str(latency["p99_s"]),
+            "--model", cfg.model.path, "--dtype", cfg.model.dtype,
             "--prompts-per-step", str(cfg.data.prompts_per_step),
             "--samples-per-prompt", str(cfg.data.samples_per_prompt),
             "--lr", str(cfg.learner.lr), "--betas", *map(str, cfg.learner.betas),
@@ -167,8 +174,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     job = job_overrides(args)  # the job and its shape: both sides
     args.project_overrides = [*job, *(GPU_PLACEMENT if args.device == "cuda" else []), *args.project_overrides]
-    cfg = load_config(str(REPO / CONFIG), job)
-    ours_cfg = load_config(str(REPO / CONFIG), args.project_overrides)  # a bad override fails here, early
+    cfg = load_config(str(REPO / args.config), job)
+    ours_cfg = load_config(str(REPO / args.config), args.project_overrides)  # a bad override fails here, early
     settings = trl_arguments(cfg)
     order = [(side, cfg.run.seed + i if args.vary_seed else cfg.run.seed) for i in range(args.repeats)
              for side in (("trl", "project") if i % 2 == 0 else ("project", "trl"))]
@@ -190,7 +197,7 @@ def main(argv=None) -> None:
     versions = trl[0]["versions"]
     seeds = ", ".join(str(s) for s in sorted({seed for _, seed in order}))
     overrides = f", overrides {' '.join(args.project_overrides)}" if args.project_overrides else ""
-    table = Table(title=f"nanoverl-async vs TRL {versions['trl']} GRPOTrainer: {CONFIG}, {args.steps} steps of "
+    table = Table(title=f"nanoverl-async vs TRL {versions['trl']} GRPOTrainer: {args.config}, {args.steps} steps of "
                         f"{cfg.data.prompts_per_step} x {cfg.data.samples_per_prompt}, runs "
                         f"{' '.join('A' if s == 'trl' else 'B' for s, _ in order)} (A = TRL, B = nanoverl-async)",
                   caption=f"ranges min-max over {args.repeats} run(s) per side; ratio = nanoverl-async / TRL; "

@@ -53,7 +53,7 @@ from nanoverl_async.config import SGLangConfig
 from nanoverl_async.learners.batch import (TrainBatch, epoch_order, shard, split_to, take_rows, to_device,
                                            token_budget_bounds, trimmed)
 from nanoverl_async.learners.checkpoint import drop_compute_copy, load_training_state, save_final, save_training_state
-from nanoverl_async.learners.memory import peak_memory
+from nanoverl_async.learners.memory import map_large_blocks, peak_memory
 from nanoverl_async.learners.packing import (Packing, attends_to_whole_context, attention_cost_per_position,
                                              keeps_packed_sequences_apart, pack, prompt_lengths)
 from nanoverl_async.learners.setup import PROCESS_GROUP_TIMEOUT_S, LearnerSetup
@@ -84,6 +84,8 @@ class LearnerRank:
         self.mesh = init_device_mesh(self.device.type, (world_size,))
         self.lora = cfg.lora if cfg.lora.rank > 0 else None  # learner.lora: adapters train, the base is frozen
         self.model = self._sharded_model(setup.model.path, adapters=self.lora)
+        if not cuda:
+            map_large_blocks(sum(parameter.numel() for parameter in self.model.parameters()))
         # every optimizer (policy, critic): AdamW with learner.betas, fused: one kernel per step instead of a
         # DTensor dispatch per parameter and op (~10% of a small step)
         adamw = partial(torch.optim.AdamW, betas=tuple(cfg.betas), fused=True)
