@@ -61,7 +61,7 @@ def test_the_value_checker_opens_no_socket_and_runs_no_user_code():
 
 
 @pytest.mark.parametrize("process, modules, heavy", [
-    ("the buffer's", "nanoverl_async.config, nanoverl_async.runtime.role_actors", ("torch", "transformers")),
+    ("the buffer's", "nanoverl_async.config, nanoverl_async.controller.role_actors", ("torch", "transformers")),
     ("the controller's", "nanoverl_async.launcher", ("torch.distributed.fsdp", "transformers.modeling_utils")),
 ])
 def test_processes_import_only_what_their_role_needs(process, modules, heavy):
@@ -77,7 +77,8 @@ def test_a_config_is_checked_without_torch_and_knows_every_registered_algorithm(
     """The CLI checks a config before it starts Ray: the algorithm keys' choices come from the algorithm
     modules' source (validation.algorithm_names), so no torch is imported (~3 s of CPU), and they are
     exactly the names those modules register when imported."""
-    probe = ("import sys\nfrom nanoverl_async.config import load_config\nfrom nanoverl_async.runtime.preflight import prepare\n"
+    probe = ("import sys\nfrom nanoverl_async.config import load_config\n"
+             "from nanoverl_async.controller.preflight import prepare\n"
              "prepare(load_config('configs/agent_grpo.yaml', []))\nprint('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=PACKAGE.parent)
     assert out.stdout.strip() == "False"
@@ -90,11 +91,11 @@ def test_a_config_is_checked_without_torch_and_knows_every_registered_algorithm(
 
 def test_local_ray_workers_import_this_checkout(monkeypatch):
     """start_ray puts the folder holding nanoverl_async/ first on the workers' PYTHONPATH (the package, not one of
-    its subfolders: runtime/startup.py sits two levels down)."""
+    its subfolders: controller/startup.py sits two levels down)."""
     import ray
 
     from nanoverl_async.config import RayConfig
-    from nanoverl_async.runtime import startup
+    from nanoverl_async.controller import startup
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: None)

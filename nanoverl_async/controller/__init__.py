@@ -1,1 +1,2 @@
-"""Processes and their life: the checks before roles start, Ray actors, start-up phases, the reaper."""
+"""The controller: the checks before roles start, a warm start, start-up, Ray's placement of the roles (the actors
+they run in, the learner pool, their wiring and waits), and `nanoverl-async replay`. The only folder that uses Ray."""

@@ -60,9 +60,9 @@ import torch
 from safetensors.torch import save_file
 
 from nanoverl_async.config import LoRAConfig, SGLangConfig
-from nanoverl_async.generators.engine import Completion, SamplingParams
+from nanoverl_async.agents.engine import Completion, SamplingParams
 from nanoverl_async.generators.sglang_server import SGLangServer
-from nanoverl_async.generators.sglang_client import SGLangError, checked, paused
+from nanoverl_async.wire.sglang_http import SGLangError, checked, paused
 from nanoverl_async.models.lora import gathered, save_adapter
 
 STICKY_EPISODES = 65_536  # episode -> server entries kept (oldest forgotten first)
