@@ -1,6 +1,6 @@
-"""The package's import graph: no cycles (lazy imports inside functions count too), and the value checker
-stays pure (it reaches nothing that opens a socket or runs user code); static, from the source. And what one
-process really imports: the buffer's and the controller's stay light."""
+"""The package's import graph: every import runs down ORDER, so no cycles (lazy imports inside functions count
+too), and the value checker stays pure (it reaches nothing that opens a socket or runs user code); static, from
+the source. And what one process really imports: the buffer's and the controller's stay light."""
 
 import ast
 import os
@@ -13,6 +13,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "nanoverl_async"
 SOCKETS_OR_USER_CODE = {"zmq", "ray", "httpx", "nanoverl_async.agents.user_code", "nanoverl_async.agents.env",
                         "nanoverl_async.agents.rewards", "nanoverl_async.buffer.service", "nanoverl_async.checkpoint"}
+
+# The package's units, bottom to top: each folder under nanoverl_async/ and each root module. A module imports
+# only from its own unit or a lower one (docs/design.md "The import order" says why each sits where it does).
+ORDER = ["validation", "config_file", "config", "algorithms", "wire", "checkpoint", "reaper", "agents", "observe",
+         "buffer", "simulator", "models", "generators", "learners", "controller", "launcher", "cli"]
 
 
 def module_name(path: Path) -> str:
@@ -51,6 +56,30 @@ def test_no_import_cycles():
     graph = import_graph()
     cycles = sorted(m for m in graph if m in reachable(graph, m) and m != "nanoverl_async")
     assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+def unit(module: str) -> str:
+    """nanoverl_async.agents.env -> agents; nanoverl_async.cli -> cli."""
+    return module.split(".")[1]
+
+
+def test_every_import_runs_down_the_order():
+    graph = import_graph()
+    units = {unit(m) for m in graph if m != "nanoverl_async"}
+    assert units == set(ORDER), f"not in ORDER: {sorted(units - set(ORDER))}; gone: {sorted(set(ORDER) - units)}"
+    upward = sorted(f"{me} imports {name} ({unit(name)} is above {unit(me)})"
+                    for me, names in graph.items() if me != "nanoverl_async"
+                    for name in names if name.startswith("nanoverl_async.")
+                    and ORDER.index(unit(name)) > ORDER.index(unit(me)))
+    assert not upward, "imports that run up the order (tests/test_imports.py ORDER):\n  " + "\n  ".join(upward)
+    assert "nanoverl_async.controller.roles" in graph["nanoverl_async.launcher"]  # the graph is real
+
+
+def test_the_design_note_gives_the_same_order():
+    section = (PACKAGE.parent / "docs" / "design.md").read_text().split("\n## The import order\n")[1].split("\n## ")[0]
+    listed = [line.split("`")[1].removesuffix(".py").removesuffix("/") for line in section.splitlines()
+              if line.startswith("- `")]
+    assert listed == ORDER
 
 
 def test_the_value_checker_opens_no_socket_and_runs_no_user_code():
