@@ -158,7 +158,7 @@ def solver_hook(solver: Callable) -> str:
 
 
 class Teacher:
-    """An engine (generators/engine.Engine) whose every turn the solver writes for one episode, from the
+    """An engine (agents/engine.Engine) whose every turn the solver writes for one episode, from the
     sample and the episode's messages so far, each within agent.hook_timeout_s as any hook (user_code.call_user);
     logprobs 0 and version 0, as nothing is sampled."""
 

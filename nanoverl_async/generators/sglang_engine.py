@@ -1,4 +1,4 @@
-"""The `Engine` protocol (engine.py) on a pool of SGLang servers, driven over SGLang's native HTTP API.
+"""The `Engine` protocol (agents/engine.py) on a pool of SGLang servers, driven over SGLang's native HTTP API.
 
     engine = SGLangEngine(model_dir, SGLangConfig(servers=2), generator_id=0)   # launches, waits /health
     completion = await engine.generate(prompt_ids, SamplingParams(64, 1.0, (eos,)), episode_id="g3-s1")
