@@ -37,7 +37,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: qwen_shape
 from qwen_shape import QWEN_BODY  # noqa: E402
 
-from nanoverl_async.generators.engine import SamplingParams  # noqa: E402
+from nanoverl_async.agents.engine import SamplingParams  # noqa: E402
 from nanoverl_async.generators.hf_engine import TransformersEngine  # noqa: E402
 
 VOCAB = 151_936

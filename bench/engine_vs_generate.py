@@ -42,7 +42,7 @@ from rich.table import Table
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from cuda_waits import host_wait_sites, print_wait_sites  # bench/, the script's folder
-from nanoverl_async.generators.engine import SamplingParams
+from nanoverl_async.agents.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
 from nanoverl_async.models.load import DTYPES, resolve_model_path
 

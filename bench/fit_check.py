@@ -1,4 +1,4 @@
-"""The learner's start-up fit check (runtime/fit_check.py, learners/memory.py) beside the peak one update
+"""The learner's start-up fit check (controller/fit_check.py, learners/memory.py) beside the peak one update
 measures: Qwen2.5-0.5B's shape with random weights (bench/qwen_shape.py), one rank, bfloat16 compute over
 float32 master weights, on the CPU (host peak) or a GPU (device peak); one table.
 
@@ -41,7 +41,7 @@ from nanoverl_async.learners.batch import take_rows
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.learners.memory import GB, RUNTIME_BYTES, peak_memory
 from nanoverl_async.learners.setup import LearnerSetup
-from nanoverl_async.runtime.fit_check import learner_prediction
+from nanoverl_async.controller.fit_check import learner_prediction
 
 SMOKE = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, tie_word_embeddings=True)

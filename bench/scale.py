@@ -5,7 +5,7 @@ with random weights (bench/qwen_shape.py), one table.
     python bench/scale.py --smoke      # on the CPU: a tiny shape and sizes, and 7B refused at start-up
     python bench/scale.py --sizes 7b --lora 16   # LoRA (learner.lora.rank=16, all-linear) over a bfloat16 base
 
-For each shape, first the start-up check (runtime/fit_check.py, learners/memory.py: the predicted peak of one
+For each shape, first the start-up check (controller/fit_check.py, learners/memory.py: the predicted peak of one
 rank's update against the GPU's memory) at the smallest setting measured below. A shape that fails it is not
 built; its row shows the one line a launch prints. Otherwise the shape is written with random weights
 and, for each memory setting (plain; learner.activation_checkpointing with learner.logits_chunk_tokens =
@@ -53,7 +53,7 @@ from nanoverl_async.config import LearnerConfig, LoRAConfig, ModelConfig, load_c
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.learners.memory import GB, learner_fit_error, predict_peak
 from nanoverl_async.learners.setup import LearnerSetup
-from nanoverl_async.runtime.fit_check import learner_workload
+from nanoverl_async.controller.fit_check import learner_workload
 from nanoverl_async.wire.weights import WeightSubscriber
 
 PROMPT, SAMPLED = 128, 896

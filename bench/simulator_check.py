@@ -31,9 +31,9 @@ from pathlib import Path
 from nanoverl_async.config import load_config
 from nanoverl_async.launcher import launch
 from nanoverl_async.observe.plot import read_rows
-from nanoverl_async.observe.run_costs import TRACE, load_trace, measured, trace_path
-from nanoverl_async.observe.run_costs import read_source
-from nanoverl_async.observe.simulate import cannot_tell, predict, ratio, report
+from nanoverl_async.simulator.run_costs import TRACE, load_trace, measured, trace_path
+from nanoverl_async.simulator.run_costs import read_source
+from nanoverl_async.simulator.simulate import cannot_tell, predict, ratio, report
 
 # what `compact` keeps: the metrics keys run_costs.py and this script read, the trace args run_costs.read_events reads
 READ_KEYS = {"step", "time/step_s", "staleness/histogram", "generators/gated_frac", "episodes/length_mean",

@@ -31,9 +31,10 @@ from staleness_sweep import mean  # noqa: E402
 from tool_eval import evaluate  # noqa: E402
 
 from nanoverl_async.config import load_config  # noqa: E402
-from nanoverl_async.launcher import launch, start_model  # noqa: E402
+from nanoverl_async.controller.warm_start import start_model  # noqa: E402
+from nanoverl_async.launcher import launch  # noqa: E402
 from nanoverl_async.models.load import resolve_model_path  # noqa: E402
-from nanoverl_async.runtime.preflight import prepare  # noqa: E402
+from nanoverl_async.controller.preflight import prepare  # noqa: E402
 
 CONFIG = "configs/smollm2_tools.yaml"
 RATES = {"tool-call rate": ("episodes/tool_use_frac", "tool_call_rate"),

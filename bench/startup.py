@@ -29,7 +29,7 @@ import importlib, sys, time
 from nanoverl_async.cli import IMPORTED
 import ray
 from nanoverl_async.config import RayConfig
-from nanoverl_async.runtime.startup import collecting_later, start_ray_while_importing
+from nanoverl_async.controller.startup import collecting_later, start_ray_while_importing
 
 class Importer:
     def __init__(self, modules):
@@ -43,7 +43,7 @@ with collecting_later():
     start_ray_while_importing(RayConfig(), "nanoverl_async.launcher")
 role = ray.remote(num_cpus=0)(Importer)
 roles = [role.remote(["nanoverl_async.learners.fsdp_rank"]), role.remote(["nanoverl_async.generators.worker"]),
-         role.remote(["nanoverl_async.runtime.role_actors"])]
+         role.remote(["nanoverl_async.controller.role_actors"])]
 ray.get([r.ready.remote() for r in roles])
 print(f"FLOOR {time.time() - IMPORTED:.2f}")
 ray.shutdown()

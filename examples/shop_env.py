@@ -14,7 +14,7 @@ Hermes form:
 Nothing here describes the tools to the model: SmolLM2's chat template drops the `tools=` it is given, so
 the agent loop describes them in the system message (tool_parsers.describe_tools). The base model never
 calls them; `model.warm_start.solver: examples/shop_env.py:solve` writes the demonstrations of a warm start
-(runtime/warm_start.py) from the messages so far: a call while a tool result is missing, then the answer.
+(controller/warm_start.py) from the messages so far: a call while a tool result is missing, then the answer.
 """
 
 from __future__ import annotations

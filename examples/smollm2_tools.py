@@ -17,7 +17,7 @@ whatever the template does with `tool_calls` (tokens in, tokens out); tool resul
 `<|im_start|>tool ... <|im_end|>` turns with loss mask 0.
 
 The base model never calls the tool, so the config's `model.warm_start` gives it a short supervised warm
-start (runtime/warm_start.py) on demonstrations that `solve` writes: the call, then its result as the answer.
+start (controller/warm_start.py) on demonstrations that `solve` writes: the call, then its result as the answer.
 The launch prints what it measured on held-out episodes (the tool-call rate and the reward, before and after).
 """
 

@@ -9,8 +9,9 @@
 A bad config (unknown key, wrong type, impossible value, missing or malformed YAML) prints one line
 naming the key and exits with status 2 before anything starts; a run that fails exits with status 1.
 `plot` exits with status 2 and one line naming the file when a run directory lacks its metrics or config;
-`replay` exits with status 1 when the replayed weights differ from the run's. `simulate` (simulate.py) exits
-with status 2 and one line when the run directory lacks a file or its trace has no episodes, or a list is bad.
+`replay` (controller/replay.py) exits with status 1 when the replayed weights differ from the run's. `simulate`
+(simulator/simulate.py) exits with status 2 and one line when the run directory lacks a file or its trace has
+no episodes, or a list is bad.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return replay_run(args.run_dir)
 
     from nanoverl_async.checkpoint import inspect_output_dir
-    from nanoverl_async.runtime.preflight import prepare  # no torch: a config is checked in a fraction of a second
+    from nanoverl_async.controller.preflight import prepare  # no torch: a config is checked in a fraction of a second
 
     try:  # bad input fails in one line here, before Ray starts
         cfg = load_config(args.config, args.overrides)
@@ -72,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from nanoverl_async.runtime.reaper import Reaper
-    from nanoverl_async.runtime.startup import collecting_later, phase, start_ray_while_importing
+    from nanoverl_async.reaper import Reaper
+    from nanoverl_async.controller.startup import collecting_later, phase, start_ray_while_importing
 
     started = IMPORTED if argv is None else time.time()  # a call from Python (tests) counts from here
     watcher = Reaper()  # if this process is killed, it ends every process the run started (reaper.py)
@@ -93,12 +94,13 @@ def launch_run(launcher, cfg, started: float, command: list[str]) -> int:
     """`launcher.launch`, its failures as one line and an exit status; `command` (the arguments it was
     launched with) is what an interrupted run is told to run again to resume."""
     from nanoverl_async.checkpoint import WriteFailed
+    from nanoverl_async.controller.roles import RunFailed  # loaded with the launcher
 
     try:
         launcher.launch(cfg, started)
     except ConfigError as error:
         return config_error(error)
-    except (launcher.RunFailed, WriteFailed) as error:
+    except (RunFailed, WriteFailed) as error:
         print(f"nanoverl-async: run failed: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -128,7 +130,7 @@ def observe(args: argparse.Namespace) -> int:
 
             print(save_plot(args.run_dirs, args.output))
         else:
-            from nanoverl_async.observe.simulate import report
+            from nanoverl_async.simulator.simulate import report
 
             print(report(args.run_dir, args.staleness, args.generators, args.cores, args.seed, progress=True))
     except ConfigError as error:
@@ -139,7 +141,8 @@ def observe(args: argparse.Namespace) -> int:
 
 def replay_run(run_dir: str) -> int:
     """Exit 0 when the replayed weights equal the run's final/ bit for bit, 1 when they do not."""
-    from nanoverl_async.launcher import RunFailed, replay
+    from nanoverl_async.controller.replay import replay
+    from nanoverl_async.controller.roles import RunFailed
 
     try:
         result = replay(run_dir)

@@ -55,7 +55,7 @@ class RunConfig:
 
 
 @dataclass
-class WarmStartConfig:  # supervised steps on a scripted solver's demonstrations before RL (runtime/warm_start.py)
+class WarmStartConfig:  # supervised steps on a scripted solver's demonstrations before RL (controller/warm_start.py)
     # fn(sample, messages) -> the next assistant turn: a final answer (str) or a tool call {"name": ...,
     # "arguments": {...}} (or a list of them), written in agent.env's tool format; path/file.py:fn or
     # pkg.module:fn; "" = off

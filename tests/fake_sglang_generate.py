@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from nanoverl_async.generators.engine import SamplingParams
+from nanoverl_async.agents.engine import SamplingParams
 
 INT_KEYS = ("max_new_tokens", "top_k", "n", "min_new_tokens", "sampling_seed")
 FLOAT_KEYS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")

@@ -17,7 +17,7 @@ from nanoverl_async.config import AgentConfig
 from nanoverl_async.agents.env import FunctionEnv, rollout_tools
 from nanoverl_async.agents import agent_loop
 from nanoverl_async.agents.agent_loop import PROMPTS_CACHED, render_prompt, run_episode
-from nanoverl_async.generators.engine import Completion, SamplingParams
+from nanoverl_async.agents.engine import Completion, SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
 from nanoverl_async.models.tiny import build_tokenizer
 from nanoverl_async.wire.trajectory import decode, encode, validate

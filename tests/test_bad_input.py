@@ -33,7 +33,7 @@ from nanoverl_async.observe.metrics import MetricsLogger, step_metrics
 from nanoverl_async.models.tiny import build_tokenizer
 from nanoverl_async.wire.trajectory import encode
 from nanoverl_async.agents.user_code import BUILTINS, UserCodeError, load_object
-from nanoverl_async.runtime import preflight
+from nanoverl_async.controller import preflight
 from test_agent_loop import ScriptedEngine
 from test_buffer_service import VOCAB, make_trajectory
 from test_metrics import QUIET_COUNTERS, make_batch

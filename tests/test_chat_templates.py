@@ -26,8 +26,8 @@ from nanoverl_async.agents.env import Environment, Step
 from nanoverl_async.agents.agent_loop import run_episode, template_shows_tools
 from nanoverl_async.agents.tool_parsers import describe_tools
 from nanoverl_async.config import Config
-from nanoverl_async.runtime.preflight import tools_notice
-from nanoverl_async.generators.engine import Completion
+from nanoverl_async.controller.preflight import tools_notice
+from nanoverl_async.agents.engine import Completion
 from nanoverl_async.models.load import load_tokenizer, resolve_model_path
 from nanoverl_async.agents.user_code import load_object
 

@@ -24,7 +24,7 @@ from nanoverl_async.learners.batch import collate, with_advantages
 from nanoverl_async.learners.checkpoint import full_state_dict
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.observe.metrics import MetricsLogger
-from nanoverl_async.runtime.preflight import prepare
+from nanoverl_async.controller.preflight import prepare
 from synthetic import episodes
 from test_fsdp import free_port, setup, write_model_dir
 from test_replay import TIMEOUT, GateAndReplay, fill

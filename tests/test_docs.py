@@ -261,7 +261,8 @@ generators/kv_blocks.py, docs/design.md "Learner memory", README "Files"."""
 METRICS_DOC = ROOT / "docs" / "metrics.md"
 ALWAYS = "always"
 # keys metrics.step_metrics builds from a name in these parts of the package rather than spelling them out
-BUILT_FROM_NAMES = {"learner/": ("learners", "algorithms"), "buffer/": ("buffer",)}
+# (controller/: the learner pool adds explained_variance)
+BUILT_FROM_NAMES = {"learner/": ("learners", "algorithms", "controller"), "buffer/": ("buffer",)}
 
 
 def documented_metrics() -> dict[str, str]:

@@ -31,7 +31,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 from host_waits import HostWaits
 from nanoverl_async.generators import decode_graphs, llama_forward
 from nanoverl_async.generators.decode_graphs import DecodeGraphs
-from nanoverl_async.generators.engine import SamplingParams
+from nanoverl_async.agents.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
 
 VOCAB = 96

@@ -11,9 +11,9 @@ import pytest
 from nanoverl_async.config import AgentConfig, ConfigError, load_config
 from nanoverl_async.agents.data import DatasetPrompts
 from nanoverl_async.agents.env import Environment, FunctionEnv, Step, env_factory
-from nanoverl_async.runtime.preflight import prepare
+from nanoverl_async.controller.preflight import prepare
 from nanoverl_async.agents.agent_loop import run_episode
-from nanoverl_async.generators.engine import Completion
+from nanoverl_async.agents.engine import Completion
 from nanoverl_async.agents.multiply_task import MultiplyEnv
 from nanoverl_async.agents.rewards import load_reward, math_compute_score, score_sample
 from nanoverl_async.models.tiny import build_tokenizer

@@ -20,7 +20,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from nanoverl_async.agents import multiply_task
 from nanoverl_async.config import AgentConfig, Config, DataConfig, GeneratorConfig, WeightSyncConfig
-from nanoverl_async.runtime.preflight import prepare
+from nanoverl_async.controller.preflight import prepare
 from nanoverl_async.generators.worker import GeneratorClock, GeneratorWorker
 from nanoverl_async.models.tiny import build_tokenizer
 from nanoverl_async.wire.buckets import BucketSet

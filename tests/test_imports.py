@@ -1,6 +1,6 @@
-"""The package's import graph: no cycles (lazy imports inside functions count too), and the value checker
-stays pure (it reaches nothing that opens a socket or runs user code); static, from the source. And what one
-process really imports: the buffer's and the controller's stay light."""
+"""The package's import graph: every import runs down ORDER, so no cycles (lazy imports inside functions count
+too), and the value checker stays pure (it reaches nothing that opens a socket or runs user code); static, from
+the source. And what one process really imports: the buffer's and the controller's stay light."""
 
 import ast
 import os
@@ -13,6 +13,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "nanoverl_async"
 SOCKETS_OR_USER_CODE = {"zmq", "ray", "httpx", "nanoverl_async.agents.user_code", "nanoverl_async.agents.env",
                         "nanoverl_async.agents.rewards", "nanoverl_async.buffer.service", "nanoverl_async.checkpoint"}
+
+# The package's units, bottom to top: each folder under nanoverl_async/ and each root module. A module imports
+# only from its own unit or a lower one (docs/design.md "The import order" says why each sits where it does).
+ORDER = ["validation", "config_file", "config", "algorithms", "wire", "checkpoint", "reaper", "agents", "observe",
+         "buffer", "simulator", "models", "generators", "learners", "controller", "launcher", "cli"]
 
 
 def module_name(path: Path) -> str:
@@ -53,6 +58,30 @@ def test_no_import_cycles():
     assert not cycles, f"modules on an import cycle: {cycles}"
 
 
+def unit(module: str) -> str:
+    """nanoverl_async.agents.env -> agents; nanoverl_async.cli -> cli."""
+    return module.split(".")[1]
+
+
+def test_every_import_runs_down_the_order():
+    graph = import_graph()
+    units = {unit(m) for m in graph if m != "nanoverl_async"}
+    assert units == set(ORDER), f"not in ORDER: {sorted(units - set(ORDER))}; gone: {sorted(set(ORDER) - units)}"
+    upward = sorted(f"{me} imports {name} ({unit(name)} is above {unit(me)})"
+                    for me, names in graph.items() if me != "nanoverl_async"
+                    for name in names if name.startswith("nanoverl_async.")
+                    and ORDER.index(unit(name)) > ORDER.index(unit(me)))
+    assert not upward, "imports that run up the order (tests/test_imports.py ORDER):\n  " + "\n  ".join(upward)
+    assert "nanoverl_async.controller.roles" in graph["nanoverl_async.launcher"]  # the graph is real
+
+
+def test_the_design_note_gives_the_same_order():
+    section = (PACKAGE.parent / "docs" / "design.md").read_text().split("\n## The import order\n")[1].split("\n## ")[0]
+    listed = [line.split("`")[1].removesuffix(".py").removesuffix("/") for line in section.splitlines()
+              if line.startswith("- `")]
+    assert listed == ORDER
+
+
 def test_the_value_checker_opens_no_socket_and_runs_no_user_code():
     graph = import_graph()
     reached = reachable(graph, "nanoverl_async.validation")
@@ -61,7 +90,7 @@ def test_the_value_checker_opens_no_socket_and_runs_no_user_code():
 
 
 @pytest.mark.parametrize("process, modules, heavy", [
-    ("the buffer's", "nanoverl_async.config, nanoverl_async.runtime.role_actors", ("torch", "transformers")),
+    ("the buffer's", "nanoverl_async.config, nanoverl_async.controller.role_actors", ("torch", "transformers")),
     ("the controller's", "nanoverl_async.launcher", ("torch.distributed.fsdp", "transformers.modeling_utils")),
 ])
 def test_processes_import_only_what_their_role_needs(process, modules, heavy):
@@ -77,7 +106,8 @@ def test_a_config_is_checked_without_torch_and_knows_every_registered_algorithm(
     """The CLI checks a config before it starts Ray: the algorithm keys' choices come from the algorithm
     modules' source (validation.algorithm_names), so no torch is imported (~3 s of CPU), and they are
     exactly the names those modules register when imported."""
-    probe = ("import sys\nfrom nanoverl_async.config import load_config\nfrom nanoverl_async.runtime.preflight import prepare\n"
+    probe = ("import sys\nfrom nanoverl_async.config import load_config\n"
+             "from nanoverl_async.controller.preflight import prepare\n"
              "prepare(load_config('configs/agent_grpo.yaml', []))\nprint('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=PACKAGE.parent)
     assert out.stdout.strip() == "False"
@@ -90,11 +120,11 @@ def test_a_config_is_checked_without_torch_and_knows_every_registered_algorithm(
 
 def test_local_ray_workers_import_this_checkout(monkeypatch):
     """start_ray puts the folder holding nanoverl_async/ first on the workers' PYTHONPATH (the package, not one of
-    its subfolders: runtime/startup.py sits two levels down)."""
+    its subfolders: controller/startup.py sits two levels down)."""
     import ray
 
     from nanoverl_async.config import RayConfig
-    from nanoverl_async.runtime import startup
+    from nanoverl_async.controller import startup
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: None)

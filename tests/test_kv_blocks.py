@@ -26,7 +26,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from nanoverl_async.config import ConfigError, load_config
-from nanoverl_async.generators.engine import SamplingParams
+from nanoverl_async.agents.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
 from nanoverl_async.generators.kv_blocks import GIB, BlockPool, pool_blocks, prefix_hashes, version_seed
 from nanoverl_async.generators.llama_forward import Tokens

@@ -15,8 +15,8 @@ import zmq
 
 import nanoverl_async
 from nanoverl_async.config import ConfigError, RayConfig, load_config
-from nanoverl_async.runtime.preflight import prepare
-from nanoverl_async.launcher import Roles, RunFailed, check_placement, role_failures
+from nanoverl_async.controller.preflight import prepare
+from nanoverl_async.controller.roles import Roles, RunFailed, check_placement, role_failures
 from nanoverl_async.models.tiny import TinyRecipe, build_model, build_tokenizer
 from nanoverl_async.wire.auth import connect
 

@@ -25,8 +25,8 @@ from nanoverl_async.learners.memory import (GB, RUNTIME_BYTES, Architecture, Pre
                                             compute_copy_bytes, layer_activation_bytes, learner_fit_error,
                                             logits_bytes, predict_peak)
 from nanoverl_async.learners.packing import pack, prompt_lengths
-from nanoverl_async.runtime import fit_check
-from nanoverl_async.runtime.fit_check import check_learner_fits
+from nanoverl_async.controller import fit_check
+from nanoverl_async.controller.fit_check import check_learner_fits
 
 ENTROPY_ALGO = dataclasses.replace(ALGO, entropy_coef=0.01)  # the entropy's gradient goes through the chunks too
 SAVING = {"activation_checkpointing": True, "logits_chunk_tokens": 2}

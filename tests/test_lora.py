@@ -263,7 +263,7 @@ def test_the_adapter_count_of_the_fit_check_is_what_peft_adds(model_dir, targets
 
 
 def test_the_fit_check_counts_a_lora_base_at_its_dtype_s_bytes_and_no_reference_copy(model_dir):
-    from nanoverl_async.runtime import fit_check
+    from nanoverl_async.controller import fit_check
 
     base = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
     adapted = 4 * ((64 + 64) + (64 + 32) * 2 + (64 + 64) + (64 + 128) * 2 + (128 + 64)) * 2  # r (in + out), 2 layers

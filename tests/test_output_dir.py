@@ -23,8 +23,8 @@ from nanoverl_async import checkpoint, launcher
 from nanoverl_async.cli import launch_run, main
 from nanoverl_async.config import load_config
 from nanoverl_async.observe.metrics import MetricsLogger
-from nanoverl_async.runtime import startup
-from nanoverl_async.runtime.preflight import prepare
+from nanoverl_async.controller import startup
+from nanoverl_async.controller.preflight import prepare
 
 USER_FILES = {"config.yaml": b"model: my own notes\n", "record/mydata.csv": b"a,b\n1,2\n",
               "wandb/other_project/run.txt": b"another project's run\n", "plot.png": b"\x89PNG mine"}

@@ -32,7 +32,7 @@ DRIVER = """
 import json, os, sys
 import ray
 from nanoverl_async.config import load_config
-from nanoverl_async.runtime.startup import start_ray
+from nanoverl_async.controller.startup import start_ray
 
 start_ray(load_config(None).ray)
 node = ray.nodes()[0]

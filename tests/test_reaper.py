@@ -12,7 +12,7 @@ import psutil
 
 LAUNCHER = textwrap.dedent("""
     import subprocess, sys, time
-    from nanoverl_async.runtime.reaper import Reaper
+    from nanoverl_async.reaper import Reaper
     watcher = Reaper()
     child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
         "o = subprocess.Popen(['sleep', '60'], start_new_session=True); print(o.pid, flush=True); time.sleep(60)"],

@@ -323,7 +323,7 @@ def test_without_bubblewrap_the_tool_refuses_in_one_line_unless_the_user_opts_ou
 
 def test_an_env_with_the_python_tool_is_refused_at_start_without_bubblewrap(monkeypatch, tmp_path):
     from nanoverl_async.config import ConfigError, load_config
-    from nanoverl_async.runtime.preflight import prepare
+    from nanoverl_async.controller.preflight import prepare
     (tmp_path / "coder.py").write_text("from nanoverl_async import Environment, python\n\n"
                                        "class Coder(Environment):\n    tools = [python]\n")
     config = ["configs/agent_grpo.yaml", [f"agent.env={tmp_path / 'coder.py'}:Coder"]]

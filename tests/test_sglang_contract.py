@@ -250,7 +250,7 @@ def test_15_distributed_update_handshake_by_version(model_dirs, fake_version):
     ("0.5.2", "/get_weight_version", 200), ("0.5.2", "/model_info", 404),
     ("0.5.10", "/get_weight_version", 404), ("0.5.10", "/model_info", 200), ("0.5.23", "/model_info", 200)])
 def test_16_weight_version_read_paths(model_dirs, fake_version, path, status):
-    from nanoverl_async.generators.sglang_client import SGLangClient, SGLangError
+    from nanoverl_async.wire.sglang_http import SGLangClient, SGLangError
 
     fake = FakeSGLangServer(model_dirs[0], weight_version="5", fake_version=fake_version).start()
     try:

@@ -28,11 +28,11 @@ import torch
 
 from fake_sglang_server import FakeSGLangServer
 from nanoverl_async.config import GeneratorConfig, SGLangConfig
-from nanoverl_async.generators.engine import SamplingParams
+from nanoverl_async.agents.engine import SamplingParams
 from nanoverl_async.generators.worker import make_engine
 from nanoverl_async.generators.sglang_engine import SGLangEngine, write_hf_dir
 from nanoverl_async.generators.sglang_server import SGLangServer
-from nanoverl_async.generators.sglang_client import SGLangError
+from nanoverl_async.wire.sglang_http import SGLangError
 from nanoverl_async.learners.sglang_nccl import SGLangWeightSender, buckets, server_handles
 from sglang_helpers import (PROMPT, assert_close, model_dirs, reference_logprobs, server,  # noqa: F401
                             shared_server)

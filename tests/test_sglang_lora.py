@@ -13,8 +13,8 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from nanoverl_async.config import LoRAConfig, SGLangConfig
-from nanoverl_async.generators.engine import SamplingParams
-from nanoverl_async.generators.sglang_client import SGLangError
+from nanoverl_async.agents.engine import SamplingParams
+from nanoverl_async.wire.sglang_http import SGLangError
 from nanoverl_async.generators.sglang_engine import SGLangEngine
 from nanoverl_async.generators.sglang_server import SGLangServer
 from nanoverl_async.models import lora

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from nanoverl_async.config import ConfigError, GeneratorConfig, SGLangConfig, load_config
-from nanoverl_async.generators.engine import SamplingParams
+from nanoverl_async.agents.engine import SamplingParams
 from nanoverl_async.generators.worker import make_engine
 from nanoverl_async.generators.sglang_engine import SGLangEngine
 from nanoverl_async.generators.sglang_server import SGLangServer
-from nanoverl_async.generators.sglang_client import SGLangClient, SGLangError
+from nanoverl_async.wire.sglang_http import SGLangClient, SGLangError
 from nanoverl_async.learners.sglang_nccl import SGLangWeightSender, check_reachable, server_handles
 from nanoverl_async.wire.buckets import BucketSet
 from nanoverl_async.wire.weights import WeightPublisher, WeightSubscriber
@@ -165,8 +165,8 @@ def test_loopback_servers_on_another_node_are_refused_before_joining():
 
 
 def test_roles_meet_only_through_the_wire():
-    """Neither role imports the other: both reach the servers through nanoverl_async/generators/sglang_client.py,
-    which imports nothing of either (the one module of generators/ that learners may import)."""
+    """Neither role imports the other: both reach the servers through nanoverl_async/wire/sglang_http.py,
+    which imports nothing of either (nothing of the package at all)."""
     import ast
 
     package = Path(__file__).resolve().parents[1] / "nanoverl_async"
@@ -175,9 +175,7 @@ def test_roles_meet_only_through_the_wire():
             nodes = list(ast.walk(ast.parse(path.read_text())))
             names = [n.module or "" for n in nodes if isinstance(n, ast.ImportFrom)]
             names += [a.name for n in nodes if isinstance(n, ast.Import) for a in n.names]
-            shared = "nanoverl_async.generators.sglang_client"
-            assert not [n for n in names if n.startswith(f"nanoverl_async.{other}") and n != shared], \
-                f"{path.name} imports {other}"
-    client = ast.parse((package / "generators" / "sglang_client.py").read_text())
+            assert not [n for n in names if n.startswith(f"nanoverl_async.{other}")], f"{path.name} imports {other}"
+    client = ast.parse((package / "wire" / "sglang_http.py").read_text())
     assert not [n.module for n in ast.walk(client) if isinstance(n, ast.ImportFrom) and
                 (n.module or "").startswith("nanoverl_async.")]

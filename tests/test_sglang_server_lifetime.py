@@ -1,7 +1,7 @@
 """An SGLang server process never outlives the process that launched it (generators/sglang_server.py).
 
 Fast tier (a stand-in server: a Python sleeper that spawns a grandchild, so process-group handling shows):
-the launcher process is SIGKILLed and the server, its grandchild and its watcher (runtime/reaper.py) are gone
+the launcher process is SIGKILLed and the server, its grandchild and its watcher (reaper.py) are gone
 within seconds; a server launched from a short-lived thread survives that thread's exit (the reason for the
 watcher rather than PR_SET_PDEATHSIG), `stop` takes down its whole process group and the watcher, and a
 restart after the server was killed clears what it left behind. Slow tier:
@@ -96,8 +96,8 @@ def carrying(token: str) -> list[int]:
 
 
 def watcher(group: int) -> list[int]:
-    """Live pids of the watcher of process group `group` (python -m nanoverl_async.runtime.reaper PID GROUP)."""
-    return [pid for pid in carrying(f"\0{group}\0") if pid in carrying("nanoverl_async.runtime.reaper\0")]
+    """Live pids of the watcher of process group `group` (python -m nanoverl_async.reaper PID GROUP)."""
+    return [pid for pid in carrying(f"\0{group}\0") if pid in carrying("nanoverl_async.reaper\0")]
 
 
 def described(pids: list[int]) -> list[str]:

@@ -15,10 +15,10 @@ import pytest
 from nanoverl_async.cli import main
 from nanoverl_async.config import load_config, to_yaml
 from nanoverl_async.observe.plot import read_rows
-from nanoverl_async.observe.run_costs import (MIN_CALLS, fit_interference, load_trace, measured, read_source,
-                                              speeds, swap_cost, swaps_inside)
-from nanoverl_async.observe.simulate import (CROWDED, NOISY, RUN_TO_RUN, WIDE, WITHIN, Prediction, cannot_tell, decide,
-                                             model_notes, parse_list, predict, ratio, report, resample)
+from nanoverl_async.simulator.run_costs import (MIN_CALLS, fit_interference, load_trace, measured, read_source,
+                                                speeds, swap_cost, swaps_inside)
+from nanoverl_async.simulator.simulate import (CROWDED, NOISY, RUN_TO_RUN, WIDE, WITHIN, Prediction, cannot_tell,
+                                               decide, model_notes, parse_list, predict, ratio, report, resample)
 
 PREPARE_S, PUBLISH_S, HANDOVER_S, WEIGHTS_S = 0.001, 0.01, 0.001, 0.002
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from nanoverl_async.models import smollm2
 from nanoverl_async.config import ConfigError, load_config
-from nanoverl_async.generators.engine import SamplingParams
+from nanoverl_async.agents.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
 from nanoverl_async.models.load import load_tokenizer, resolve_model_path
 

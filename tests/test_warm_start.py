@@ -1,4 +1,4 @@
-"""model.warm_start (runtime/warm_start.py): demonstrations written by a solver through the real agent loop, the
+"""model.warm_start (controller/warm_start.py): demonstrations written by a solver through the real agent loop, the
 supervised steps on them, the cache, the held-out report, and each wrong solver in one line.
 
 Run alone: `python -m pytest tests/test_warm_start.py -q` (~30 s: two small warm starts of builtin:tiny).
@@ -16,8 +16,8 @@ from nanoverl_async.agents.tool_parsers import FORMATS, parse_turn, write_calls
 from nanoverl_async.agents.user_code import UserCodeError, load_object
 from nanoverl_async.config import ConfigError, load_config
 from nanoverl_async.models.load import load_tokenizer, resolve_model_path
-from nanoverl_async.runtime import warm_start
-from nanoverl_async.runtime.preflight import prepare
+from nanoverl_async.controller import warm_start
+from nanoverl_async.controller.preflight import prepare
 
 SOLVER = '''
 def solve(sample, messages):
@@ -132,13 +132,11 @@ def test_a_hung_solver_is_named_with_its_line_at_the_hook_timeout(tmp_path, solv
 
 
 def test_a_solver_whose_demonstrations_all_fail_is_refused_before_training(tmp_path, solver_file):
-    from nanoverl_async.launcher import start_model
-
     cfg = config(tmp_path, solver_file, f"model.warm_start.solver={solver_file}:never_right")
     with pytest.raises(ConfigError, match=r"^config key 'model.warm_start.solver': model.warm_start.solver "
                                           r"never_right \(defined at solver.py:\d+\): none of its 24 demonstrations "
                                           r"earned a reward > 0 from agent.env$"):
-        start_model(cfg, resolve_model_path("builtin:tiny"))
+        warm_start.start_model(cfg, resolve_model_path("builtin:tiny"))
     assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]  # nothing half-built is left
 
 

@@ -28,7 +28,7 @@ from nanoverl_async.config import AgentConfig, BufferConfig, Config, DataConfig,
 from nanoverl_async.generators.worker import GeneratorWorker
 from nanoverl_async.models.tiny import build_tokenizer
 from nanoverl_async.observe.metrics import step_metrics
-from nanoverl_async.runtime.preflight import prepare
+from nanoverl_async.controller.preflight import prepare
 from nanoverl_async.wire import shared_payloads
 from nanoverl_async.wire.buckets import BucketSet, stamp_metadata
 from nanoverl_async.wire.payload_layout import deserialise, serialise

@@ -25,7 +25,7 @@ from nanoverl_async.config import AgentConfig, ConfigError, load_config
 from nanoverl_async.launcher import launch
 from nanoverl_async.models.cache import recipe_digest
 from nanoverl_async.models.tiny import TinyRecipe, build_tokenizer, demo_batch, demo_pieces
-from nanoverl_async.runtime.preflight import prepare
+from nanoverl_async.controller.preflight import prepare
 
 
 @pytest.fixture(scope="module")

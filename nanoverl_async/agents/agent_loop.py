@@ -51,7 +51,7 @@ from nanoverl_async.config import AgentConfig
 from nanoverl_async.agents.env import FunctionEnv, Step
 from nanoverl_async.agents.rewards import is_reward
 from nanoverl_async.agents.user_code import UserCodeError, broken_contract, call_user
-from nanoverl_async.generators.engine import Completion, Engine, SamplingParams
+from nanoverl_async.agents.engine import Completion, Engine, SamplingParams
 from nanoverl_async.agents.tool_parsers import ParsedCall, describe_tools, parse_turn, stop_strings
 from nanoverl_async.agents.tools import Tool, ToolResult, as_tool, call_tool
 from nanoverl_async.wire.trajectory import Trajectory

@@ -12,7 +12,7 @@ Two formats, chosen by `Environment.tool_format`:
 
 `describe_tools` and `write_calls` write the other direction: for a chat template that drops the tools it is
 given (SmolLM2's), the schemas and how to call them in the format, as a system message (agent_loop.Episode);
-and a turn that calls tools, as the format writes it (a warm start's demonstrations, runtime/warm_start.py).
+and a turn that calls tools, as the format writes it (a warm start's demonstrations, controller/warm_start.py).
 
 Invariant: parsing never raises. A block that is not valid JSON, lacks a "name", or has arguments that
 are not an object becomes a `ParsedCall` with `error` set (the agent loop turns it into an error

@@ -71,7 +71,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanoverl_async.generators.decode_graphs import DecodeGraphs
-from nanoverl_async.generators.engine import Completion, SamplingParams
+from nanoverl_async.agents.engine import Completion, SamplingParams
 from nanoverl_async.generators.kv_blocks import PagedCache, pool_blocks, version_seed
 from nanoverl_async.generators.llama_forward import LlamaModel, Tokens
 from nanoverl_async.models.load import DTYPES, on_device

@@ -1,4 +1,4 @@
-"""The `Engine` protocol (engine.py) on a pool of SGLang servers, driven over SGLang's native HTTP API.
+"""The `Engine` protocol (agents/engine.py) on a pool of SGLang servers, driven over SGLang's native HTTP API.
 
     engine = SGLangEngine(model_dir, SGLangConfig(servers=2), generator_id=0)   # launches, waits /health
     completion = await engine.generate(prompt_ids, SamplingParams(64, 1.0, (eos,)), episode_id="g3-s1")
@@ -60,9 +60,9 @@ import torch
 from safetensors.torch import save_file
 
 from nanoverl_async.config import LoRAConfig, SGLangConfig
-from nanoverl_async.generators.engine import Completion, SamplingParams
+from nanoverl_async.agents.engine import Completion, SamplingParams
 from nanoverl_async.generators.sglang_server import SGLangServer
-from nanoverl_async.generators.sglang_client import SGLangError, checked, paused
+from nanoverl_async.wire.sglang_http import SGLangError, checked, paused
 from nanoverl_async.models.lora import gathered, save_adapter
 
 STICKY_EPISODES = 65_536  # episode -> server entries kept (oldest forgotten first)

@@ -6,7 +6,7 @@
 
 Invariants:
   - the control calls (pause/continue, weight version, begin/end update, the protocol variant from the
-    server's own version) are `SGLangClient`'s (nanoverl_async/generators/sglang_client.py), which learner rank 0
+    server's own version) are `SGLangClient`'s (nanoverl_async/wire/sglang_http.py), which learner rank 0
     uses too; start-up waits at most `cfg.launch_timeout_s`, every other call `cfg.control_timeout_s`;
   - the process inherits this process's environment, so it runs on the GPUs Ray assigned to the
     generator (CUDA_VISIBLE_DEVICES); `restart` relaunches it with the newest weights on disk and the
@@ -15,7 +15,7 @@ Invariants:
     group, SIGKILL it after `timeout_s`, and SIGKILL whatever of it outlived the server, so nothing it
     spawned keeps the GPU or the port;
   - the server never outlives the process that launched it, however that process dies (`ray.kill`,
-    SIGKILL, OOM): a watcher (runtime/reaper.py, started right after the server) SIGTERMs the group, then
+    SIGKILL, OOM): a watcher (reaper.py, started right after the server) SIGTERMs the group, then
     SIGKILLs it after a grace period, when the launcher is gone; which thread launched the server does not
     matter. Linux/POSIX only (setsid, killpg).
 
@@ -37,8 +37,8 @@ from typing import Optional
 import httpx
 
 from nanoverl_async.config import LoRAConfig, SGLangConfig
-from nanoverl_async.runtime.reaper import Reaper, signal_group
-from nanoverl_async.generators.sglang_client import SGLangClient, SGLangError
+from nanoverl_async.reaper import Reaper, signal_group
+from nanoverl_async.wire.sglang_http import SGLangClient, SGLangError
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ LORAS_PER_BATCH = 8  # SGLang's default: the adapters of the versions still in f
 
 
 class SGLangServer(SGLangClient):
-    """A client (nanoverl_async/generators/sglang_client.py) of a server this process launches, watches and restarts."""
+    """A client (nanoverl_async/wire/sglang_http.py) of a server this process launches, watches and restarts."""
 
     def __init__(self, model_path: str, port: int, cfg: SGLangConfig, *, command: Optional[list[str]] = None,
                  url: str = "", seed: int = 0, dtype: str = "auto", lora: Optional[LoRAConfig] = None):
@@ -80,7 +80,7 @@ class SGLangServer(SGLangClient):
                 "--max-loras-per-batch", str(LORAS_PER_BATCH)]
 
     def launch(self) -> None:
-        """Start the server process (if ours to start), watched (runtime/reaper.py)."""
+        """Start the server process (if ours to start), watched (reaper.py)."""
         if self.process is None and self.command:
             args = self.launch_args()
             log.info("starting SGLang server: %s", " ".join(args))

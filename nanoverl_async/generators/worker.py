@@ -49,7 +49,7 @@ from nanoverl_async.models.lora import scaling
 from nanoverl_async.agents.rewards import load_reward
 from nanoverl_async.observe.trace import SpanLog
 from nanoverl_async.agents.agent_loop import run_episode
-from nanoverl_async.generators.engine import Engine
+from nanoverl_async.agents.engine import Engine
 from nanoverl_async.wire.trajectory import encode
 from nanoverl_async.agents.user_code import UserCodeError
 from nanoverl_async.wire.weights import WeightSubscriber

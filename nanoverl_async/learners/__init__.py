@@ -1,1 +1,2 @@
-"""The learner pool: FSDP2 ranks, batch packing, checkpoints, and weight pushes to SGLang."""
+"""The learner ranks: FSDP2, batch packing, checkpoints, and weight pushes to SGLang (controller/learner_pool.py
+places them)."""

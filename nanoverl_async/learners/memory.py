@@ -1,5 +1,5 @@
 """Learner memory: the peak one rank is predicted to reach in an update (checked before any role starts:
-runtime/fit_check.py) and the peaks it used, per step (the `memory/*` metrics, documented in docs/metrics.md).
+controller/fit_check.py) and the peaks it used, per step (the `memory/*` metrics, documented in docs/metrics.md).
 
     prediction = predict_peak(Workload(...))                          # the parts, in bytes; .total
     learner_fit_error(lambda ranks: predict_peak(...), 1, available, "GPU memory (NVIDIA H100)")  # None: fits
@@ -137,7 +137,7 @@ def compute_copy_bytes(parameters: int, root_parameters: int, layers: int, world
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """What one rank trains: the parameters counted (runtime/fit_check.learner_parameters), the policy's shape,
+    """What one rank trains: the parameters counted (controller/fit_check.learner_parameters), the policy's shape,
     and the learner settings that size an update."""
 
     trained: int  # trained parameters (policy or its adapters, critic)

@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from nanoverl_async.config import SGLangConfig
-from nanoverl_async.generators.sglang_client import SGLangClient, SGLangError, paused
+from nanoverl_async.wire.sglang_http import SGLangClient, SGLangError, paused
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,1 @@
-"""Observing and tuning a run: metrics.jsonl, the plot, the trace, recorded batches, the staleness simulator."""
+"""Observing a run: metrics.jsonl, the plot, the trace, recorded batches."""

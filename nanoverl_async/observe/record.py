@@ -7,7 +7,7 @@ An asynchronous run cannot be repeated: which episodes land in which batch depen
 ran. What the learner consumed can be kept, though, and the learner is deterministic given its batches
 (the minibatch order is seeded by version, learners/batch.py `epoch_order`; no dropout). So a run with
 run.record=true writes every batch it trains on, in the order and form it was trained on, and
-`nanoverl-async replay RUN_DIR` (launcher.replay) feeds them to freshly placed learners and compares the
+`nanoverl-async replay RUN_DIR` (controller/replay.py) feeds them to freshly placed learners and compares the
 resulting weights with the run's final/, tensor by tensor and bit for bit (both saved in model.dtype: in a
 bfloat16 run a difference below bfloat16's rounding goes unseen). A mismatch means the learner
 itself is not a function of its input (a kernel, a world size, a changed library), which separates a

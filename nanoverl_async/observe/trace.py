@@ -148,7 +148,7 @@ def complete(name: str, pid: int, tid: int, start: float, end: float, args: dict
 
 
 class TracedRole(NamedTuple):
-    """A role as the controller's trace reaches it (launcher.py wraps its actor's `trace_events`)."""
+    """A role as the controller's trace reaches it (controller/roles.py wraps its actor's `trace_events`)."""
     name: str  # the trace's process: "buffer", "generator 0", ...
     fetch: Callable[[], tuple[float, list[Span]]]  # one round trip: (its time.time(), its SpanLog.take())
 

@@ -1,4 +1,5 @@
-"""The inference engine interface the agent loop and the generator worker program against.
+"""The inference engine interface the agent loop and the generator worker program against: what the agent loop
+needs of an engine, so it sits here with the loop and both engines (generators/) import it downward.
 
 An engine turns token ids into sampled token ids, one request at a time from the caller's point of
 view, while batching concurrent requests internally. It is the only place that touches weights on the
@@ -13,9 +14,10 @@ Invariants every engine keeps (tests/test_engine.py checks the transformers one)
   - generation stops after a stop token (which is included in `token_ids`, finish_reason "stop") or
     after `max_new_tokens` tokens (finish_reason "length"), whichever comes first.
 
-Implementations: `hf_engine.TransformersEngine` (CPU/GPU, the embedded default) and
-`sglang_engine.SGLangEngine` (SGLang servers on GPUs); `worker.make_engine` picks one from `generator.engine`.
-Run alone: nothing to run; see hf_engine.py.
+Implementations: `generators/hf_engine.TransformersEngine` (CPU/GPU, the embedded default) and
+`generators/sglang_engine.SGLangEngine` (SGLang servers on GPUs); `generators/worker.make_engine` picks one
+from `generator.engine`.
+Run alone: nothing to run; see generators/hf_engine.py.
 """
 
 from __future__ import annotations

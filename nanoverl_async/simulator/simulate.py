@@ -53,7 +53,7 @@ from nanoverl_async.buffer.gate import AdmissionGate
 from nanoverl_async.buffer.replay import ReplayBuffer
 from nanoverl_async.buffer.generator_time import GatedClock
 from nanoverl_async.config import ConfigError
-from nanoverl_async.observe.run_costs import COMPUTE, STEP_COSTS, Source, read_source, speeds
+from nanoverl_async.simulator.run_costs import COMPUTE, STEP_COSTS, Source, read_source, speeds
 from nanoverl_async.wire.trajectory import Trajectory
 
 STEP_POOL = 5  # a simulated step after the first draws its costs among the run's this many nearest steps

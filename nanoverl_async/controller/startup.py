@@ -72,7 +72,7 @@ def start_ray(cfg: RayConfig) -> bool:
         return False
     quiet = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     os.environ.update(quiet)
-    package = Path(__file__).resolve().parents[1]  # nanoverl_async/, this file being in nanoverl_async/runtime/
+    package = Path(__file__).resolve().parents[1]  # nanoverl_async/, this file being in nanoverl_async/controller/
     runtime_env = {"env_vars": quiet, "py_modules": [str(package)]} if cfg.address else None
     # Whoever reaches Ray's control server runs code as this run's user (it stores the pickled classes that
     # workers load), so Ray's token authentication is always on: set for Ray's processes and, as Ray reads its

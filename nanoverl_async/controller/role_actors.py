@@ -1,6 +1,6 @@
 """The processes Ray runs the buffer, each generator and each learner rank in: BufferService itself plus
 what Ray needs, and thin classes around GeneratorWorker and LearnerRank, whose methods the controller calls
-(launcher.py; the ranks through learners/pool.py).
+(roles.py; the ranks through learner_pool.py).
 
 Ray imports an actor's class from its module in the actor's process, so this module imports nothing heavy:
 the buffer's process starts without torch (seconds of start-up on a small machine, beside the roles that
@@ -21,7 +21,7 @@ from nanoverl_async.buffer.service import BufferService
 from nanoverl_async.config import Config
 from nanoverl_async.agents.data import prompt_source
 from nanoverl_async.learners.setup import LearnerSetup
-from nanoverl_async.runtime.startup import collecting_later
+from nanoverl_async.controller.startup import collecting_later
 from nanoverl_async.wire.auth import CurveKeys, bind_host
 
 

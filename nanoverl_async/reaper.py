@@ -17,7 +17,7 @@ watcher process and not prctl(PR_SET_PDEATHSIG): the death signal fires when the
 child exits, and servers are (re)launched from pool threads (sglang_engine.py), so it would kill a healthy
 server when its pool thread retires; the pipe closes only when the launcher process is gone.
 
-Run alone: python -m nanoverl_async.runtime.reaper PID [GROUP]   (stdin: a pipe held by PID; "release" on it
+Run alone: python -m nanoverl_async.reaper PID [GROUP]   (stdin: a pipe held by PID; "release" on it
 ends quietly)
 """
 
@@ -47,7 +47,7 @@ class Reaper:
     terminal's process group reaches the run, not the watcher)."""
 
     def __init__(self, group: int = 0):
-        self.process = subprocess.Popen([sys.executable, "-m", "nanoverl_async.runtime.reaper", str(os.getpid()),
+        self.process = subprocess.Popen([sys.executable, "-m", "nanoverl_async.reaper", str(os.getpid()),
                                          str(group)], stdin=subprocess.PIPE, start_new_session=True)
         self.process.wait()  # it has forked the watcher (detached) and left
 

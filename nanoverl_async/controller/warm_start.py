@@ -1,6 +1,6 @@
 """A warm start before RL: supervised steps on demonstrations that a scripted solver writes (model.warm_start).
 
-    model_path = warm_started(cfg, resolve_model_path(cfg.model.path))     # launch and replay
+    model_path = start_model(cfg, resolve_model_path(cfg.model.path))      # launch and replay
     print(report(model_path))                                               # what the warm start measured
 
 Why: RL learns only from what the policy samples. A base model that never calls the environment's tools
@@ -49,14 +49,22 @@ from nanoverl_async.agents.rewards import load_reward
 from nanoverl_async.agents.tool_parsers import write_calls
 from nanoverl_async.agents.user_code import (BUILTINS, UserCodeError, broken_contract, call_user, defined_at,
                                              load_object)
-from nanoverl_async.config import Config, to_dict
-from nanoverl_async.generators.engine import Completion, SamplingParams
+from nanoverl_async.config import Config, ConfigError, to_dict
+from nanoverl_async.agents.engine import Completion, SamplingParams
 from nanoverl_async.models.cache import build_once
 from nanoverl_async.models.load import DTYPES, load_tokenizer
 
 DEMO_INDEX = 10**9  # demonstrations and held-out episodes draw the run's prompt stream from here: RL never gets so far
 RESULTS = "warm_start.json"  # beside the warm-started model: what the warm start trained on and measured
 EXPECTED = ('a final answer (str), or a tool call {"name": ..., "arguments": {...}} (or a list of them)')
+
+
+def start_model(cfg: Config, model_path: str) -> str:
+    """The model RL starts from: model.path resolved, after model.warm_start if it is on (made once, cached)."""
+    try:
+        return warm_started(cfg, model_path)
+    except (UserCodeError, ValueError) as error:  # the solver's or the environment's, in one line
+        raise ConfigError(f"config key 'model.warm_start.solver': {error}") from None
 
 
 def warm_started(cfg: Config, base: str) -> str:
@@ -150,7 +158,7 @@ def solver_hook(solver: Callable) -> str:
 
 
 class Teacher:
-    """An engine (generators/engine.Engine) whose every turn the solver writes for one episode, from the
+    """An engine (agents/engine.Engine) whose every turn the solver writes for one episode, from the
     sample and the episode's messages so far, each within agent.hook_timeout_s as any hook (user_code.call_user);
     logprobs 0 and version 0, as nothing is sampled."""
 

@@ -1,5 +1,5 @@
 """LearnerPool: `learner.world_size` LearnerRank processes placed by Ray (each a role_actors.LearnerRankRole,
-whose module is light, so a rank imports torch in its constructor); the only Ray code of learners/.
+whose module is light, so a rank imports torch in its constructor); controller code, as learners/ has no Ray.
 
 Every call goes to all ranks at once (they run collectives together) with the whole batch, put into
 Ray's object store once per step phase that needs it; each rank takes its own shard. Metrics come back
@@ -24,7 +24,7 @@ from nanoverl_async.config import Config, SGLangConfig
 from nanoverl_async.learners.batch import TrainBatch, collate, explained_variance, group_size_of, with_advantages
 from nanoverl_async.learners.setup import PROCESS_GROUP_TIMEOUT_S, LearnerSetup
 from nanoverl_async.learners.sglang_nccl import check_reachable
-from nanoverl_async.runtime.role_actors import LearnerRankRole
+from nanoverl_async.controller.role_actors import LearnerRankRole
 from nanoverl_async.wire.auth import CurveKeys
 
 TIMEOUT_S = PROCESS_GROUP_TIMEOUT_S + 60  # a rank stuck in a collective fails first, with its own error

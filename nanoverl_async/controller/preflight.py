@@ -36,7 +36,7 @@ from nanoverl_async.agents.data import prompt_source, read_samples
 from nanoverl_async.agents.env import env_factory
 from nanoverl_async.agents.rewards import load_reward
 from nanoverl_async.agents.user_code import BUILTINS, UserCodeError, absolute_spec, load_object
-from nanoverl_async.runtime.fit_check import check_learner_fits
+from nanoverl_async.controller.fit_check import check_learner_fits
 from nanoverl_async.validation import get_key
 from nanoverl_async.wire.auth import placed_host
 

@@ -2,7 +2,7 @@
 
     source = read_source("outputs/agent_grpo")    # a run launched with run.trace=true
 
-From RUN_DIR's config.yaml, metrics.jsonl and trace.json (written by trace.py, as docs/design.md
+From RUN_DIR's config.yaml, metrics.jsonl and trace.json (written by observe/trace.py, as docs/design.md
 "The pipeline trace" tells): per completed lease, its policy version and its work; per learner step, the
 hand-over of its batch (the wait after its B-th group was complete), the work of prepare, update and
 publish, the controller's time before the next step, and how long its weights took to reach each
