@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import psutil
@@ -74,6 +73,7 @@ from nanoverl_async.generators.decode_graphs import DecodeGraphs
 from nanoverl_async.generators.engine import Completion, SamplingParams
 from nanoverl_async.generators.kv_blocks import PagedCache, pool_blocks, version_seed
 from nanoverl_async.generators.llama_forward import LlamaModel, Tokens
+from nanoverl_async.generators.sequence import Request
 from nanoverl_async.models.load import DTYPES, on_device
 from nanoverl_async.models.lora import MergedAdapters, gathered
 from nanoverl_async.validation import kv_cache_budget
@@ -99,30 +99,6 @@ def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, generator: t
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-@dataclass
-class _Request:
-    input_ids: list[int]
-    params: SamplingParams
-    future: asyncio.Future
-    episode_id: str = ""
-    completion: Completion = field(default_factory=Completion)
-    blocks: list[int] = field(default_factory=list)  # while running: position p is in blocks[p // block_size]
-    hashes: list[bytes] = field(default_factory=list)  # of its context's full blocks (kv_blocks.prefix_hashes)
-    seed: bytes = b""  # the seed `hashes` chain from
-
-    def length(self) -> int:
-        """Tokens so far: the prompt and the sampled ones (all but the last are in the cache)."""
-        return len(self.input_ids) + len(self.completion.token_ids)
-
-    def context(self) -> list[int]:
-        return self.input_ids + self.completion.token_ids
-
-    def tokens(self, begin: int, end: int) -> list[int]:
-        """The context's tokens [begin, end), without building the whole context."""
-        cut = len(self.input_ids)
-        return self.input_ids[begin:end] + self.completion.token_ids[max(0, begin - cut):max(0, end - cut)]
-
-
 class TransformersEngine:
     """The `Engine` protocol (engine.py) on a transformers causal LM, continuously batched."""
 
@@ -140,8 +116,8 @@ class TransformersEngine:
         self.version, self.max_batch_size, self.prefill_tokens = 0, max_batch_size, prefill_tokens
         self._generator, self.seed = torch.Generator(device=self.device).manual_seed(seed), seed
         self.lockstep: Optional[Callable[[], int]] = None  # run.deterministic: see "Lockstep" above
-        self._pending: list[_Request] = []
-        self._rows: list[_Request] = []  # the running rows; row i is row i of the block table
+        self._pending: list[Request] = []
+        self._rows: list[Request] = []  # the running rows; row i is row i of the block table
         self._runner: Optional[asyncio.Task] = None
         self.loading: Optional[int] = None  # the version whose buckets `stage_weights` is loading, until its last
         self._loaded: set[int] = set()  # the parameters (data pointers) it loaded so far
@@ -176,7 +152,7 @@ class TransformersEngine:
         if unfit:
             raise ValueError(unfit)
         loop = asyncio.get_running_loop()
-        request = _Request(list(input_ids), params, loop.create_future(), episode_id or "")
+        request = Request(list(input_ids), params, loop.create_future(), episode_id or "")
         if self._runner is None or self._runner.done() or self._runner.get_loop() is not loop:
             # Requests left by a loop that has gone (a previous asyncio.run) can never be answered.
             self._pending = [r for r in self._pending if r.future.get_loop() is loop]
@@ -252,7 +228,7 @@ class TransformersEngine:
             self._pending = []
             raise
 
-    def _fail(self, requests: list[_Request], error: BaseException) -> None:
+    def _fail(self, requests: list[Request], error: BaseException) -> None:
         """The callers of `requests` get `error` (or are cancelled with the engine); the running rows are released."""
         for request in requests:
             if not request.future.done():
@@ -305,13 +281,13 @@ class TransformersEngine:
             for request in rows:
                 request.completion.preemptions += 1
 
-    def _release(self, rows: list[_Request]) -> None:
+    def _release(self, rows: list[Request]) -> None:
         for request in rows:
             self.cache.release(request)
         if rows is self._rows:
             self._rows = []
 
-    def _admissions(self) -> tuple[list[_Request], list[int], list[int]]:
+    def _admissions(self) -> tuple[list[Request], list[int], list[int]]:
         """The waiting requests that fit (a free row, and blocks for their context past its cached prefix), in
         order, moved into the rows after the running ones -> (them, the cached prefix length of each that
         computes, and for the copies, which come last, the index of the request whose context they repeat)."""
