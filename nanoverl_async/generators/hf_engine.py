@@ -62,7 +62,6 @@ Run alone: nothing to run; tests/test_engine.py and tests/test_kv_blocks.py driv
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from typing import Callable, Optional
 
 import psutil
@@ -71,8 +70,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanoverl_async.generators.decode_graphs import DecodeGraphs
 from nanoverl_async.generators.engine import Completion, SamplingParams
-from nanoverl_async.generators.kv_blocks import PagedCache, pool_blocks, version_seed
+from nanoverl_async.generators.kv_blocks import BlockPool, pool_blocks
 from nanoverl_async.generators.llama_forward import LlamaModel, Tokens
+from nanoverl_async.generators.model_runner import PagedCache
+from nanoverl_async.generators.scheduler import Admission, Scheduler
 from nanoverl_async.generators.sequence import Request
 from nanoverl_async.models.load import DTYPES, on_device
 from nanoverl_async.models.lora import MergedAdapters, gathered
@@ -113,11 +114,8 @@ class TransformersEngine:
         self.device = torch.device(device)
         self.model = LlamaModel(model_path, self.device, DTYPES[dtype])
         self.adapters = MergedAdapters(dict(self.model.named_parameters()), lora_scaling) if lora_scaling else None
-        self.version, self.max_batch_size, self.prefill_tokens = 0, max_batch_size, prefill_tokens
-        self._generator, self.seed = torch.Generator(device=self.device).manual_seed(seed), seed
-        self.lockstep: Optional[Callable[[], int]] = None  # run.deterministic: see "Lockstep" above
-        self._pending: list[Request] = []
-        self._rows: list[Request] = []  # the running rows; row i is row i of the block table
+        self.version = 0
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._runner: Optional[asyncio.Task] = None
         self.loading: Optional[int] = None  # the version whose buckets `stage_weights` is loading, until its last
         self._loaded: set[int] = set()  # the parameters (data pointers) it loaded so far
@@ -128,7 +126,8 @@ class TransformersEngine:
             free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else \
                 psutil.virtual_memory().available  # bytes free once the model is loaded
             num_blocks = pool_blocks(budget, free, self.model.block_bytes(block_size))
-        self.cache = PagedCache(self.model, num_blocks, block_size, max_batch_size, self.device)
+        self.cache = PagedCache(self.model, BlockPool(num_blocks, block_size), max_batch_size, self.device)
+        self.scheduler = Scheduler(self.cache.pool, max_batch_size, prefill_tokens, seed)
         self._lens = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # cached tokens per row
         self._next = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)  # last sampled, not cached
         self._temps = torch.ones(max_batch_size, 1, dtype=torch.float32, device=self.device)
@@ -137,6 +136,20 @@ class TransformersEngine:
         # Counters, for tests and benchmarks: steps (one forward each, a replayed graph's included); shared blocks
         # copied before a row wrote into them (the per-request counts are each Completion's).
         self.decode_steps = self.cow_copies = 0
+
+    @property
+    def lockstep(self) -> Optional[Callable[[], int]]:
+        """run.deterministic: the episodes that will still call `generate` (see "Lockstep" above)."""
+        return self.scheduler.lockstep
+
+    @lockstep.setter
+    def lockstep(self, live: Optional[Callable[[], int]]) -> None:
+        self.scheduler.lockstep = live
+
+    @property
+    def _rows(self) -> list[Request]:
+        """The running rows (tests watch them between steps)."""
+        return self.scheduler.running
 
     async def generate(self, input_ids: list[int], params: SamplingParams, *,
                        episode_id: Optional[str] = None) -> Completion:
@@ -147,29 +160,20 @@ class TransformersEngine:
         if not 0 <= min(input_ids) <= max(input_ids) < vocabulary:  # one bad id would fail the whole step
             raise ValueError(f"token ids {min(input_ids)}..{max(input_ids)} are not all in the model's "
                              f"vocabulary [0, {vocabulary})")
-        unfit = self._unfit(len(input_ids), f"max_new_tokens={params.max_new_tokens}",
-                            len(input_ids) + params.max_new_tokens - 1)  # the last sampled token is never cached
+        unfit = self.scheduler.unfit(len(input_ids), f"max_new_tokens={params.max_new_tokens}",
+                                     len(input_ids) + params.max_new_tokens - 1)  # the last sampled token is never cached
         if unfit:
             raise ValueError(unfit)
         loop = asyncio.get_running_loop()
         request = Request(list(input_ids), params, loop.create_future(), episode_id or "")
         if self._runner is None or self._runner.done() or self._runner.get_loop() is not loop:
-            # Requests left by a loop that has gone (a previous asyncio.run) can never be answered.
-            self._pending = [r for r in self._pending if r.future.get_loop() is loop]
-            self._release(self._rows)
+            self.scheduler.drop_loop(loop)
             self._runner = loop.create_task(self._run(), name="engine-decode")
-        self._pending.append(request)
+        self.scheduler.add(request)
         return await request.future
 
-    def _unfit(self, input_tokens: int, more: str, positions: int) -> str:
-        """Why a request of `input_tokens` input tokens + `more` could never run: its `positions` of KV cache are
-        more than the whole pool holds ("" if they are not)."""
-        held = self.cache.pool.capacity * self.cache.pool.block_size
-        return f"{input_tokens} input tokens + {more} need {positions} positions of KV cache; " \
-               f"generator.kv_cache_memory holds {held}" if positions > held else ""
-
     def in_flight(self) -> int:
-        return len(self._pending) + sum(not r.future.done() for r in self._rows)
+        return self.scheduler.in_flight()
 
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int, bucket: tuple[int, int] = (0, 1)
                       ) -> None:
@@ -189,8 +193,7 @@ class TransformersEngine:
             self.adapters.merge(adapters)  # checked first: refused adapters leave the model as it was
         if index == count - 1:
             self.version, self.loading = version, None
-            self.cache.pool.forget()  # their hashes name the old version: none could match again
-            self._requeue(len(self._rows))  # computed again under the new weights, from the queue's front
+            self.scheduler.new_weights(version)
 
     def _load(self, state_dict: dict[str, torch.Tensor], version: int, index: int, count: int) -> None:
         """Bucket `index` of `count` of a whole state dict into the model, in place, checked before loading: a
@@ -209,43 +212,37 @@ class TransformersEngine:
         self._loaded = loaded
 
     async def _run(self) -> None:
+        scheduler = self.scheduler
         try:
-            while self._pending or self._rows:
-                if self.loading is not None:  # a version's buckets are partly loaded: no step may mix two
+            while scheduler.waiting or scheduler.running:
+                # a version's buckets partly loaded (no step may mix two), or a lockstep wave not all waiting yet
+                if self.loading is not None or scheduler.waits_for_wave():
                     await asyncio.sleep(LOCKSTEP_POLL_S)
-                    continue
-                if self.lockstep is not None and not self._rows and len(self._pending) < self.lockstep():
-                    await asyncio.sleep(LOCKSTEP_POLL_S)  # some episode is still in a tool call
                     continue
                 with torch.inference_mode(), sdpa_kernel(ATTENTION_BACKENDS):
                     try:
                         self._step()
                     except Exception as error:  # the callers of its rows get it; later requests are served
-                        self._fail(self._rows, error)
+                        scheduler.fail(scheduler.running, error)
                 await asyncio.sleep(0)
         except BaseException as error:  # cancelled (its loop is closing) or a bug: no one may wait forever
-            self._fail(self._rows + self._pending, error)
-            self._pending = []
+            scheduler.fail(scheduler.running + scheduler.waiting, error)
+            scheduler.waiting = []
             raise
-
-    def _fail(self, requests: list[Request], error: BaseException) -> None:
-        """The callers of `requests` get `error` (or are cancelled with the engine); the running rows are released."""
-        for request in requests:
-            if not request.future.done():
-                request.future.set_exception(error) if isinstance(error, Exception) else request.future.cancel()
-        self._release(self._rows)
 
     def _step(self) -> None:
         """One forward for every running row (its last sampled token) and for the waiting requests that fit
         (their context after its cached prefix), then a token sampled for each: requests join without a
         forward of their own. On CUDA the running rows' decode replays a graph, and the others follow in one
         forward."""
-        if self.cache.pool.free() < len(self._rows):  # else every row may take a block: no need to count
-            while self.cache.need(self._rows) > self.cache.pool.free():  # the last rows wait for blocks to free
-                self._requeue(1, preempted=True)
-        self.cow_copies += self.cache.grow(self._rows, version_seed(self.version))
+        while self.scheduler.short_of_blocks():  # the last rows wait for blocks to free
+            self._requeue(1, preempted=True)
+        updates, copies = self.scheduler.grow()
+        self.cache.write(updates, copies)
+        self.cow_copies += len(copies)
         running = len(self._rows)
-        new, offsets, sources = self._admissions()
+        new, offsets, sources, _ = self._admissions()
+        self.cache.zero_fresh()
         if not self._rows:
             return
         logits, tokens = [], Tokens()
@@ -271,64 +268,15 @@ class TransformersEngine:
         self._emit(torch.cat(logits) if len(logits) > 1 else logits[0])
 
     def _requeue(self, count: int, preempted: bool = False) -> None:
-        """Put the last `count` running rows back at the front of the queue, in order: their blocks are released
-        (full ones stay cached under their hashes), and they are computed again when admitted."""
-        rows = self._rows[len(self._rows) - count:]
-        del self._rows[len(self._rows) - count:]
-        self._release(rows)
-        self._pending[:0] = [r for r in rows if not r.future.done()]  # a cancelled one is dropped
-        if preempted:
-            for request in rows:
-                request.completion.preemptions += 1
+        """Scheduler.requeue (tests watch the preemptions here)."""
+        self.scheduler.requeue(count, preempted)
 
-    def _release(self, rows: list[Request]) -> None:
-        for request in rows:
-            self.cache.release(request)
-        if rows is self._rows:
-            self._rows = []
-
-    def _admissions(self) -> tuple[list[Request], list[int], list[int]]:
-        """The waiting requests that fit (a free row, and blocks for their context past its cached prefix), in
-        order, moved into the rows after the running ones -> (them, the cached prefix length of each that
-        computes, and for the copies, which come last, the index of the request whose context they repeat)."""
-        start = len(self._rows)
-        if not self._pending or start >= self.max_batch_size or (self.lockstep is not None and self._rows):
-            return [], [], []
-        if self.lockstep is not None:
-            self._pending.sort(key=lambda r: r.episode_id)
-            wave = ";".join(f"{r.episode_id}:{len(r.input_ids)}" for r in self._pending)
-            self._generator.manual_seed(int.from_bytes(
-                hashlib.blake2b(f"{self.seed}|{wave}".encode(), digest_size=8).digest(), "little") >> 1)
-        firsts, offsets, copies, sources, index_of, taken, computed = [], [], [], [], {}, 0, 0
-        for request in self._pending:
-            if start + len(firsts) + len(copies) == self.max_batch_size:
-                break
-            if not request.future.done() and (unfit := self._unfit(
-                    len(request.input_ids), f"{len(request.completion.token_ids)} sampled tokens", request.length())):
-                request.future.set_exception(ValueError(unfit))  # only a row past generate's check: never placed
-            if not request.future.done():  # else cancelled while it waited (or refused): dropped
-                context = request.context()
-                source = index_of.get(tuple(context))
-                if source is not None:  # a copy: its whole context is served from its source's blocks
-                    self.cache.share(request, firsts[source])
-                    offset = len(context)
-                    copies.append(request)
-                    sources.append(source)
-                else:  # the first of a step, and a lockstep wave, are admitted whatever they compute
-                    most = self.prefill_tokens - computed if firsts and self.lockstep is None else float("inf")
-                    offset = self.cache.place(request, context, version_seed(self.version), most)
-                    if offset is None:  # no blocks for it, or the step's prefill is full
-                        break
-                    computed += len(context) - offset
-                    index_of[tuple(context)] = len(firsts)
-                    firsts.append(request)
-                    offsets.append(offset)
-                request.completion.prefill_tokens += len(context)
-                request.completion.cached_tokens += offset
-            taken += 1
-        del self._pending[:taken]
-        self._rows += firsts + copies
-        return firsts + copies, offsets, sources
+    def _admissions(self) -> Admission:
+        """Scheduler.admit, and a lockstep wave's sampler reseeded (tests watch the admissions here)."""
+        admission = self.scheduler.admit()
+        if admission.wave_seed is not None:
+            self._generator.manual_seed(admission.wave_seed)
+        return admission
 
     def _emit(self, logits: torch.Tensor) -> None:
         """Sample a token for every row from `logits`, record it, resolve finished rows and drop them (their
@@ -338,30 +286,8 @@ class TransformersEngine:
         self._next[:rows] = tokens
         self.decode_steps += 1
         sampled, logps = torch.stack((tokens.double(), logprobs.double())).tolist()  # the step's one host sync
-        done = []
-        for row, (token, logprob) in enumerate(zip(sampled, logps)):
-            request, token = self._rows[row], int(token)
-            completion = request.completion
-            completion.token_ids.append(token)
-            completion.logprobs.append(logprob)
-            completion.versions.append(self.version)
-            if token in request.params.stop_token_ids:
-                completion.finish_reason = "stop"
-            elif len(completion.token_ids) >= request.params.max_new_tokens:
-                completion.finish_reason = "length"
-            if completion.finish_reason or request.future.done():  # done here = the caller was cancelled
-                if not request.future.done():
-                    request.future.set_result(completion)
-                done.append(row)
-        self._release([self._rows[row] for row in done])
-        keep, gone = len(self._rows) - len(done), set(done)
-        holes = [row for row in done if row < keep]
-        movers = [row for row in range(keep, len(self._rows)) if row not in gone]
+        holes, movers = self.scheduler.postprocess([int(token) for token in sampled], logps, self.version)
         if holes:
             dst, src = (on_device(torch.tensor(rows), self.device) for rows in (holes, movers))
             for buffer in (self._lens, self._next, self._temps, self.cache.table):
                 buffer[dst] = buffer[src]
-            for hole, mover in zip(holes, movers):
-                self._rows[hole] = self._rows[mover]
-        del self._rows[keep:]
-
