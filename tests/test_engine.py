@@ -29,7 +29,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from host_waits import HostWaits
-from nanoverl_async.generators import decode_graphs, llama_forward
+from nanoverl_async.generators import checkpoint_reader, decode_graphs, llama_forward
 from nanoverl_async.generators.decode_graphs import DecodeGraphs
 from nanoverl_async.generators.engine import SamplingParams
 from nanoverl_async.generators.hf_engine import TransformersEngine
@@ -605,7 +605,7 @@ def test_a_hub_id_with_only_pytorch_pickles_downloads_them(model_dir, tmp_path, 
                 shutil.copy(file, local / file.name)
         return str(local)
 
-    monkeypatch.setattr(llama_forward, "snapshot_download", download)
+    monkeypatch.setattr(checkpoint_reader, "snapshot_download", download)
     loaded, reference = TransformersEngine("someone/tiny-bin-only").model, TransformersEngine(model_dir).model
     assert asked == [["*.json", "*.safetensors"], ["*.json", "*.bin"]]
     assert all(torch.equal(loaded.state_dict()[k], reference.state_dict()[k]) for k in reference.state_dict())

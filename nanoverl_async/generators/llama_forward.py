@@ -29,19 +29,15 @@ Run alone: nothing to run; tests/test_engine.py checks it against HF and a full 
 from __future__ import annotations
 
 import dataclasses
-import json
 from functools import partial
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from huggingface_hub import snapshot_download
-from safetensors.torch import load_file
-from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from nanoverl_async.generators.checkpoint_reader import open_checkpoint, read_parameters
 from nanoverl_async.models.load import on_device
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
@@ -169,19 +165,6 @@ class Tokens:
                 torch.cat([decoding, last]))
 
 
-def checkpoint_files(directory: Path, model_path: str) -> list[Path]:
-    """The files holding a checkpoint's tensors, as transformers saves them: safetensors, else PyTorch's pickles
-    (read with weights_only: tensors only, no code), one file or shards named by an index."""
-    for single in ("model.safetensors", "pytorch_model.bin"):
-        index = directory / f"{single}.index.json"  # a sharded checkpoint's file per tensor
-        if index.is_file():
-            return [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-        if (directory / single).is_file():
-            return [directory / single]
-    raise ValueError(f"model.path={model_path!r}: {directory} holds no model.safetensors or pytorch_model.bin "
-                     "(nor a sharded index of either)")
-
-
 def _check_supported(config, model_path: str) -> None:
     """One line for a model this forward cannot run, before any tensor is read."""
     if config.model_type not in FAMILY:
@@ -215,36 +198,10 @@ class LlamaModel(torch.nn.Module):
 
     def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype):
         super().__init__()
-        directory = Path(model_path).expanduser()
-        if not directory.is_dir():  # a Hugging Face Hub id (model.path): its safetensors, else its PyTorch pickles
-            directory = Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"]))
-            if not any(directory.glob("*.safetensors")):
-                directory = Path(snapshot_download(model_path, allow_patterns=["*.json", "*.bin"]))
-        self.config = config = AutoConfig.from_pretrained(directory)
+        directory, config = open_checkpoint(model_path)
+        self.config = config
         _check_supported(config, model_path)
-        layer = ("input_layernorm", "post_attention_layernorm", *(f"self_attn.{p}_proj" for p in "qkvo"),
-                 *(f"mlp.{p}_proj" for p in ("gate", "up", "down")), *(("self_attn.q_norm", "self_attn.k_norm")
-                                                                       if config.model_type == "qwen3" else ()))
-        modules = ["model.embed_tokens", "model.norm", "lm_head",
-                   *(f"model.layers.{i}.{part}" for i in range(config.num_hidden_layers) for part in layer)]
-        # the tensors this forward reads; a checkpoint's others (none in these families) stay out
-        wanted = {f"{module}.{kind}" for module in modules for kind in ("weight", "bias")}
-        params = {}
-        for file in checkpoint_files(directory, model_path):
-            tensors = load_file(file) if file.suffix == ".safetensors" else torch.load(file, "cpu", weights_only=True)
-            params.update({name: torch.nn.Parameter(tensor.to(device, dtype), requires_grad=False)
-                           for name, tensor in tensors.items() if name in wanted})
-        if config.tie_word_embeddings:  # the head is the embedding, whatever the file holds
-            params["lm_head.weight"] = params.get("model.embed_tokens.weight")
-        missing = [module for module in modules if params.get(f"{module}.weight") is None]
-        if missing:
-            raise ValueError(f"model.path={model_path!r}: the checkpoint in {directory} has no {missing[:3]}")
-        for name, parameter in params.items():  # each under its dotted name: model.layers.0.mlp.up_proj.weight
-            *path, leaf = name.split(".")
-            module = self
-            for part in path:
-                module = module._modules.setdefault(part, torch.nn.Module())
-            module.register_parameter(leaf, parameter)
+        read_parameters(self, directory, model_path, config, device, dtype)
         self.eps, self.dtype, self.device = config.rms_norm_eps, dtype, device
         self.layers = [getattr(self.model.layers, str(i)) for i in range(config.num_hidden_layers)]
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
