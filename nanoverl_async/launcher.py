@@ -244,7 +244,7 @@ class Roles:
             self.learners.ready()
             if resume_from:
                 self.learners.load_checkpoint(str(resume_from / "learner"), start)
-        if cfg.learner.device == cfg.generator.device == "cuda" and cfg.generator.engine == "transformers":
+        if cfg.learner.device == cfg.generator.device == "cuda" and cfg.generator.engine == "builtin":
             # on one GPU with learner rank 0: weights by CUDA IPC handles
             gpus = self.get("generators", [gen.gpu.remote() for gen in self.generators], cfg.run.step_timeout_s)
             with role_failures("learner pool"):
@@ -338,7 +338,7 @@ class Roles:
 
 def generator_gpus(cfg: Config) -> float:
     """GPUs Ray reserves for one generator replica: an SGLang replica's servers run on the GPUs its actor
-    is given (servers x tp_size); a transformers engine on cuda takes generator.gpus_per_replica."""
+    is given (servers x tp_size); a builtin engine on cuda takes generator.gpus_per_replica."""
     if cfg.generator.device != "cuda":
         return 0
     sglang = cfg.generator.sglang

@@ -1,4 +1,4 @@
-"""The decode step of `TransformersEngine` on CUDA, captured as CUDA graphs and replayed.
+"""The decode step of `BuiltinEngine` on CUDA, captured as CUDA graphs and replayed.
 
     graphs = DecodeGraphs(model, tokens, lens)        # the engine's fixed-address buffers
     logits = graphs.decode(kv, table, count, length)   # = model.paged(kv, table, *Tokens(decoding=(tokens[:count],

@@ -1,4 +1,4 @@
-"""The forward of `hf_engine.TransformersEngine`: the Llama family (llama, mistral, qwen2, qwen3) on a
+"""The forward of `builtin_engine.BuiltinEngine`: the Llama family (llama, mistral, qwen2, qwen3) on a
 checkpoint's own tensors, read without transformers' model classes, over flat tokens, with a paged KV cache.
 
     model = LlamaModel(model_dir, device, torch.float32)   # refuses other model types in one line
@@ -169,15 +169,15 @@ def _check_supported(config, model_path: str) -> None:
     """One line for a model this forward cannot run, before any tensor is read."""
     if config.model_type not in FAMILY:
         raise ValueError(f"model.path={model_path!r}: model_type {config.model_type!r} is not supported by the "
-                         f"transformers engine (it runs {', '.join(FAMILY)}); try generator.engine=sglang")
+                         f"builtin engine (it runs {', '.join(FAMILY)}); try generator.engine=sglang")
     rope = dict(getattr(config, "rope_parameters", None) or {})
     if rope.get("rope_type") not in ROPE_TYPES:
         raise ValueError(f"model.path={model_path!r}: config.rope_parameters={rope} is not supported by the "
-                         f"transformers engine (rope_type must be one of {', '.join(ROPE_TYPES)})")
+                         f"builtin engine (rope_type must be one of {', '.join(ROPE_TYPES)})")
     layer_types = set(getattr(config, "layer_types", None) or []) - {"full_attention", "sliding_attention"}
     if config.hidden_act != "silu" or layer_types:
         raise ValueError(f"model.path={model_path!r}: hidden_act={config.hidden_act!r} or layer_types {layer_types} "
-                         f"are not supported by the transformers engine (silu; full or sliding attention)")
+                         f"are not supported by the builtin engine (silu; full or sliding attention)")
 
 
 def rope_frequencies(config, dim: int) -> tuple[torch.Tensor, float]:
@@ -270,7 +270,8 @@ class LlamaModel(torch.nn.Module):
                    for span, gather, mask in zip(spans, gathers, masks)]
             x = x + _linear((torch.cat(out) if len(out) > 1 else out[0]).flatten(1), attn.o_proj)
             h = _rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
-            x = x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)  # hidden_act silu
+            # silu: the one hidden_act _check_supported lets through
+            x = x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)
         if last is not None:
             x = x[last]
         return self.logits(x) if head else x

@@ -104,9 +104,9 @@ class GeneratorWorker:
         self.tokenizer = load_tokenizer(model_path)
         lora = cfg.learner.lora if cfg.learner.lora.rank else None  # versions hold adapters
         self.engine = make_engine(cfg.generator, model_path, generator_id=generator_id, seed=cfg.run.seed,
-                                  dtype=cfg.model.dtype, lora=lora)  # generator.engine: transformers or sglang
+                                  dtype=cfg.model.dtype, lora=lora)  # generator.engine: builtin or sglang
         # Episodes that will still call the engine, plus a lease request in flight (it may bring more):
-        # with run.deterministic the engine waits for all of them before each wave (hf_engine "Lockstep"),
+        # with run.deterministic the engine waits for all of them before each wave (docs/design.md "Reproducible runs"),
         # and leases and evaluations each wait until none is left, so they never share a wave.
         self._live = 0
         self.lockstep = cfg.run.deterministic
@@ -335,8 +335,8 @@ def make_engine(generator: GeneratorConfig, model_path: str, *, generator_id: in
         from nanoverl_async.generators.sglang_engine import SGLangEngine
 
         return SGLangEngine(model_path, generator.sglang, generator_id=generator_id, seed=seed, dtype=dtype, lora=lora)
-    from nanoverl_async.generators.hf_engine import TransformersEngine
+    from nanoverl_async.generators.builtin_engine import BuiltinEngine
 
-    return TransformersEngine(model_path, generator.device, dtype, seed=seed, kv_cache_memory=generator.kv_cache_memory,
-                              block_size=generator.kv_block_size,
-                              lora_scaling=scaling(lora) if lora else 0.0)
+    return BuiltinEngine(model_path, generator.device, dtype, seed=seed, kv_cache_memory=generator.kv_cache_memory,
+                         block_size=generator.kv_block_size,
+                         lora_scaling=scaling(lora) if lora else 0.0)

@@ -1,6 +1,6 @@
 """A continuous-batching sampling engine: our own forward over a transformers checkpoint's weights.
 
-    engine = TransformersEngine(model_dir, device="cpu", dtype="float32", seed=0)
+    engine = BuiltinEngine(model_dir, device="cpu", dtype="float32", seed=0)
     completion = await engine.generate(prompt_ids, SamplingParams(16, 1.0, (eos_id,)))
 
 Why continuous batching: an episode's next turn (after a tool call) must not queue behind the slowest row of a
@@ -74,7 +74,7 @@ from nanoverl_async.generators.sequence import Request
 LOCKSTEP_POLL_S = 0.001  # how often a lockstep engine checks whether every episode is waiting
 
 
-class TransformersEngine:
+class BuiltinEngine:
     """The `Engine` protocol (engine.py), continuously batched: a scheduler (scheduler.py) decides each step, and
     a model runner (model_runner.py) computes it."""
 
