@@ -1,63 +1,15 @@
-"""A continuous-batching sampling engine: our own forward over a transformers checkpoint's weights.
+"""The builtin engine (generator.engine: builtin): continuous batching with the project's own forward over a paged
+KV cache; a thin coordinator of a scheduler (scheduler.py, pure Python) and a model runner (model_runner.py).
 
     engine = BuiltinEngine(model_dir, device="cpu", dtype="float32", seed=0)
     completion = await engine.generate(prompt_ids, SamplingParams(16, 1.0, (eos_id,)))
+    engine.stage_weights(state_dict, version, (index, count))   # between two steps
 
-Why continuous batching: an episode's next turn (after a tool call) must not queue behind the slowest row of a
-running batch. One runner task loops over steps: one forward computes the last sampled token of every running row
-and the tokens of the requests that arrived meanwhile (a prompt, or a later turn's new tokens), laid end to end
-(llama_forward.py), and a token is sampled for each. A row that samples a stop token or reaches max_new_tokens is
-resolved at once and leaves. Between iterations the loop yields (`await asyncio.sleep(0)`) so ZeroMQ I/O and the
-episodes keep flowing.
-
-The forward is our own (llama_forward.py: the Llama family on the checkpoint's tensors under their transformers
-names, `engine.model`, read without transformers' model classes; `load_state_dict` into it swaps them). One host
-sync per forward: the `.tolist()` of the sampled tokens and logprobs. On CUDA each decode step replays a CUDA graph
-(decode_graphs.py; `cuda_graphs=False` runs it eagerly).
-
-Paged KV cache (kv_blocks.py; the design of vLLM and nano-vllm). One pool of `block_size`-position blocks,
-allocated once, its size from `kv_cache_memory` (generator.kv_cache_memory: a fraction in (0, 1] of the device
-memory free after the model loads, or a size such as "4GiB", a number above 1 being GiB; 0 = 0.5 on CUDA, 2GiB on
-the CPU, whose pages are taken only as blocks are first used). Running rows are 0..R-1 of a block table: row r's
-position p lies in block table[r, p // block_size].
-A request is admitted, in arrival order, while a row and blocks for its context are free and the step computes at
-most `prefill_tokens` for the requests it admits; each step, a row whose next token starts a block gets one, and
-while the pool is short the most recently admitted rows are preempted: their blocks released, they go back to the
-front of the queue with their tokens so far and are computed again (prompt and sampled tokens, under the current
-weights) when admitted; the tokens they sampled keep their versions and logprobs. A request the whole pool cannot
-hold (prompt + max_new_tokens - 1 positions: the last sampled token is never cached) is refused at once, and a row
-that outgrew that check (a bug) fails when it is next admitted instead of waiting forever for room. Lengths are not
-capped otherwise (as with HF, positions may pass max_position_embeddings).
-
-Shared prefixes. Each full block is registered under the hash of its prefix (kv_blocks.prefix_hashes, chained from
-the weights version): a request's context reuses the blocks of its longest registered prefix (its last token is
-always computed, for its logits) and computes the rest. That serves an episode's later turn (its earlier turns'
-blocks, released to an LRU queue, stay until evicted), another group with the same system prompt, and rows
-recomputed after a preemption. Requests admitted together with the same context (the G samples of a group) compute
-it once: the copies hold the same blocks (refcounts) and sample from the same logits; a row about to write into a
-block other rows hold copies it first (copy on write). Each `Completion` counts its prefill tokens, those served
-from cache and its preemptions; `cow_copies` and `cache.pool.peak` count the engine's (tests and benchmarks read
-them).
-
-Sampling (the behaviour policy mu of the loss): p = softmax(logits / temperature), one draw from p with a
-`torch.Generator` seeded from the config seed; logprob = log p[token], in float32.
-
-Lockstep (run.deterministic; docs/design.md "Reproducible runs"): a row's logits depend in their last bits on which
-rows share its batch, so continuous batching makes runs differ wherever tool latencies do. With `lockstep` set (a
-callable: the episodes that will still call `generate`), the engine waits until every such episode waits, admits
-them as one wave sorted by episode id, reseeds its generator from the wave's make-up, and admits nothing more until
-the wave has finished: the same seed gives the same tokens.
-
-Weights (docs/design.md "Weights back to generators", mode interrupt): `stage_weights` must be called on the
-event-loop thread, a bucket at a time; from a version's first bucket to its last (`loading`) the runner computes
-nothing. The decode loop only yields between steps, so the new weights land between two steps: every
-token sampled afterwards carries the new version, earlier tokens keep theirs. The running rows are then computed
-again under the new weights (they are put back at the front of the queue, and no block of the old weights can
-match), so every logprob is exactly that of the version it is tagged with given the whole context. (Keeping the
-old keys/values, as PipelineRL does, is cheaper, but the tokens after a swap then come from a mixture of old
-keys/values and new weights that no learner reproduces.)
-
-Run alone: nothing to run; tests/test_engine.py and tests/test_kv_blocks.py drive it on tiny models."""
+Why: an episode's next turn, after a tool call, must not queue behind the slowest row of a running batch; the
+design (continuous batching, paged and shared KV blocks, preemption, lockstep waves, weight swaps) is in
+docs/design.md "The builtin engine".
+Run alone: nothing to run; tests/test_engine.py and tests/test_kv_blocks.py drive it on tiny models.
+"""
 
 from __future__ import annotations
 
@@ -100,7 +52,7 @@ class BuiltinEngine:
 
     @property
     def lockstep(self) -> Optional[Callable[[], int]]:
-        """run.deterministic: the episodes that will still call `generate` (see "Lockstep" above)."""
+        """run.deterministic: the episodes that will still call `generate` (docs/design.md "Reproducible runs")."""
         return self.scheduler.lockstep
 
     @lockstep.setter
@@ -154,9 +106,10 @@ class BuiltinEngine:
 
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int, bucket: tuple[int, int] = (0, 1)
                       ) -> None:
-        """Load `state_dict`, bucket (index, count) of weights `version`, now (a safe point: see the module
-        docstring; model_runner.ModelRunner.load). The worker stages only versions newer than the engine's, so
-        they are >= 0."""
+        """Load `state_dict`, bucket (index, count) of weights `version`, now: on the event loop's thread, so between
+        two steps (model_runner.ModelRunner.load). From a version's first bucket to its last (`loading`) no step
+        runs, and then the running rows are computed again under the new weights (docs/design.md "Weights back
+        to generators"). The worker stages only versions newer than the engine's, so they are >= 0."""
         index, count = bucket
         if index == 0:
             self.loading = version

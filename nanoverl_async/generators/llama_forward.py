@@ -19,9 +19,10 @@ matmuls with no further copy; its queries padded to its longest row. Each op fol
 float32, rotary embeddings with HF's frequencies, grouped-query attention); tests compare the logits with
 HF's forward per model type.
 
-Why `LlamaModel` and not transformers' model class: importing the model classes costs a generator ~2 s of
-CPU at start-up (a thousand modules), and the engine runs only this forward. The tensors keep transformers'
-names, so a learner's state dict loads into them in place (`load_state_dict`), and this forward reads them.
+Why `LlamaModel` and not transformers' model class: importing the model classes costs a generator seconds of
+CPU at start-up (a thousand modules; docs/benchmarks.md "Engine design choices, measured"), and the engine runs
+only this forward. The tensors keep transformers' names (checkpoint_reader.py reads them), so a learner's state
+dict loads into them in place (`load_state_dict`), and this forward reads them.
 
 Run alone: nothing to run; tests/test_engine.py checks it against HF and a full forward.
 """
@@ -58,11 +59,10 @@ def _one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn
     """softmax(q k^T / sqrt(d) + mask) v for one query per row (a decode step): q [rows, heads, 1, d], k, v
     [kv_heads, rows, length, d] (as gathered), mask [rows, 1, 1, length]. The query heads that share a kv
     head become that kv head's queries, so grouped-query attention is two batched matmuls over the gathered
-    keys and values as they lie, read once. On the CPU (slot cache, before paging), SDPA's kernel, built for
-    blocks of queries, took 1.2-2.4x as long for 256 rows of builtin:tiny: 1.11x the engine's tokens/s at
-    256 requests (no change at 16 or 64). On CUDA (H200, torch 2.11), SDPA given a mask and grouped heads fell
-    back to its math kernel (see `_expanded_sdpa`): 1.59 ms per layer for 256 rows against 0.125 ms, 5.3x the
-    engine's tokens/s at 256 requests. Softmax in float32, as HF's eager attention."""
+    keys and values as they lie, read once. Faster than SDPA for one query per row on both devices: on the CPU
+    SDPA's kernel is built for blocks of queries, and on CUDA SDPA given a mask and grouped heads falls back to
+    its math kernel (see `_expanded_sdpa`; docs/benchmarks.md "Engine design choices, measured"). Softmax in
+    float32, as HF's eager attention."""
     rows, heads, _, dim = q.shape
     grouped = q.reshape(rows, k.shape[0], heads // k.shape[0], dim).transpose(0, 1)  # [kv_heads, rows, group, d]
     scores = grouped @ k.transpose(-1, -2) * dim ** -0.5 + attn_mask.view(1, rows, 1, -1)

@@ -137,9 +137,8 @@ class GeneratorWorker:
         subscriber, tasks = None, []
         # subscriber.poll_bucket runs on a thread of its own, where its socket lives from its first poll to its
         # close (never shared): checking a whole version took seconds for a large model, and the engine decodes on
-        # this event loop (a 360M-parameter bfloat16 version stalled it 1.8 s here; 7 ms from this thread, with its
-        # tensors viewing the received bytes; 2-core CPU). A bucket in the learner's shared memory, or on this
-        # GPU by CUDA IPC, is copied and checked there too (weights.py).
+        # this event loop (docs/benchmarks.md "Engine design choices, measured"). A bucket in the learner's shared
+        # memory, or on this GPU by CUDA IPC, is copied and checked there too (weights.py).
         self._weights_thread = ThreadPoolExecutor(1, thread_name_prefix=f"generator-{self.generator_id}-weights")
         try:
             self._dealer, self._push = context.socket(zmq.DEALER), context.socket(zmq.PUSH)
