@@ -6,6 +6,7 @@ what the scheduler's block pool decided, and loads weights in place.
 
     runner = ModelRunner(model_dir, "cpu", "float32", seed=0, rows=256, block_size=16)   # runner.cache.pool
     runner.cache.write(*scheduler.grow())
+    running = len(scheduler.running)                          # these decode; the admitted rows follow
     tokens, logprobs = runner.step(scheduler.running, running, scheduler.admit())
     runner.compact(*scheduler.postprocess(tokens, logprobs, version))
 
