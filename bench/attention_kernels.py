@@ -5,7 +5,7 @@
 Shapes of Qwen2.5-0.5B's attention (14 query heads sharing 2 kv heads of 64): a decode step (one query per row
 over its blocks of the paged cache, gathered through a block table as `llama_forward` does: the gather is in
 every variant's time, and timed alone) and a span of prompts. Variants: SDPA with grouped heads under
-the engine's backends (hf_engine.ATTENTION_BACKENDS: no cuDNN), SDPA with torch's default backends (cuDNN first
+the engine's backends (model_runner.ATTENTION_BACKENDS: no cuDNN), SDPA with torch's default backends (cuDNN first
 on Hopper), SDPA over the kv heads repeated (`_expanded_sdpa`, the engine's for blocks of queries on CUDA) and the
 grouped matmuls (`_one_query_attention`, the engine's for decode). On CUDA each is also captured in a CUDA graph
 and replayed, as the engine's decode step is (decode_graphs.py). Prints ms per call and each variant's largest
@@ -25,7 +25,7 @@ from rich.table import Table
 from torch.nn.attention import sdpa_kernel
 
 from nanoverl_async.generators.decode_graphs import capture
-from nanoverl_async.generators.hf_engine import ATTENTION_BACKENDS
+from nanoverl_async.generators.model_runner import ATTENTION_BACKENDS
 from nanoverl_async.generators.llama_forward import _expanded_sdpa, _gqa_sdpa, _one_query_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64

@@ -1,4 +1,4 @@
-"""Tokens/s of `TransformersEngine` at the scale RL runs it, beside transformers' static-cache compiled
+"""Tokens/s of `BuiltinEngine` at the scale RL runs it, beside transformers' static-cache compiled
 `generate` in the same call (issue 31): Qwen2.5-0.5B and 1.5B shapes (random weights, bfloat16), 64 and 256
 concurrent requests, contexts of 1k and 8k tokens, under a KV cache budget.
 
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: qwen_shape
 from qwen_shape import QWEN_BODY  # noqa: E402
 
 from nanoverl_async.agents.engine import SamplingParams  # noqa: E402
-from nanoverl_async.generators.hf_engine import TransformersEngine  # noqa: E402
+from nanoverl_async.generators.builtin_engine import BuiltinEngine  # noqa: E402
 
 VOCAB = 151_936
 MIB = 2 ** 20
@@ -89,7 +89,7 @@ def run_generate(model, prompts: list[list[int]], new_tokens: int, device: str) 
     return walls[0], len(prompts) * new_tokens / walls[1]
 
 
-def run_engine(engine: TransformersEngine, warm_up: list[list[int]], prompts: list[list[int]], new_tokens: int,
+def run_engine(engine: BuiltinEngine, warm_up: list[list[int]], prompts: list[list[int]], new_tokens: int,
                device: str) -> dict:
     """tok/s, peak KV blocks, preemptions and prefix hits of one pass of `prompts`, after a pass of `warm_up`
     (other prompts of the same shape: the timed pass finds none of its blocks cached)."""
@@ -158,9 +158,9 @@ def main() -> None:
             del model
             gc.collect()
             torch.cuda.empty_cache() if args.device == "cuda" else None
-            engine = TransformersEngine(scratch, args.device, "bfloat16" if args.device == "cuda" else "float32",
-                                        seed=0, max_batch_size=max(requests), kv_cache_memory=args.kv_cache_memory,
-                                        block_size=args.block_size, num_blocks=args.kv_blocks or None)
+            engine = BuiltinEngine(scratch, args.device, "bfloat16" if args.device == "cuda" else "float32",
+                                   seed=0, max_batch_size=max(requests), kv_cache_memory=args.kv_cache_memory,
+                                   block_size=args.block_size, num_blocks=args.kv_blocks or None)
             block_bytes = engine.model.block_bytes(args.block_size)
             for cell in cells:
                 result = run_engine(engine, workload(*cell, args.new_tokens, args.group, vocab, salt=1),

@@ -1,4 +1,4 @@
-"""Tokens/s of `TransformersEngine` (continuous batching) against bare `model.generate` and the previous
+"""Tokens/s of `BuiltinEngine` (continuous batching) against bare `model.generate` and the previous
 batch-at-a-time engine, on the same prompts and the same forced lengths.
 
     python bench/engine_vs_generate.py [--device cpu|cuda] [--model tiny|qwen0.5b] [--repeats 2] [--profile]
@@ -43,12 +43,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from cuda_waits import host_wait_sites, print_wait_sites  # bench/, the script's folder
 from nanoverl_async.agents.engine import SamplingParams
-from nanoverl_async.generators.hf_engine import TransformersEngine
+from nanoverl_async.generators.builtin_engine import BuiltinEngine
 from nanoverl_async.models.load import DTYPES, resolve_model_path
 
 
 OLD_ENGINE_REF = "5c0e5bdef43e08afc6a475d2562f79de69d1151f"  # the last commit with the batch-at-a-time engine
-ENGINE_PATH = "nanoverl_async/generators/hf_engine.py"
+OLD_ENGINE_PATH = "nanoverl_async/generators/hf_engine.py"  # its file there, and its class TransformersEngine
 SHAPES = {"tiny": (32, 128), "qwen0.5b": (128, 256)}  # (prompt tokens, new tokens) of the throughput rows
 EPISODES, TURNS, TURN_TOKENS, TOOL_TOKENS, TOOL_LATENCY_S = 64, 3, (8, 48), 4, 0.05
 QUIET_CORES = 0.2  # a run starts once other processes use less than this for 2 s
@@ -56,9 +56,9 @@ MIN_ROW_S = 2.0  # a throughput run repeats its batch until this long: one pass 
 
 
 def old_engine_class(ref: str):
-    """TransformersEngine as committed at `ref`, imported from a temporary file."""
+    """The engine as committed at `ref` (OLD_ENGINE_PATH's class), imported from a temporary file."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = subprocess.run(["git", "show", f"{ref}:{ENGINE_PATH}"], cwd=root, check=True, capture_output=True,
+    source = subprocess.run(["git", "show", f"{ref}:{OLD_ENGINE_PATH}"], cwd=root, check=True, capture_output=True,
                             text=True).stdout
     with tempfile.TemporaryDirectory() as scratch:
         path = os.path.join(scratch, "old_hf_engine.py")
@@ -221,10 +221,10 @@ def main() -> None:
         vocab, (prompt_len, new_tokens) = AutoConfig.from_pretrained(path).vocab_size, SHAPES[args.model]
         concurrency = [int(c) for c in args.concurrency.split(",")]
         batch = max(256, *concurrency, EPISODES)
-        systems = {"new engine": TransformersEngine(path, args.device, dtype, seed=0, max_batch_size=batch)}
+        systems = {"new engine": BuiltinEngine(path, args.device, dtype, seed=0, max_batch_size=batch)}
         if args.device == "cuda":  # what the CUDA graphs (decode_graphs.py) bring
-            systems["new, eager"] = TransformersEngine(path, args.device, dtype, seed=0, max_batch_size=batch,
-                                                       cuda_graphs=False)
+            systems["new, eager"] = BuiltinEngine(path, args.device, dtype, seed=0, max_batch_size=batch,
+                                                  cuda_graphs=False)
         if args.old_ref:
             systems["old engine"] = old_engine_class(args.old_ref)(path, args.device, dtype, seed=0,
                                                                    max_batch_size=batch)

@@ -3,7 +3,7 @@
     python bench/tool_eval.py builtin:smollm2-135m --env examples/smollm2_tools.py:WordProblemEnv \
         --task examples/smollm2_tools.py:make_prompt [--episodes 16] [--max-new-tokens 64] [--dtype float32]
 
-Episodes run as in training: `TransformersEngine` (continuous batching), `run_episode` (tokens in, tokens
+Episodes run as in training: `BuiltinEngine` (continuous batching), `run_episode` (tokens in, tokens
 out, tool calls parsed and run, results appended as template deltas), the environment's own reward, at
 the given temperature (plain softmax, as the generators sample). Prints one JSON line: the rates, the
 generated tokens/s, and --show example episodes' text on stderr.
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from nanoverl_async.config import AgentConfig  # noqa: E402
 from nanoverl_async.agents.env import env_factory  # noqa: E402
 from nanoverl_async.agents.agent_loop import run_episode  # noqa: E402
-from nanoverl_async.generators.hf_engine import TransformersEngine  # noqa: E402
+from nanoverl_async.generators.builtin_engine import BuiltinEngine  # noqa: E402
 from nanoverl_async.models.load import load_tokenizer, resolve_model_path  # noqa: E402
 from nanoverl_async.agents.user_code import load_object  # noqa: E402
 
@@ -33,7 +33,7 @@ from nanoverl_async.agents.user_code import load_object  # noqa: E402
 async def evaluate(model: str, env: str, task: str, episodes: int, agent: AgentConfig, temperature: float,
                    dtype: str, seed: int, show: int) -> dict:
     path = resolve_model_path(model)
-    tokenizer, engine = load_tokenizer(path), TransformersEngine(path, dtype=dtype, seed=seed)
+    tokenizer, engine = load_tokenizer(path), BuiltinEngine(path, dtype=dtype, seed=seed)
     make_env, make_prompt = env_factory(env), load_object(task, "data.task")
     samples = [make_prompt(seed + 10_000, i) for i in range(episodes)]
     started = time.perf_counter()

@@ -15,6 +15,7 @@ run uses its value, and what a run writes (`to_yaml`, `to_dict`) holds the text 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -24,6 +25,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from nanoverl_async.config_file import ConfigLoader, describe, read_yaml, yaml_problem
 from nanoverl_async.validation import ConfigError, validate  # noqa: F401 (ConfigError: re-exported)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,7 +48,7 @@ class RunConfig:
     log_samples: int = 0
     print_sample_every: int = 0  # every N steps, one of those samples on the console too; 0 = never
     # two runs with the same seed log the same metrics: the engine batches requests in waves whose make-up
-    # does not depend on timing (generators/hf_engine.py "lockstep"); needs staleness.max=0, one replica
+    # does not depend on timing (docs/design.md "Reproducible runs"); needs staleness.max=0, one replica
     deterministic: bool = False
     # output_dir/trace.json (Chrome trace events, open in ui.perfetto.dev): episodes per generator, the
     # buffer's leases and gate, learner prepare/update/publish, weight loads (nanoverl_async/observe/trace.py)
@@ -138,16 +141,16 @@ class SGLangConfig:
 @dataclass
 class GeneratorConfig:
     replicas: int = 1  # generator workers side by side
-    engine: str = "transformers"  # transformers (CPU/GPU) | sglang (GPU)
+    engine: str = "builtin"  # builtin: the project's own (CPU/GPU) | sglang (GPU); "transformers": builtin's old name
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # used when engine is sglang
     temperature: float = 1.0  # sampling temperature; the learner's logprobs use the same
     max_groups_in_flight: int = 16  # prompt groups one generator runs at once (each is G episodes)
     torch_threads: int = 1  # intra-op threads of the generator process
     device: str = "cpu"
-    # GPUs Ray reserves for each transformers-engine replica on cuda; a fraction shares one GPU (e.g. 0.5
+    # GPUs Ray reserves for each builtin-engine replica on cuda; a fraction shares one GPU (e.g. 0.5
     # beside learner.gpus_per_rank=0.5 on a one-GPU machine). SGLang replicas take servers x tp_size.
     gpus_per_replica: float = 1.0
-    # The paged KV cache of a transformers-engine replica (generators/hf_engine.py): a fraction in (0, 1] of the
+    # The paged KV cache of a builtin-engine replica (generators/kv_blocks.py): a fraction in (0, 1] of the
     # device memory free once the model is loaded (cuda: GPU memory; cpu: RAM available; 1 = all of it), or a size
     # with its unit: 4GiB, 512MiB, 0.5GiB; a number above 1 is read as GiB (the key's first form); 0 = auto (0.5
     # on cuda, 2GiB on cpu). validation.kv_cache_budget reads it. While it is full, requests wait and the latest
@@ -327,8 +330,17 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
     except OmegaConfBaseException as error:
         raise ConfigError(describe(error, Config())) from None
     _keep_interpolated(cfg, OmegaConf.to_container(merged, resolve=False))
+    _read_old_names(cfg)
     validate(cfg)
     return cfg
+
+
+def _read_old_names(cfg: Config) -> None:
+    """generator.engine's first name for the builtin engine, `transformers` (it never ran transformers' model
+    classes), still reads, with a one-line warning."""
+    if cfg.generator.engine == "transformers":
+        log.warning("config key 'generator.engine': 'transformers' is deprecated, write 'builtin' (the same engine)")
+        cfg.generator.engine = "builtin"
 
 
 class Interpolated(str):

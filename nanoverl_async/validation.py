@@ -71,7 +71,7 @@ def choices() -> dict[str, Any]:
     algorithms = algorithm_names()
     return {
         "model.dtype": ("float32", "bfloat16"),
-        "generator.engine": ("transformers", "sglang"),
+        "generator.engine": ("builtin", "sglang"),
         "generator.device": ("cpu", "cuda"),
         "learner.device": ("cpu", "cuda"),
         "algorithm.advantage": algorithms["ADVANTAGES"],
@@ -153,7 +153,7 @@ def _rules(cfg: Config) -> Iterator[tuple[str, bool, str]]:
     yield "run.eval_every", run.eval_every > 0 and not cfg.data.val_files, \
         "needs data.val_files (the evaluation prompts)"
     # Asynchronous batches depend on how fast each role runs, and so does which replica samples a group.
-    for key, needed in {"staleness.max": 0, "generator.replicas": 1, "generator.engine": "transformers"}.items():
+    for key, needed in {"staleness.max": 0, "generator.replicas": 1, "generator.engine": "builtin"}.items():
         yield "run.deterministic", run.deterministic and get_key(cfg, key) != needed, \
             (f"needs {key}={needed} (got {get_key(cfg, key)}); for an asynchronous run, run.record=true and "
              f"`nanoverl-async replay` reproduce the learner")

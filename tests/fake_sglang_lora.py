@@ -27,7 +27,7 @@ class LoRAMixin:
 
     def load_lora(self, body: dict):
         from fake_sglang_server import value_error
-        from nanoverl_async.generators.hf_engine import TransformersEngine
+        from nanoverl_async.generators.builtin_engine import BuiltinEngine
 
         name, path = body.get("lora_name"), Path(str(body.get("lora_path")))
         if not self.lora_enabled:
@@ -37,7 +37,7 @@ class LoRAMixin:
         config = json.loads((path / "adapter_config.json").read_text())
         if config["r"] > self.max_lora_rank:
             raise value_error(f"LoRA adapter {name} has rank {config['r']} > --max-lora-rank {self.max_lora_rank}")
-        engine = TransformersEngine(self.model_path, seed=self.seed, lora_scaling=config["lora_alpha"] / config["r"])
+        engine = BuiltinEngine(self.model_path, seed=self.seed, lora_scaling=config["lora_alpha"] / config["r"])
         engine.stage_weights(load_file(str(path / "adapter_model.safetensors")), 1)
         self.adapter_engines()[name] = engine
         return {"success": True, "loaded_adapters": {key: key for key in self.adapter_engines()}}

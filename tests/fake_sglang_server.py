@@ -89,10 +89,10 @@ class FakeSGLangServer(GenerateMixin, LoRAMixin):
         return self
 
     def load(self) -> None:
-        from nanoverl_async.generators.hf_engine import TransformersEngine
+        from nanoverl_async.generators.builtin_engine import BuiltinEngine
 
         torch.set_num_threads(1)
-        self.engine = TransformersEngine(self.model_path, seed=self.seed)
+        self.engine = BuiltinEngine(self.model_path, seed=self.seed)
         self.eos_ids = set(_as_list(getattr(self.engine.model.config, "eos_token_id", None)))
         self.context_length = int(getattr(self.engine.model.config, "max_position_embeddings", 1 << 30))
         self.ready = True

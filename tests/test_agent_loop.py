@@ -1,7 +1,7 @@
 """The agent loop: tokens in, tokens out, tool results as chat-template deltas with mask 0.
 
 A scripted engine (it "samples" given texts) makes the tool paths deterministic; a tiny random Qwen2
-behind the real TransformersEngine checks that the behaviour logprobs are those of the very ids the
+behind the real BuiltinEngine checks that the behaviour logprobs are those of the very ids the
 trajectory holds. Uses the built-in char-level tokenizer and chat template (tiny_model.build_tokenizer).
 """
 
@@ -18,7 +18,7 @@ from nanoverl_async.agents.env import FunctionEnv, rollout_tools
 from nanoverl_async.agents import agent_loop
 from nanoverl_async.agents.agent_loop import PROMPTS_CACHED, render_prompt, run_episode
 from nanoverl_async.agents.engine import Completion, SamplingParams
-from nanoverl_async.generators.hf_engine import TransformersEngine
+from nanoverl_async.generators.builtin_engine import BuiltinEngine
 from nanoverl_async.models.tiny import build_tokenizer
 from nanoverl_async.wire.trajectory import decode, encode, validate
 from nanoverl_async.agents.user_code import UserCodeError, load_object
@@ -176,7 +176,7 @@ def test_real_engine_logprobs_are_of_the_trajectory_ids(tokenizer, tmp_path):
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     Qwen2ForCausalLM(config).save_pretrained(tmp_path)
-    engine = TransformersEngine(str(tmp_path), seed=0)
+    engine = BuiltinEngine(str(tmp_path), seed=0)
     agent = AgentConfig(max_turns=3, max_new_tokens=12, max_total_tokens=48)
 
     async def main():

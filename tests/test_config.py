@@ -1,6 +1,7 @@
 """Config loading: every bad input fails with one line naming the key, before anything starts."""
 
 import json
+import logging
 import math
 import pickle
 import subprocess
@@ -65,6 +66,17 @@ def test_incompatible_algorithm_settings_fail_naming_the_key(overrides, key):
                                   "smollm2_shop", "gpu/agent_grpo_sglang", "slow_tool", "long_tail", "code"])
 def test_ready_configs_validate(name):
     load_config(f"configs/{name}.yaml")
+
+
+def test_the_builtin_engines_old_name_still_reads_with_one_warning_line(caplog):
+    with caplog.at_level(logging.WARNING, logger="nanoverl_async.config"):
+        cfg = load_config(None, ["generator.engine=transformers", "run.deterministic=true", "staleness.max=0"])
+    assert cfg.generator.engine == "builtin" and "engine: builtin" in to_yaml(cfg)
+    assert [record.getMessage() for record in caplog.records] == [
+        "config key 'generator.engine': 'transformers' is deprecated, write 'builtin' (the same engine)"]
+    assert load_config(None).generator.engine == "builtin"
+    with pytest.raises(ConfigError, match="'generator.engine': 'vllm' is not one of builtin, sglang"):
+        load_config(None, ["generator.engine=vllm"])
 
 
 def test_missing_and_malformed_yaml(tmp_path):

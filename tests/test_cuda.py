@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load as safetensors_load
 
 from nanoverl_async.agents.engine import SamplingParams
-from nanoverl_async.generators.hf_engine import TransformersEngine
+from nanoverl_async.generators.builtin_engine import BuiltinEngine
 from nanoverl_async.learners.checkpoint import full_state_dict
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.wire.weights import WeightPublisher, WeightSubscriber
@@ -41,7 +41,7 @@ def qwen_dir(tmp_path_factory):
 
 
 def test_engine_on_cuda_matches_a_full_forward(qwen_dir):
-    engine = TransformersEngine(qwen_dir, device="cuda", seed=3)
+    engine = BuiltinEngine(qwen_dir, device="cuda", seed=3)
     reference = tiny_qwen2().cuda()
     prompts, limits = [[5, 6, 7, 8, 9], [3], [20, 21, 22, 23]], [12, 5, 9]
 
@@ -60,7 +60,7 @@ def test_engine_on_cuda_matches_a_full_forward(qwen_dir):
 def test_replayed_decode_graphs_match_a_full_forward(qwen_dir):
     """CUDA graphs under every change they must survive: rows joining and leaving (other batch buckets),
     a row outgrowing the cache (a new cache: captured again), a weight swap in place between steps."""
-    engine = TransformersEngine(qwen_dir, device="cuda", seed=4)
+    engine = BuiltinEngine(qwen_dir, device="cuda", seed=4)
     old, new = tiny_qwen2().cuda(), tiny_qwen2(seed=1).cuda()
     stops = tuple(range(0, 96, 5))
     state_dict = {k: v for k, v in new.state_dict().items() if k != "lm_head.weight"}

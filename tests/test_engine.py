@@ -1,4 +1,4 @@
-"""TransformersEngine: continuous batching with our own forward and paged KV cache, checked against a
+"""BuiltinEngine: continuous batching with our own forward and paged KV cache, checked against a
 full forward pass (the cache's budget, preemption, copy on write and prefix hashes: test_kv_blocks.py).
 
 Fast CPU tests on tiny random models (hidden 64, 2 layers): logprobs of concurrent requests of
@@ -29,10 +29,10 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from host_waits import HostWaits
-from nanoverl_async.generators import decode_graphs, llama_forward
+from nanoverl_async.generators import checkpoint_reader, decode_graphs, llama_forward
 from nanoverl_async.generators.decode_graphs import DecodeGraphs
 from nanoverl_async.agents.engine import SamplingParams
-from nanoverl_async.generators.hf_engine import TransformersEngine
+from nanoverl_async.generators.builtin_engine import BuiltinEngine
 
 VOCAB = 96
 TOL = 1e-4
@@ -68,7 +68,7 @@ def reference_logprobs(model, prompt: list[int], completion: list[int], temperat
 
 
 def test_concurrent_requests_match_a_full_forward(model_dir):
-    engine = TransformersEngine(model_dir, seed=1)
+    engine = BuiltinEngine(model_dir, seed=1)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     prompts = [[5, 6, 7, 8, 9, 10, 11], [3], [20, 21, 22], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
     limits = [9, 4, 12, 6]
@@ -87,7 +87,7 @@ def test_concurrent_requests_match_a_full_forward(model_dir):
 
 
 def test_a_groups_shared_prompt_is_computed_once_and_its_samples_differ(model_dir):
-    engine = TransformersEngine(model_dir, seed=4)
+    engine = BuiltinEngine(model_dir, seed=4)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     group, other = [5, 6, 7, 8, 9, 10], [20, 21, 22]
 
@@ -105,7 +105,7 @@ def test_a_groups_shared_prompt_is_computed_once_and_its_samples_differ(model_di
 
 def test_a_group_joining_running_rows_shares_its_prompt_and_matches_a_full_forward(model_dir):
     """The copies' cache and logits come from their first sample's row, after the rows already running."""
-    engine = TransformersEngine(model_dir, seed=11)
+    engine = BuiltinEngine(model_dir, seed=11)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     group = [9, 8, 7, 6, 5, 4, 3]
     requests = [(0, [1, 2, 3], 20), (0, [40] * 12, 15)] + [(3, group, 6)] * 4 + [(3, [30, 31], 6)]
@@ -118,7 +118,7 @@ def test_a_group_joining_running_rows_shares_its_prompt_and_matches_a_full_forwa
 
 
 def test_stop_tokens_and_late_requests(model_dir):
-    engine = TransformersEngine(model_dir, seed=2)
+    engine = BuiltinEngine(model_dir, seed=2)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     stops = tuple(range(0, VOCAB, 3))  # a third of the vocabulary: rows stop after a few tokens
 
@@ -145,7 +145,7 @@ def test_stop_tokens_and_late_requests(model_dir):
 
 def test_same_seed_same_samples(model_dir):
     async def run(seed):
-        engine = TransformersEngine(model_dir, seed=seed)
+        engine = BuiltinEngine(model_dir, seed=seed)
         return (await engine.generate([1, 2, 3], SamplingParams(10, 1.0))).token_ids
 
     assert asyncio.run(run(7)) == asyncio.run(run(7))
@@ -153,7 +153,7 @@ def test_same_seed_same_samples(model_dir):
 
 
 def test_interrupt_weight_swap_retags_later_tokens(model_dir):
-    engine = TransformersEngine(model_dir, seed=3)
+    engine = BuiltinEngine(model_dir, seed=3)
     old = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     new = tiny_qwen2(seed=1)
     state_dict = {k: v for k, v in new.state_dict().items() if k != "lm_head.weight"}  # tied: sent once
@@ -178,7 +178,7 @@ def test_interrupt_weight_swap_retags_later_tokens(model_dir):
 
 
 def test_weights_that_do_not_fit_are_refused(model_dir):
-    engine = TransformersEngine(model_dir)
+    engine = BuiltinEngine(model_dir)
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
     good = tiny_qwen2(seed=5).state_dict()
     for bad in ({k: v for k, v in good.items() if "layers.1." not in k},  # missing keys
@@ -191,7 +191,7 @@ def test_weights_that_do_not_fit_are_refused(model_dir):
 
 
 def test_a_failing_step_fails_its_callers_and_later_requests_are_served(model_dir):
-    engine = TransformersEngine(model_dir)
+    engine = BuiltinEngine(model_dir)
     with pytest.raises(ValueError, match=r"token ids 101\.\.101 are not all in the model's vocabulary \[0, 96\)"):
         asyncio.run(engine.generate([VOCAB + 5], SamplingParams(3)))  # refused before it can fail a step
     logits = engine.model.logits
@@ -210,7 +210,7 @@ def test_a_failing_step_fails_its_callers_and_later_requests_are_served(model_di
     assert asyncio.run(asyncio.wait_for(engine.generate([1], SamplingParams(2)), 10)).finish_reason == "length"
 
 
-def staggered(engine: TransformersEngine, requests: list[tuple[int, list[int], int]], temperature: float = 0.9,
+def staggered(engine: BuiltinEngine, requests: list[tuple[int, list[int], int]], temperature: float = 0.9,
               swap=None):
     """Run `requests` (arrival step, prompt, max_new_tokens), each sent once engine.decode_steps reaches
     its arrival step; `swap` = (step, state_dict, version) stages weights at that step."""
@@ -233,7 +233,7 @@ def staggered(engine: TransformersEngine, requests: list[tuple[int, list[int], i
 
 
 def test_a_late_request_finishes_while_a_long_one_decodes(model_dir):
-    engine = TransformersEngine(model_dir, seed=4)
+    engine = BuiltinEngine(model_dir, seed=4)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
 
     async def main():
@@ -262,7 +262,7 @@ STAGGERED = [(0, [5, 6, 7, 8, 9, 10, 11], 30), (0, [3], 4), (2, list(range(20, 6
 
 
 def test_rows_joining_at_different_steps_match_a_full_forward(model_dir):
-    engine = TransformersEngine(model_dir, seed=5)
+    engine = BuiltinEngine(model_dir, seed=5)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     completions = staggered(engine, STAGGERED)
     assert engine.cache.pool.in_use() == 0 and engine.cache.pool.peak == 14  # every block back in the pool
@@ -274,7 +274,7 @@ def test_rows_joining_at_different_steps_match_a_full_forward(model_dir):
 
 
 def test_swap_mid_decode_recomputes_every_running_row(model_dir):
-    engine = TransformersEngine(model_dir, seed=6)
+    engine = BuiltinEngine(model_dir, seed=6)
     old = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     new = tiny_qwen2(seed=2)
     state_dict = {k: v for k, v in new.state_dict().items() if k != "lm_head.weight"}
@@ -296,7 +296,7 @@ def test_lengths_are_not_capped_at_max_position_embeddings(model_dir, graphs, mo
     """As with HF (its positions extrapolate): prompt + max_new_tokens past the model's 256. The block table
     widens from 256 positions mid-decode: a new tensor, so the decode graphs are captured again (the short
     row, alone before and after the long one, would otherwise replay its first graph on the old table)."""
-    engine = TransformersEngine(model_dir, seed=8)
+    engine = BuiltinEngine(model_dir, seed=8)
     captured = emulate_decode_graphs(engine, monkeypatch) if graphs else []
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     requests = [(0, [1, 2, 3], 40), (3, [1 + i % (VOCAB - 1) for i in range(250)], 12)]
@@ -333,7 +333,7 @@ def test_llama_family_matches_hf(name, tmp_path):
     cls, config = FAMILY[name]
     torch.manual_seed(0)
     randomized(cls(config)).save_pretrained(tmp_path)
-    engine = TransformersEngine(str(tmp_path), seed=7)
+    engine = BuiltinEngine(str(tmp_path), seed=7)
     reference = cls.from_pretrained(tmp_path).eval()
     if name.startswith("llama"):
         assert engine.model.lm_head.weight.data_ptr() != engine.model.model.embed_tokens.weight.data_ptr()
@@ -352,7 +352,7 @@ def test_later_turns_reuse_the_episodes_cache_and_match_a_full_forward(name, tmp
     cls, config = FAMILY[name]
     torch.manual_seed(0)
     randomized(cls(config)).save_pretrained(tmp_path)
-    engine = TransformersEngine(str(tmp_path), seed=8, block_size=4)
+    engine = BuiltinEngine(str(tmp_path), seed=8, block_size=4)
     reference = cls.from_pretrained(tmp_path).eval()
     prompts = {f"e{i}": [5 + i, 6, 7 + i, 8, 9][: 2 + i % 4] for i in range(6)}
     turns = []  # (episode, context, completion, weights version at the end)
@@ -384,7 +384,7 @@ def test_later_turns_reuse_the_episodes_cache_and_match_a_full_forward(name, tmp
 def test_a_later_turn_admitted_beside_a_longer_prompt_fits_the_cache(model_dir):
     # the later turn reuses the 56 cached tokens of its 14 full blocks and computes 4 beside a 20-token prompt,
     # in one span: both rows' 15 columns of the block table are read, the prompt's 10 past its own 5 masked
-    engine = TransformersEngine(model_dir, seed=2, block_size=4)
+    engine = BuiltinEngine(model_dir, seed=2, block_size=4)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     prompt = list(range(10, 60))
     first = asyncio.run(engine.generate(prompt, SamplingParams(8, 1.0), episode_id="e"))
@@ -402,7 +402,7 @@ def test_a_later_turn_admitted_beside_a_longer_prompt_fits_the_cache(model_dir):
 
 
 def test_a_weight_swap_between_turns_drops_the_cached_blocks(model_dir):
-    engine = TransformersEngine(model_dir, seed=9, block_size=4)
+    engine = BuiltinEngine(model_dir, seed=9, block_size=4)
     new = tiny_qwen2(seed=3)
     first = asyncio.run(engine.generate([4, 5, 6], SamplingParams(5, 1.0), episode_id="e"))
     engine.stage_weights({k: v for k, v in new.state_dict().items() if k != "lm_head.weight"}, 1)
@@ -418,11 +418,11 @@ def test_a_weight_swap_between_turns_drops_the_cached_blocks(model_dir):
 def test_unsupported_models_are_refused_in_one_line(tmp_path):
     GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match=r"model.path=.*gpt2.*model_type 'gpt2'"):
-        TransformersEngine(str(tmp_path / "gpt2"))
+        BuiltinEngine(str(tmp_path / "gpt2"))
     dynamic = LlamaConfig(**SIZES, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
     LlamaForCausalLM(dynamic).save_pretrained(tmp_path / "dynamic")
     with pytest.raises(ValueError, match=r"config.rope_parameters=.*dynamic"):
-        TransformersEngine(str(tmp_path / "dynamic"))
+        BuiltinEngine(str(tmp_path / "dynamic"))
 
 
 def test_lockstep_waves_do_not_depend_on_timing(model_dir):
@@ -441,7 +441,7 @@ def test_lockstep_waves_do_not_depend_on_timing(model_dir):
         return out
 
     async def run(order, delays, lockstep):
-        engine, live = TransformersEngine(model_dir, seed=3), [len(order)]
+        engine, live = BuiltinEngine(model_dir, seed=3), [len(order)]
         if lockstep:
             engine.lockstep = lambda: live[0]  # the worker's count of episodes that will call generate again
         episodes = [asyncio.ensure_future(episode(engine, key, prompts[key], delays[key])) for key in order]
@@ -474,7 +474,7 @@ class EmulatedGraph:
         self.replays += 1
 
 
-def emulate_decode_graphs(engine: TransformersEngine, monkeypatch) -> list[EmulatedGraph]:
+def emulate_decode_graphs(engine: BuiltinEngine, monkeypatch) -> list[EmulatedGraph]:
     """The engine's CUDA path on the CPU: its decode steps go through DecodeGraphs, with EmulatedGraphs (all
     it captures, returned), and blocks of queries through CUDA's attention (kv heads repeated)."""
     monkeypatch.setattr(llama_forward, "_gqa_sdpa", llama_forward._expanded_sdpa)
@@ -505,8 +505,8 @@ def test_random_workloads_match_a_full_forward_under_their_versions(seed, graphs
     rng = random.Random(seed)
     randomized(tiny_qwen2()).save_pretrained(tmp_path)
     block_size, rows, tight = rng.choice([1, 4, 16]), rng.choice([3, 6, 16]), seed % 2 == 0
-    engine = TransformersEngine(str(tmp_path), seed=seed, max_batch_size=rows, block_size=block_size,
-                                num_blocks=-(-82 // block_size) + 1 if tight else 4096)  # a request: <= 82 positions
+    engine = BuiltinEngine(str(tmp_path), seed=seed, max_batch_size=rows, block_size=block_size,
+                           num_blocks=-(-82 // block_size) + 1 if tight else 4096)  # a request: <= 82 positions
     captured = emulate_decode_graphs(engine, monkeypatch) if graphs else []
     waits, step = HostWaits(), engine._step  # the step's one wait (.tolist() of what it sampled) is no op here
 
@@ -584,7 +584,7 @@ def save_checkpoint(model, path: Path, layout: str) -> None:
 @pytest.mark.parametrize("layout", ["safetensors shards", "bin", "bin shards"])
 def test_every_checkpoint_layout_loads_the_same_weights(model_dir, tmp_path, layout):
     save_checkpoint(tiny_qwen2(), tmp_path, layout)
-    loaded, reference = TransformersEngine(str(tmp_path)).model, TransformersEngine(model_dir).model
+    loaded, reference = BuiltinEngine(str(tmp_path)).model, BuiltinEngine(model_dir).model
     assert loaded.state_dict().keys() == reference.state_dict().keys()
     assert all(torch.equal(loaded.state_dict()[k], reference.state_dict()[k]) for k in reference.state_dict())
 
@@ -605,8 +605,8 @@ def test_a_hub_id_with_only_pytorch_pickles_downloads_them(model_dir, tmp_path, 
                 shutil.copy(file, local / file.name)
         return str(local)
 
-    monkeypatch.setattr(llama_forward, "snapshot_download", download)
-    loaded, reference = TransformersEngine("someone/tiny-bin-only").model, TransformersEngine(model_dir).model
+    monkeypatch.setattr(checkpoint_reader, "snapshot_download", download)
+    loaded, reference = BuiltinEngine("someone/tiny-bin-only").model, BuiltinEngine(model_dir).model
     assert asked == [["*.json", "*.safetensors"], ["*.json", "*.bin"]]
     assert all(torch.equal(loaded.state_dict()[k], reference.state_dict()[k]) for k in reference.state_dict())
 
@@ -614,5 +614,5 @@ def test_a_hub_id_with_only_pytorch_pickles_downloads_them(model_dir, tmp_path, 
 def test_a_folder_without_weights_names_the_model_path(model_dir, tmp_path):
     (tmp_path / "config.json").write_text((Path(model_dir) / "config.json").read_text())
     with pytest.raises(ValueError, match=r"model.path='.*': .* holds no model.safetensors or pytorch_model.bin"):
-        TransformersEngine(str(tmp_path))
+        BuiltinEngine(str(tmp_path))
 

@@ -1,4 +1,4 @@
-"""The paged KV cache: kv_blocks.BlockPool on its own, and TransformersEngine under a block budget.
+"""The paged KV cache: kv_blocks.BlockPool on its own, and BuiltinEngine under a block budget.
 
 Pool: the budget's units (a fraction in (0, 1] of free memory, a size with its unit, a bare number above 1 in
 GiB; the engine's default for 0 in any spelling) at their boundaries, and the one line naming the key for every
@@ -27,7 +27,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from nanoverl_async.config import ConfigError, load_config
 from nanoverl_async.agents.engine import SamplingParams
-from nanoverl_async.generators.hf_engine import TransformersEngine
+from nanoverl_async.generators.builtin_engine import BuiltinEngine
 from nanoverl_async.generators.kv_blocks import GIB, BlockPool, pool_blocks, prefix_hashes, version_seed
 from nanoverl_async.generators.llama_forward import Tokens
 from nanoverl_async.validation import kv_cache_budget, validate
@@ -80,7 +80,7 @@ def test_a_bad_kv_cache_memory_is_refused_in_one_line_naming_the_key(value, erro
 
 
 def test_the_engine_takes_its_default_for_zero_however_written_and_a_size_in_bytes(model_dir):
-    blocks = [TransformersEngine(model_dir, kv_cache_memory=memory, block_size=4).cache.pool.num_blocks
+    blocks = [BuiltinEngine(model_dir, kv_cache_memory=memory, block_size=4).cache.pool.num_blocks
               for memory in (0, "0", 0.0, "2GiB", "2048MiB", "1MiB")]
     assert blocks[:5] == [blocks[0]] * 5  # 0 on the CPU is 2GiB
     assert blocks[5] * 1024 * 2 == blocks[0]
@@ -134,7 +134,7 @@ class Budgeted:
     """Runs an engine's steps, recording the blocks in use after each and checking they never pass the pool and
     are exactly those the running rows hold (none leaks)."""
 
-    def __init__(self, engine: TransformersEngine):
+    def __init__(self, engine: BuiltinEngine):
         self.engine, self.step, self.in_use = engine, engine._step, []
         engine._step = self
 
@@ -147,7 +147,7 @@ class Budgeted:
 
 
 def test_a_request_that_needs_exactly_the_pool_runs_and_one_position_more_is_refused(model_dir):
-    engine = TransformersEngine(model_dir, seed=3, block_size=4, num_blocks=9)  # 8 blocks: 32 positions
+    engine = BuiltinEngine(model_dir, seed=3, block_size=4, num_blocks=9)  # 8 blocks: 32 positions
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     budget, prompt = Budgeted(engine), list(range(1, 21))
     completion = asyncio.run(engine.generate(prompt, SamplingParams(13, 1.0)))  # 20 + 13 - 1 = 32 positions
@@ -160,7 +160,7 @@ def test_a_request_that_needs_exactly_the_pool_runs_and_one_position_more_is_ref
     assert engine.cache.pool.in_use() == 0
 
 
-def one_token_past(engine: TransformersEngine) -> None:
+def one_token_past(engine: BuiltinEngine) -> None:
     """Plant the bug `_emit` must not have: each request samples one token past its max_new_tokens, so a row
     can outgrow the pool that `generate` checked it against."""
     admissions = engine._admissions
@@ -179,7 +179,7 @@ def test_a_row_that_outgrows_the_pool_fails_in_one_line_instead_of_waiting_forev
     """A row past generate's check (the bug above) that reaches exactly the pool's 32 positions finishes; one
     position more and, preempted with the whole pool free, it could never be placed again: its caller gets the
     error at once (requeued, it would wait forever), and the engine serves the next request."""
-    engine = TransformersEngine(model_dir, seed=3, block_size=4, num_blocks=9)  # 8 blocks: 32 positions
+    engine = BuiltinEngine(model_dir, seed=3, block_size=4, num_blocks=9)  # 8 blocks: 32 positions
     one_token_past(engine)
     exact = asyncio.run(engine.generate(list(range(1, 20)), SamplingParams(13, 1.0)))  # 19 + 14 - 1 = 32
     assert len(exact.token_ids) == 14 and exact.preemptions == 0 and engine.cache.pool.peak == 8
@@ -194,7 +194,7 @@ class Scheduled:
     """Records an engine's scheduling: (step, "admit", the admitted requests) and (step, "preempt", the request),
     each request named by its first input token."""
 
-    def __init__(self, engine: TransformersEngine):
+    def __init__(self, engine: BuiltinEngine):
         self.engine, self.events = engine, []
         self.admissions, self.requeue = engine._admissions, engine._requeue
         engine._admissions, engine._requeue = self.admitted, self.requeued
@@ -220,7 +220,7 @@ def test_preempted_rows_are_admitted_again_first_oldest_first_and_find_their_cac
     needs 3 and waits, and 50 behind it (the queue is served in order), until 20 ends at step 11. Readmitting
     the first preempted first (40 before 30), queueing them at the back (50 first), or evicting the most
     recently released blocks first (30's prefix) each changes this schedule."""
-    engine = TransformersEngine(model_dir, seed=5, block_size=4, num_blocks=9)
+    engine = BuiltinEngine(model_dir, seed=5, block_size=4, num_blocks=9)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     scheduled = Scheduled(engine)
     requests = [(0, [10] * 4, 6)] + [(0, [name] * 4, 12) for name in (20, 30, 40)] + [(3, [50] * 4, 4)]
@@ -248,7 +248,7 @@ def test_rows_that_fill_the_pool_exactly_run_together_and_one_position_more_wait
     every block in use; one position more, and the last row waits: preempted when its 9th position starts a
     block (row 3 of 5 + 5 tokens, at step 4), then readmitted with its 8 cached positions once the others end;
     or, at admission, queued for a step."""
-    engine = TransformersEngine(model_dir, seed=2, block_size=4, num_blocks=7)
+    engine = BuiltinEngine(model_dir, seed=2, block_size=4, num_blocks=7)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     scheduled = Scheduled(engine)
     requests = [(0, [row + 1] * size, limit) for row, (size, limit) in enumerate(zip(prompts, limits))]
@@ -265,7 +265,7 @@ def test_rows_that_fill_the_pool_exactly_run_together_and_one_position_more_wait
 
 
 def test_a_short_pool_preempts_rows_and_recomputes_them_exactly(model_dir):
-    engine = TransformersEngine(model_dir, seed=5, block_size=4, num_blocks=13)  # 12 blocks for 5 long rows
+    engine = BuiltinEngine(model_dir, seed=5, block_size=4, num_blocks=13)  # 12 blocks for 5 long rows
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     budget = Budgeted(engine)
     requests = [(0, [i + 1] * (3 + i), 30) for i in range(5)] + [(4, [50, 51], 10)]
@@ -282,7 +282,7 @@ def test_a_short_pool_preempts_rows_and_recomputes_them_exactly(model_dir):
 def test_a_group_shares_its_prompt_and_each_sample_copies_the_shared_block_it_writes(model_dir):
     """6 prompt tokens in blocks of 4: the 4 samples share both blocks; the second is half full, and each sample
     writes its first token there. Without the copies, the samples' second tokens would see the last writer's."""
-    engine = TransformersEngine(model_dir, seed=4, block_size=4)
+    engine = BuiltinEngine(model_dir, seed=4, block_size=4)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     group = [5, 6, 7, 8, 9, 10]
 
@@ -300,7 +300,7 @@ def test_a_group_shares_its_prompt_and_each_sample_copies_the_shared_block_it_wr
 
 
 def test_another_group_with_the_same_system_prompt_finds_its_blocks_by_hash(model_dir):
-    engine = TransformersEngine(model_dir, seed=6, block_size=4)
+    engine = BuiltinEngine(model_dir, seed=6, block_size=4)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     system = list(range(30, 43))  # 13 tokens: 3 full blocks
     requests = [(0, system + [1, 2], 6), (0, system + [1, 2], 6), (3, system + [7], 5), (3, [9, 9], 5)]
@@ -328,7 +328,7 @@ def test_a_4k_token_row_matches_a_full_forward_across_a_swap_and_preemptions(tmp
     vocab = 128
     tiny_shaped(vocab, seed=0).save_pretrained(tmp_path)
     new = tiny_shaped(vocab, seed=1)
-    engine = TransformersEngine(str(tmp_path), seed=2, block_size=16, num_blocks=258)  # 4,112 positions
+    engine = BuiltinEngine(str(tmp_path), seed=2, block_size=16, num_blocks=258)  # 4,112 positions
     budget = Budgeted(engine)
     generator = torch.Generator().manual_seed(0)
     long = torch.randint(1, vocab, (4_000,), generator=generator).tolist()
@@ -350,7 +350,7 @@ def test_a_step_computes_at_most_prefill_tokens_of_the_requests_it_admits(model_
     """10 tokens a step: requests of 6 and 4 tokens join in one step, of 6 and 5 in two (the first of a step
     is admitted whatever its length, or a long context would never run)."""
     for sizes, steps in (((6, 4), [2]), ((6, 5), [1, 1]), ((12, 1), [1, 1])):
-        engine = TransformersEngine(model_dir, seed=1, prefill_tokens=10)
+        engine = BuiltinEngine(model_dir, seed=1, prefill_tokens=10)
         admitted, admissions = [], engine._admissions
 
         def counted():
@@ -374,7 +374,7 @@ def test_the_prefill_cap_counts_what_a_later_turn_computes_past_its_cached_prefi
     beside a fresh 20-token prompt that is 23: one step under prefill_tokens=23 in either order, two under 22.
     Counting the cached tokens as computed, or the cap's edge as over it, splits the 23."""
     for cap, steps in ((23, [2]), (22, [1, 1])):
-        engine = TransformersEngine(model_dir, seed=2, block_size=4, prefill_tokens=cap)
+        engine = BuiltinEngine(model_dir, seed=2, block_size=4, prefill_tokens=cap)
         prompt = list(range(10, 30))
         first = asyncio.run(engine.generate(prompt, SamplingParams(5, 1.0), episode_id="e"))
         later, fresh = prompt + first.token_ids + [2, 3], list(range(60, 80))
@@ -409,7 +409,7 @@ def test_a_span_pads_its_queries_to_at_most_twice_its_tokens():
 def test_a_later_turn_that_differs_only_at_the_last_cached_token_does_not_reuse_its_block(model_dir):
     """The audit's planted bug: a kept cache reused for a turn that differs from it only at its last cached
     token. Turn 1 caches 12 tokens (3 full blocks of 4); turn 2 changes token 11 only: 2 blocks are reused."""
-    engine = TransformersEngine(model_dir, seed=3, block_size=4)
+    engine = BuiltinEngine(model_dir, seed=3, block_size=4)
     reference = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     prompt = list(range(10, 18))
     first = asyncio.run(engine.generate(prompt, SamplingParams(5, 1.0), episode_id="e"))

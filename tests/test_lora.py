@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from nanoverl_async.cli import main
 from nanoverl_async.config import ConfigError, KLConfig, LoRAConfig, load_config
 from nanoverl_async.launcher import launch
-from nanoverl_async.generators.hf_engine import TransformersEngine
+from nanoverl_async.generators.builtin_engine import BuiltinEngine
 from nanoverl_async.learners.batch import sequence_logprobs
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.models import lora
@@ -140,7 +140,7 @@ def test_two_fsdp2_ranks_train_the_same_adapters_as_one(model_dir, tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_merging_versions_never_drifts_and_zero_adapters_give_the_base_back_bit_for_bit(model_dir, dtype):
-    engine = TransformersEngine(model_dir, "cpu", dtype, num_blocks=8, lora_scaling=S)
+    engine = BuiltinEngine(model_dir, "cpu", dtype, num_blocks=8, lora_scaling=S)
     parameters = dict(engine.model.named_parameters())
     base = {name: p.detach().clone() for name, p in parameters.items()}
     shapes = injected(model_dir)
@@ -167,7 +167,7 @@ def test_merging_versions_never_drifts_and_zero_adapters_give_the_base_back_bit_
 
 def test_the_engine_with_merged_adapters_computes_what_the_learner_s_peft_layers_compute(model_dir):
     model = injected(model_dir)
-    engine = TransformersEngine(model_dir, "cpu", "float32", num_blocks=8, lora_scaling=S)
+    engine = BuiltinEngine(model_dir, "cpu", "float32", num_blocks=8, lora_scaling=S)
     engine.stage_weights(random_adapters(model, seed=1), 1)
     ids = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -310,7 +310,7 @@ def test_adapter_dropout_trains_in_the_update_alone_and_costs_the_proximal_forwa
 
 
 def test_a_version_s_adapters_split_over_buckets_merge_once_whole(model_dir):
-    engine = TransformersEngine(model_dir, "cpu", "float32", num_blocks=8, lora_scaling=S)
+    engine = BuiltinEngine(model_dir, "cpu", "float32", num_blocks=8, lora_scaling=S)
     parameters = dict(engine.model.named_parameters())
     base = {name: p.detach().clone() for name, p in parameters.items()}
     adapters = random_adapters(injected(model_dir), seed=1)

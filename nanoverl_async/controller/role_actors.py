@@ -89,7 +89,7 @@ class GeneratorRole(Role):
         return await self.worker.evaluate(samples, min_version)
 
     async def gpu(self) -> str:
-        """The UUID of the GPU this generator's transformers engine computes on (Roles asks only when it is on
+        """The UUID of the GPU this generator's builtin engine computes on (Roles asks only when it is on
         cuda), for LearnerPool.share_gpu_with."""
         import torch
 

@@ -66,7 +66,7 @@ class Roles:
             self.learners.ready()
             if resume_from:
                 self.learners.load_checkpoint(str(resume_from / "learner"), start)
-        if cfg.learner.device == cfg.generator.device == "cuda" and cfg.generator.engine == "transformers":
+        if cfg.learner.device == cfg.generator.device == "cuda" and cfg.generator.engine == "builtin":
             # on one GPU with learner rank 0: weights by CUDA IPC handles
             gpus = self.get("generators", [gen.gpu.remote() for gen in self.generators], cfg.run.step_timeout_s)
             with role_failures("learner pool"):

@@ -236,10 +236,10 @@ def train(model: torch.nn.Module, demos: list[tuple[list[int], list[int]]], batc
 async def evaluate(path: str, samples: list[dict], new_env: Callable[[], Any], tokenizer, cfg: Config) -> dict:
     """The model at `path` on `samples`, one episode each, sampled as the generators sample: the share of
     episodes that call a tool, and the mean reward."""
-    from nanoverl_async.generators.hf_engine import TransformersEngine  # the engine's imports: only when evaluating
+    from nanoverl_async.generators.builtin_engine import BuiltinEngine  # the engine's imports: only when evaluating
 
-    engine = TransformersEngine(path, cfg.generator.device, cfg.model.dtype, seed=cfg.run.seed,
-                                kv_cache_memory=cfg.generator.kv_cache_memory, block_size=cfg.generator.kv_block_size)
+    engine = BuiltinEngine(path, cfg.generator.device, cfg.model.dtype, seed=cfg.run.seed,
+                           kv_cache_memory=cfg.generator.kv_cache_memory, block_size=cfg.generator.kv_block_size)
     runs = await asyncio.gather(*(run_episode(engine, tokenizer, sample, new_env(), cfg.agent,
                                               cfg.generator.temperature, sample_index=i)
                                   for i, sample in enumerate(samples)))

@@ -1,6 +1,6 @@
-"""The decode step of `TransformersEngine` on CUDA, captured as CUDA graphs and replayed.
+"""The builtin engine's decode step on CUDA (model_runner.py), captured as CUDA graphs and replayed.
 
-    graphs = DecodeGraphs(model, tokens, lens)        # the engine's fixed-address buffers
+    graphs = DecodeGraphs(model, tokens, lens)        # the runner's fixed-address buffers
     logits = graphs.decode(kv, table, count, length)   # = model.paged(kv, table, *Tokens(decoding=(tokens[:count],
                                                        #   lens[:count], length)).tensors(device)), replayed
 
@@ -41,7 +41,7 @@ class DecodeGraphs:
     """Decode steps (Q = 1) replayed from CUDA graphs, one per (rows, length) bucket of the current table."""
 
     def __init__(self, model: LlamaModel, tokens: torch.Tensor, lens: torch.Tensor):
-        self.model, self.tokens, self.lens = model, tokens, lens  # the engine's _next and _lens
+        self.model, self.tokens, self.lens = model, tokens, lens  # the runner's next_tokens and lens
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # one memory pool shared by the graphs of one table
         self.inputs = None  # the cache and block table the graphs were captured on

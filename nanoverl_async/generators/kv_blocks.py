@@ -1,6 +1,7 @@
-"""The paged KV cache of `hf_engine`: which blocks of the pool each row holds, how many rows share each
-block, which full blocks hold which prefix (by hash) (`BlockPool`, pure Python), and the tensors on the
-device: the pool of keys and values and the running rows' block table (`PagedCache`).
+"""The paged KV cache's bookkeeping, in pure Python (no torch: the scheduler decides with it): which blocks of
+the pool each row holds, how many rows share each block, which full blocks hold which prefix (by hash)
+(`BlockPool`). The tensors themselves (the pool of keys and values, the block table) are model_runner.py's
+`PagedCache`, which applies what the pool hands out.
 
     pool = BlockPool(num_blocks=1024, block_size=16)
     hashes = prefix_hashes(context, 16, seed=version_seed(3))   # one per full block of the context
@@ -8,7 +9,7 @@ device: the pool of keys and values and the running rows' block table (`PagedCac
     if pool.fits(hits, 4):
         blocks = pool.take(hits) + pool.allocate(4)            # shared (refcounted) + own blocks
     pool.release(blocks)                                        # full blocks stay cached under their hash
-    cache = PagedCache(model, num_blocks, block_size, rows, device)   # cache.pool, cache.kv, cache.table
+    offset = pool.place(request, request.context(), seed)      # the same for a request (sequence.Request)
 
 Each block holds `block_size` consecutive positions of one context. A block is in use (held by at least one
 row: its refcount), cached (held by none, its keys and values reusable by a request whose prefix hashes
@@ -34,9 +35,6 @@ from collections import OrderedDict
 from itertools import takewhile
 from typing import Optional, Sequence
 
-import torch
-
-from nanoverl_async.models.load import on_device
 from nanoverl_async.validation import kv_cache_budget
 
 NULL_BLOCK = 0
@@ -75,7 +73,9 @@ def pool_blocks(kv_cache_memory: float | str, free_bytes: int, block_bytes: int)
 
 
 class BlockPool:
-    """Refcounts, the LRU queue of released blocks and the prefix-hash map of a pool of `num_blocks` blocks."""
+    """Refcounts, the LRU queue of released blocks and the prefix-hash map of a pool of `num_blocks` blocks, and
+    the blocks of rows: a row is a request (sequence.Request): `blocks`, `hashes` (of its context's full blocks),
+    `seed` (theirs), `length()` (its tokens; all but the last sampled one are cached), `tokens(begin, end)`."""
 
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -143,54 +143,33 @@ class BlockPool:
         self.block_of.clear()
         self.hash_of.clear()
 
-
-class PagedCache:
-    """The pool's keys and values [layers, k|v, kv_heads, blocks, block_size, head_dim] (`LlamaModel.cache`) and
-    the block table [rows, columns] of the running rows on the device, with the `BlockPool` that hands out their
-    blocks. A row is the engine's request: `blocks`, `hashes` (of its context's full blocks), `seed` (theirs),
-    `length()` (its tokens; all but the last sampled one are cached), `context()`, `tokens(begin, end)`."""
-
-    def __init__(self, model, num_blocks: int, block_size: int, rows: int, device: torch.device):
-        self.pool = BlockPool(num_blocks, block_size)
-        self.kv = model.cache(num_blocks, block_size)
-        self.table = torch.full((rows, max(1, 256 // block_size)), NULL_BLOCK, dtype=torch.long, device=device)
-        self.zeroed = 0  # blocks 0..zeroed-1 are zeroed or written: garbage could be NaN, and 0 x NaN = NaN
-        self._zero_fresh()
-
     def need(self, rows: Sequence) -> int:
         """The most blocks `grow(rows)` takes."""
-        size = self.pool.block_size
-        return sum((row.length() - 1) % size == 0 or self.pool.refs[row.blocks[-1]] > 1 for row in rows)
+        size = self.block_size
+        return sum((row.length() - 1) % size == 0 or self.refs[row.blocks[-1]] > 1 for row in rows)
 
-    def grow(self, rows: Sequence, seed: bytes) -> int:
+    def grow(self, rows: Sequence, seed: bytes) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
         """Running rows 0.. write their last sampled token in this step: each gets a new block where that token
         starts one, or its own copy of its last block if other rows hold it (copy on write), and a block it
-        fills is registered under its prefix hash (chained from `seed`). -> the blocks copied."""
-        size, pool, refs = self.pool.block_size, self.pool, self.pool.refs
-        updates, copies = [], []  # (row, column, block) of the table; (from, to) blocks
+        fills is registered under its prefix hash (chained from `seed`) -> (the block table's new entries
+        (row, column, block), the blocks to copy (from, to)), for the runner to apply."""
+        size, refs = self.block_size, self.refs
+        updates, copies = [], []
         for index, row in enumerate(rows):  # every step: kept lean
             cached = row.length() - 1
             offset = cached % size
             if offset == 0 or refs[row.blocks[-1]] > 1:
-                block = pool.allocate(1)[0]
+                block = self.allocate(1)[0]
                 if offset:  # copy on write: the last block is shared, the row writes into its own copy
                     copies.append((row.blocks.pop(), block))
-                    pool.release(copies[-1][:1])
+                    self.release(copies[-1][:1])
                 row.blocks.append(block)
                 updates.append((index, cached // size, block))
             if offset == size - 1 and row.seed == seed and len(row.hashes) == (column := cached // size):
                 row.hashes.append(block_hash(row.hashes[-1] if column else seed, row.tokens(cached + 1 - size,
                                                                                            cached + 1)))
-                pool.register(row.hashes[-1], row.blocks[column])
-        self._zero_fresh()
-        if copies:
-            source, target = on_device(torch.tensor(copies).T, self.table.device)
-            self.kv[:, :, :, target] = self.kv[:, :, :, source]
-        if updates:
-            self._widen(max(column for _, column, _ in updates) + 1)
-            index, columns, blocks = on_device(torch.tensor(updates).T, self.table.device)
-            self.table[index, columns] = blocks
-        return len(copies)
+                self.register(row.hashes[-1], row.blocks[column])
+        return updates, copies
 
     def place(self, row, context: list[int], seed: bytes, most: float = float("inf")) -> Optional[int]:
         """Blocks for `row`'s context: those of its longest cached prefix (short of its last token, which is
@@ -198,45 +177,23 @@ class PagedCache:
         or the rest is more than `most` tokens.
         Its full blocks are registered under their hashes at once: a row placed after it in the same step reads
         them in the same forward, after each layer has written them."""
-        size = self.pool.block_size
+        size = self.block_size
         row.hashes = prefix_hashes(context, size, seed, row.hashes if row.seed == seed else [])
         row.seed = seed
-        hits = self.pool.match(row.hashes[: (len(context) - 1) // size])
+        hits = self.match(row.hashes[: (len(context) - 1) // size])
         need = -(-len(context) // size) - len(hits)
-        if len(context) - len(hits) * size > most or not self.pool.fits(hits, need):
+        if len(context) - len(hits) * size > most or not self.fits(hits, need):
             return None
-        row.blocks = self.pool.take(hits) + self.pool.allocate(need)
+        row.blocks = self.take(hits) + self.allocate(need)
         for column in range(len(hits), len(row.hashes)):
-            self.pool.register(row.hashes[column], row.blocks[column])
-        self._zero_fresh()
+            self.register(row.hashes[column], row.blocks[column])
         return len(hits) * size
 
     def share(self, copy, source) -> None:
         """`copy` repeats `source`'s context: it holds the same blocks."""
-        copy.blocks = self.pool.take(source.blocks)
+        copy.blocks = self.take(source.blocks)
         copy.hashes, copy.seed = list(source.hashes), source.seed
 
-    def release(self, row) -> None:
-        self.pool.release(row.blocks)
+    def release_row(self, row) -> None:
+        self.release(row.blocks)
         row.blocks = []
-
-    def seat(self, start: int, rows: Sequence) -> None:
-        """`rows` become rows start.. of the block table."""
-        width = max(len(row.blocks) for row in rows)
-        self._widen(width)
-        table = [row.blocks + [NULL_BLOCK] * (width - len(row.blocks)) for row in rows]
-        self.table[start:start + len(rows), :width] = on_device(torch.tensor(table), self.table.device)
-
-    def _widen(self, columns: int) -> None:
-        """Widen the block table, doubling, to at least `columns` (a new tensor: graphs are captured again)."""
-        old = self.table
-        if columns > old.shape[1]:
-            self.table = torch.full((old.shape[0], max(columns, 2 * old.shape[1])), NULL_BLOCK, dtype=old.dtype,
-                                    device=old.device)
-            self.table[:, :old.shape[1]] = old
-
-    def _zero_fresh(self) -> None:
-        """Zero the blocks handed out for the first time (on the CPU, their pages are taken only now)."""
-        if self.pool.fresh > self.zeroed:
-            self.kv[:, :, :, self.zeroed:self.pool.fresh] = 0
-            self.zeroed = self.pool.fresh

@@ -1,4 +1,4 @@
-"""The forward of `hf_engine.TransformersEngine`: the Llama family (llama, mistral, qwen2, qwen3) on a
+"""The forward of `builtin_engine.BuiltinEngine`: the Llama family (llama, mistral, qwen2, qwen3) on a
 checkpoint's own tensors, read without transformers' model classes, over flat tokens, with a paged KV cache.
 
     model = LlamaModel(model_dir, device, torch.float32)   # refuses other model types in one line
@@ -19,9 +19,10 @@ matmuls with no further copy; its queries padded to its longest row. Each op fol
 float32, rotary embeddings with HF's frequencies, grouped-query attention); tests compare the logits with
 HF's forward per model type.
 
-Why `LlamaModel` and not transformers' model class: importing the model classes costs a generator ~2 s of
-CPU at start-up (a thousand modules), and the engine runs only this forward. The tensors keep transformers'
-names, so a learner's state dict loads into them in place (`load_state_dict`), and this forward reads them.
+Why `LlamaModel` and not transformers' model class: importing the model classes costs a generator seconds of
+CPU at start-up (a thousand modules; docs/benchmarks.md "Engine design choices, measured"), and the engine runs
+only this forward. The tensors keep transformers' names (checkpoint_reader.py reads them), so a learner's state
+dict loads into them in place (`load_state_dict`), and this forward reads them.
 
 Run alone: nothing to run; tests/test_engine.py checks it against HF and a full forward.
 """
@@ -29,19 +30,15 @@ Run alone: nothing to run; tests/test_engine.py checks it against HF and a full 
 from __future__ import annotations
 
 import dataclasses
-import json
 from functools import partial
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from huggingface_hub import snapshot_download
-from safetensors.torch import load_file
-from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from nanoverl_async.generators.checkpoint_reader import open_checkpoint, read_parameters
 from nanoverl_async.models.load import on_device
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
@@ -62,11 +59,10 @@ def _one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn
     """softmax(q k^T / sqrt(d) + mask) v for one query per row (a decode step): q [rows, heads, 1, d], k, v
     [kv_heads, rows, length, d] (as gathered), mask [rows, 1, 1, length]. The query heads that share a kv
     head become that kv head's queries, so grouped-query attention is two batched matmuls over the gathered
-    keys and values as they lie, read once. On the CPU (slot cache, before paging), SDPA's kernel, built for
-    blocks of queries, took 1.2-2.4x as long for 256 rows of builtin:tiny: 1.11x the engine's tokens/s at
-    256 requests (no change at 16 or 64). On CUDA (H200, torch 2.11), SDPA given a mask and grouped heads fell
-    back to its math kernel (see `_expanded_sdpa`): 1.59 ms per layer for 256 rows against 0.125 ms, 5.3x the
-    engine's tokens/s at 256 requests. Softmax in float32, as HF's eager attention."""
+    keys and values as they lie, read once. Faster than SDPA for one query per row on both devices: on the CPU
+    SDPA's kernel is built for blocks of queries, and on CUDA SDPA given a mask and grouped heads falls back to
+    its math kernel (see `_expanded_sdpa`; docs/benchmarks.md "Engine design choices, measured"). Softmax in
+    float32, as HF's eager attention."""
     rows, heads, _, dim = q.shape
     grouped = q.reshape(rows, k.shape[0], heads // k.shape[0], dim).transpose(0, 1)  # [kv_heads, rows, group, d]
     scores = grouped @ k.transpose(-1, -2) * dim ** -0.5 + attn_mask.view(1, rows, 1, -1)
@@ -169,32 +165,19 @@ class Tokens:
                 torch.cat([decoding, last]))
 
 
-def checkpoint_files(directory: Path, model_path: str) -> list[Path]:
-    """The files holding a checkpoint's tensors, as transformers saves them: safetensors, else PyTorch's pickles
-    (read with weights_only: tensors only, no code), one file or shards named by an index."""
-    for single in ("model.safetensors", "pytorch_model.bin"):
-        index = directory / f"{single}.index.json"  # a sharded checkpoint's file per tensor
-        if index.is_file():
-            return [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-        if (directory / single).is_file():
-            return [directory / single]
-    raise ValueError(f"model.path={model_path!r}: {directory} holds no model.safetensors or pytorch_model.bin "
-                     "(nor a sharded index of either)")
-
-
 def _check_supported(config, model_path: str) -> None:
     """One line for a model this forward cannot run, before any tensor is read."""
     if config.model_type not in FAMILY:
         raise ValueError(f"model.path={model_path!r}: model_type {config.model_type!r} is not supported by the "
-                         f"transformers engine (it runs {', '.join(FAMILY)}); try generator.engine=sglang")
+                         f"builtin engine (it runs {', '.join(FAMILY)}); try generator.engine=sglang")
     rope = dict(getattr(config, "rope_parameters", None) or {})
     if rope.get("rope_type") not in ROPE_TYPES:
         raise ValueError(f"model.path={model_path!r}: config.rope_parameters={rope} is not supported by the "
-                         f"transformers engine (rope_type must be one of {', '.join(ROPE_TYPES)})")
+                         f"builtin engine (rope_type must be one of {', '.join(ROPE_TYPES)})")
     layer_types = set(getattr(config, "layer_types", None) or []) - {"full_attention", "sliding_attention"}
     if config.hidden_act != "silu" or layer_types:
         raise ValueError(f"model.path={model_path!r}: hidden_act={config.hidden_act!r} or layer_types {layer_types} "
-                         f"are not supported by the transformers engine (silu; full or sliding attention)")
+                         f"are not supported by the builtin engine (silu; full or sliding attention)")
 
 
 def rope_frequencies(config, dim: int) -> tuple[torch.Tensor, float]:
@@ -215,36 +198,10 @@ class LlamaModel(torch.nn.Module):
 
     def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype):
         super().__init__()
-        directory = Path(model_path).expanduser()
-        if not directory.is_dir():  # a Hugging Face Hub id (model.path): its safetensors, else its PyTorch pickles
-            directory = Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"]))
-            if not any(directory.glob("*.safetensors")):
-                directory = Path(snapshot_download(model_path, allow_patterns=["*.json", "*.bin"]))
-        self.config = config = AutoConfig.from_pretrained(directory)
+        directory, config = open_checkpoint(model_path)
+        self.config = config
         _check_supported(config, model_path)
-        layer = ("input_layernorm", "post_attention_layernorm", *(f"self_attn.{p}_proj" for p in "qkvo"),
-                 *(f"mlp.{p}_proj" for p in ("gate", "up", "down")), *(("self_attn.q_norm", "self_attn.k_norm")
-                                                                       if config.model_type == "qwen3" else ()))
-        modules = ["model.embed_tokens", "model.norm", "lm_head",
-                   *(f"model.layers.{i}.{part}" for i in range(config.num_hidden_layers) for part in layer)]
-        # the tensors this forward reads; a checkpoint's others (none in these families) stay out
-        wanted = {f"{module}.{kind}" for module in modules for kind in ("weight", "bias")}
-        params = {}
-        for file in checkpoint_files(directory, model_path):
-            tensors = load_file(file) if file.suffix == ".safetensors" else torch.load(file, "cpu", weights_only=True)
-            params.update({name: torch.nn.Parameter(tensor.to(device, dtype), requires_grad=False)
-                           for name, tensor in tensors.items() if name in wanted})
-        if config.tie_word_embeddings:  # the head is the embedding, whatever the file holds
-            params["lm_head.weight"] = params.get("model.embed_tokens.weight")
-        missing = [module for module in modules if params.get(f"{module}.weight") is None]
-        if missing:
-            raise ValueError(f"model.path={model_path!r}: the checkpoint in {directory} has no {missing[:3]}")
-        for name, parameter in params.items():  # each under its dotted name: model.layers.0.mlp.up_proj.weight
-            *path, leaf = name.split(".")
-            module = self
-            for part in path:
-                module = module._modules.setdefault(part, torch.nn.Module())
-            module.register_parameter(leaf, parameter)
+        read_parameters(self, directory, model_path, config, device, dtype)
         self.eps, self.dtype, self.device = config.rms_norm_eps, dtype, device
         self.layers = [getattr(self.model.layers, str(i)) for i in range(config.num_hidden_layers)]
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -313,7 +270,8 @@ class LlamaModel(torch.nn.Module):
                    for span, gather, mask in zip(spans, gathers, masks)]
             x = x + _linear((torch.cat(out) if len(out) > 1 else out[0]).flatten(1), attn.o_proj)
             h = _rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
-            x = x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)  # hidden_act silu
+            # silu: the one hidden_act _check_supported lets through
+            x = x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)
         if last is not None:
             x = x[last]
         return self.logits(x) if head else x

@@ -104,9 +104,9 @@ class GeneratorWorker:
         self.tokenizer = load_tokenizer(model_path)
         lora = cfg.learner.lora if cfg.learner.lora.rank else None  # versions hold adapters
         self.engine = make_engine(cfg.generator, model_path, generator_id=generator_id, seed=cfg.run.seed,
-                                  dtype=cfg.model.dtype, lora=lora)  # generator.engine: transformers or sglang
+                                  dtype=cfg.model.dtype, lora=lora)  # generator.engine: builtin or sglang
         # Episodes that will still call the engine, plus a lease request in flight (it may bring more):
-        # with run.deterministic the engine waits for all of them before each wave (hf_engine "Lockstep"),
+        # with run.deterministic the engine waits for all of them before each wave (docs/design.md "Reproducible runs"),
         # and leases and evaluations each wait until none is left, so they never share a wave.
         self._live = 0
         self.lockstep = cfg.run.deterministic
@@ -137,9 +137,8 @@ class GeneratorWorker:
         subscriber, tasks = None, []
         # subscriber.poll_bucket runs on a thread of its own, where its socket lives from its first poll to its
         # close (never shared): checking a whole version took seconds for a large model, and the engine decodes on
-        # this event loop (a 360M-parameter bfloat16 version stalled it 1.8 s here; 7 ms from this thread, with its
-        # tensors viewing the received bytes; 2-core CPU). A bucket in the learner's shared memory, or on this
-        # GPU by CUDA IPC, is copied and checked there too (weights.py).
+        # this event loop (docs/benchmarks.md "Engine design choices, measured"). A bucket in the learner's shared
+        # memory, or on this GPU by CUDA IPC, is copied and checked there too (weights.py).
         self._weights_thread = ThreadPoolExecutor(1, thread_name_prefix=f"generator-{self.generator_id}-weights")
         try:
             self._dealer, self._push = context.socket(zmq.DEALER), context.socket(zmq.PUSH)
@@ -335,8 +334,8 @@ def make_engine(generator: GeneratorConfig, model_path: str, *, generator_id: in
         from nanoverl_async.generators.sglang_engine import SGLangEngine
 
         return SGLangEngine(model_path, generator.sglang, generator_id=generator_id, seed=seed, dtype=dtype, lora=lora)
-    from nanoverl_async.generators.hf_engine import TransformersEngine
+    from nanoverl_async.generators.builtin_engine import BuiltinEngine
 
-    return TransformersEngine(model_path, generator.device, dtype, seed=seed, kv_cache_memory=generator.kv_cache_memory,
-                              block_size=generator.kv_block_size,
-                              lora_scaling=scaling(lora) if lora else 0.0)
+    return BuiltinEngine(model_path, generator.device, dtype, seed=seed, kv_cache_memory=generator.kv_cache_memory,
+                         block_size=generator.kv_block_size,
+                         lora_scaling=scaling(lora) if lora else 0.0)

@@ -16,7 +16,7 @@ tokenizer that is not what that class rebuilds would silently lose spaces and ne
 model's tokenizer is byte-level for exactly this reason (it loads as itself), and `load_tokenizer`
 refuses any tokenizer that drops whitespace, naming the directory and the class it got.
 
-Weights are data, never code. The learners (transformers) and the transformers engine read PyTorch-pickled
+Weights are data, never code. The learners (transformers) and the builtin engine read PyTorch-pickled
 weights (pytorch_model*.bin, where a directory has no safetensors) with torch's weights-only unpickler, which
 refuses a pickle that calls anything but tensor builders, in a paragraph that names no file; `check_weights`
 gives that refusal at launch, in one line naming the file (`refusal`: the same line for learner checkpoints).

