@@ -234,9 +234,9 @@ def _peak_resident_bytes() -> int:
 
 # glibc's malloc keeps freed blocks in its heap for reuse. A large model's update frees activations of many
 # sizes that the next allocations do not fit, so the heap grows past the tensors alive: +1.0-2.8 GB at the
-# Qwen2.5-0.5B shape with LoRA and 2,048-token micro-batches (docs/benchmarks.md "The fit check against the
-# measured peak, CPU"). From MAPPED_FROM_PARAMETERS on, blocks of MAPPED_BLOCK_BYTES and more are mapped and
-# returned when freed. A small model's few sizes are reused as they are, and the page faults of mapping them
+# Qwen2.5-0.5B shape with LoRA and 2,048-token micro-batches, in
+# docs/benchmarks.md "The fit check against the measured peak, CPU".
+# From MAPPED_FROM_PARAMETERS on, blocks of MAPPED_BLOCK_BYTES and more are mapped and returned when freed. A small model's few sizes are reused as they are, and the page faults of mapping them
 # anew would cost builtin:tiny's update up to a quarter of its time.
 MAPPED_FROM_PARAMETERS = 100_000_000
 MAPPED_BLOCK_BYTES = 2**20
