@@ -127,7 +127,8 @@ class SGLangWeightSender:
         pending = self._on_all("/init_weights_update_group", bodies)
         if self.broadcast is None:  # the real thing: join as rank 0 (blocks until every server has joined)
             self.group = init_custom_process_group(backend, f"tcp://{self.master_address}:{self.master_port}",
-                                                   world_size, 0, self.group_name, self.timeout_s, self.device)
+                                                   world_size=world_size, rank=0, group_name=self.group_name,
+                                                   timeout_s=self.timeout_s, device=self.device)
         for future in pending:
             future.result(self.timeout_s)
 
