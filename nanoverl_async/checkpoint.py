@@ -55,7 +55,9 @@ META = "meta.json"
 REQUIRED_FILES = ("learner/.metadata", "buffer.msgpack")  # DCP's index of the shards; the buffer's state
 STEP_DIR = re.compile(r"step_(\d+)")
 STEP_TMP = re.compile(r"\.step_(\d+)\.tmp")
-FINAL, FINAL_TMP, FINAL_OLD = "final", ".final.tmp", ".final.old"
+FINAL = "final"
+FINAL_TMP = ".final.tmp"
+FINAL_OLD = ".final.old"
 # The run's mark on its folder: {"run_id": ..., "entries": [top-level names the run created]}; written whole
 # (MARKER_TMP, then a rename), so it is never torn. A lost update (`plot` claiming beside a running run) can
 # only leave an entry unlisted, which a later overwrite refuses: never a deletion.
@@ -266,7 +268,9 @@ def publish_final(output_dir: str | Path, write) -> Path:
     """`write(folder)` the final model into `.final.tmp`, then rename it into place as final/ (the rename
     is the commit: an earlier run's final/ is replaced only once the new one is whole)."""
     out = Path(output_dir)
-    tmp, final, old = claim(out, FINAL_TMP), claim(out, FINAL), out / FINAL_OLD
+    tmp = claim(out, FINAL_TMP)
+    final = claim(out, FINAL)
+    old = out / FINAL_OLD
     for leftover in (tmp, old):
         if leftover.exists():
             shutil.rmtree(claim(out, leftover.name))

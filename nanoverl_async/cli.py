@@ -24,9 +24,10 @@ import time
 
 from nanoverl_async.config import ConfigError, load_config, to_yaml
 
-# Start-up (time/startup_s) counts from here when this process is the command: the interpreter's own start, some
-# 50 ms earlier, is left out. Not /proc's start time of the process: a shell runs the last command of
-# `... && nanoverl-async launch` in its own process (exec), whose start time is the shell's.
+# Start-up (time/startup_s) counts from here when this process is the command: the interpreter's own start
+# before it, small (docs/benchmarks.md "Costs behind choices in the code"), is left out. Not /proc's start
+# time of the process: a shell runs the last command of `... && nanoverl-async launch` in its own process
+# (exec), whose start time is the shell's.
 IMPORTED = time.time()
 
 

@@ -135,7 +135,8 @@ class SGLangConfig:
     launch_timeout_s: float = 600.0  # a server not healthy by then fails the generator
     request_timeout_s: float = 600.0  # one /generate call
     control_timeout_s: float = 300.0  # pause, continue, weight updates, health
-    server_command: list[str] = field(default_factory=list)  # launcher prefix; [] = python -m sglang.launch_server (tests: the fake)
+    # launcher prefix; [] = python -m sglang.launch_server (tests: the fake)
+    server_command: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -177,7 +178,8 @@ class LearnerConfig:
     grad_clip: float = 1.0  # max global grad norm
     torch_threads: int = 1  # intra-op threads of each learner rank
     device: str = "cpu"  # cpu (gloo) | cuda (nccl)
-    gpus_per_rank: float = 1.0  # GPUs Ray reserves per rank on cuda; <1 shares a GPU with generators (NCCL: one rank per GPU)
+    # GPUs Ray reserves per rank on cuda; <1 shares a GPU with generators (NCCL: one rank per GPU)
+    gpus_per_rank: float = 1.0
     ppo_epochs: int = 1  # passes over each batch; optimizer steps per batch = ppo_epochs x minibatches
     minibatches: int = 1  # optimizer steps per pass (must divide the batch into equal per-rank shards)
     micro_batch_tokens: int = 0  # forward/backward chunks of at most this many padded tokens (0 = no bound)
@@ -195,7 +197,8 @@ class ClipConfig:
 
 @dataclass
 class OverlongConfig:
-    buffer: int = 0  # DAPO soft overlong punishment over the last `buffer` tokens before agent.max_total_tokens; 0 = off
+    # DAPO's soft overlong punishment over the last `buffer` tokens before agent.max_total_tokens; 0 = off
+    buffer: int = 0
     penalty: float = 1.0  # the reward penalty at the very end of that buffer (linear ramp from 0)
 
 
@@ -273,7 +276,9 @@ class RayConfig:
 
 @dataclass
 class RewardConfig:
-    path: str = ""  # a .py file or module with a verl-style compute_score; "" = the math-verify scorer (nanoverl_async/agents/rewards.py)
+    # a .py file or module with a verl-style compute_score; "" = the math-verify scorer
+    # (nanoverl_async/agents/rewards.py)
+    path: str = ""
     name: str = "compute_score"  # the function's name in reward.path
 
 

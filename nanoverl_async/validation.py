@@ -4,8 +4,9 @@ naming the offending key. Kept apart from config.py so the tree of keys reads on
 
 Pure: it looks at values only. Files, checkpoints and user code are checked at launch (preflight.py).
 It imports no other module of the package, so config.py can import it: the algorithm keys' choices are read
-from the source of algorithms/ (`algorithm_names`), since importing those modules imports torch, ~3 s of CPU
-before the CLI may start Ray, and in a process that merely reads a Config (the buffer's).
+from the source of algorithms/ (`algorithm_names`), since importing those modules imports torch, seconds of CPU
+(docs/benchmarks.md "Start-up") before the CLI may start Ray, and in a process that merely reads a Config (the
+buffer's).
 """
 
 from __future__ import annotations
@@ -126,7 +127,10 @@ def validate(cfg: Config) -> None:
 def _rules(cfg: Config) -> Iterator[tuple[str, bool, str]]:
     """(key, whether its value is wrong, why) of every check beyond one number or choice: one key's bounds and
     the combinations that cannot work together, in order; lazily, so a check may rely on those before it."""
-    algo, kl, learner, run, agent = cfg.algorithm, cfg.kl, cfg.learner, cfg.run, cfg.agent
+    algo = cfg.algorithm
+    learner = cfg.learner
+    run = cfg.run
+    agent = cfg.agent
     yield "algorithm.clip.low", algo.clip.low >= 1, f"must be < 1, got {algo.clip.low}"
     yield "learner.betas", len(learner.betas) != 2 or not all(0 <= b < 1 for b in learner.betas), \
         f"must be two numbers in [0, 1), got {learner.betas}"
@@ -157,7 +161,14 @@ def _rules(cfg: Config) -> Iterator[tuple[str, bool, str]]:
         yield "run.deterministic", run.deterministic and get_key(cfg, key) != needed, \
             (f"needs {key}={needed} (got {get_key(cfg, key)}); for an asynchronous run, run.record=true and "
              f"`nanoverl-async replay` reproduce the learner")
-    # the algorithm, KL and the update schedule
+    yield from _algorithm_rules(cfg)
+
+
+def _algorithm_rules(cfg: Config) -> Iterator[tuple[str, bool, str]]:
+    """`_rules` of the algorithm, KL and the update schedule."""
+    algo = cfg.algorithm
+    kl = cfg.kl
+    learner = cfg.learner
     samples = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
     yield "learner.world_size" if samples % learner.world_size else "learner.minibatches", \
         samples % (learner.minibatches * learner.world_size) != 0, \
@@ -181,8 +192,9 @@ def _rules(cfg: Config) -> Iterator[tuple[str, bool, str]]:
         "set, but KL is off (kl.loss_coef = kl.reward_coef = 0), so the reference would never be used"
     yield "algorithm.group_filter", algo.group_filter and cfg.data.samples_per_prompt < 2, \
         "needs data.samples_per_prompt >= 2 (a single-sample group always ties and would be dropped)"
-    yield "algorithm.overlong.buffer", algo.overlong.buffer >= agent.max_total_tokens, \
-        f"must be below agent.max_total_tokens ({agent.max_total_tokens})"
+    yield "algorithm.overlong.buffer", algo.overlong.buffer >= cfg.agent.max_total_tokens, \
+        f"must be below agent.max_total_tokens ({cfg.agent.max_total_tokens})"
+
 
 def _hook_timeout_rules(cfg: Config) -> Iterator[tuple[str, bool, str]]:
     """A hook that hangs is named by its own timeout only if that comes before the buffer gives up on the batch;

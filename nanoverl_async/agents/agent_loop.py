@@ -61,7 +61,10 @@ class _Tokens:
     """The growing per-token record of one episode."""
 
     def __init__(self):
-        self.ids, self.mask, self.logprobs, self.versions = [], [], [], []  # per token
+        self.ids = []  # per token
+        self.mask = []
+        self.logprobs = []
+        self.versions = []
         self.cache = {"prefill_tokens": 0, "cached_tokens": 0, "preemptions": 0}  # the engine's, summed over turns
 
     def add_forced(self, ids: list[int]) -> None:
@@ -106,8 +109,8 @@ PROMPTS_CACHED = 256  # renderings render_prompt keeps (the newest): a generator
 
 def render_prompt(tokenizer, messages: list[dict], schemas: Optional[list[dict]]) -> tuple[int, ...]:
     """The chat template's ids of `messages` and the tools' `schemas`, ready for the first turn. The G episodes
-    of a group start from one prompt: each rendering after the first is read from a cache (a rendering costs
-    ~0.3 ms, 7% of a generator's time on the default job, on a 2-core CPU). The key is the JSON text, in the
+    of a group start from one prompt: each rendering after the first is read from a cache (renderings showed in
+    a generator's time: docs/benchmarks.md "Costs behind choices in the code"). The key is the JSON text, in the
     objects' own order (a template may print them), with the tokenizer itself."""
     try:
         key = (tokenizer, json.dumps([messages, schemas]))
@@ -160,7 +163,10 @@ class Episode:
 
     def __init__(self, engine: Engine, tokenizer, agent: AgentConfig, temperature: float, env: Any,
                  episode_id: Optional[str] = None):
-        self.engine, self.tokenizer, self.agent, self.temperature = engine, tokenizer, agent, temperature
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.agent = agent
+        self.temperature = temperature
         self.tools: list[Tool] = [as_tool(t) for t in getattr(env, "tools", ())]
         self.tool_format: str = getattr(env, "tool_format", "hermes")
         self.max_chars: int = getattr(env, "max_observation_chars", 2000)
@@ -176,7 +182,9 @@ class Episode:
         # Its calls' spans for run.trace: the wall clock at the start, then the monotonic clock, so they stay
         # inside the episode's span (Trajectory.spans) even if the wall clock is stepped meanwhile.
         self.wall_origin, self.calls = time.time() - time.perf_counter(), []
-        self.finish, self.answer, self.last_stop_text = "", "", ""
+        self.finish = ""
+        self.answer = ""
+        self.last_stop_text = ""
         self.episode_id = episode_id  # lets a server pool keep an episode's turns on one server (prefix cache)
 
     def start(self, messages: list[dict]) -> None:
@@ -207,8 +215,9 @@ class Episode:
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         self.finish, self.answer = completion.finish_reason, text
         first = self.tools[0] if self.tools else None
-        content, calls = (text, []) if not stopped else parse_turn(
-            text, self.tool_format, first.name if first else "", first.parameters[0] if first and first.parameters else "")
+        default_tool = first.name if first else ""
+        default_arg = first.parameters[0] if first and first.parameters else ""
+        content, calls = (text, []) if not stopped else parse_turn(text, self.tool_format, default_tool, default_arg)
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -317,7 +326,9 @@ async def run_episode(engine: Engine, tokenizer, sample: dict, env: Any, agent: 
     trajectory_id = trajectory_id or f"{generator_id}-{group_id}-{sample_index}"
     episode = Episode(engine, tokenizer, agent, temperature, env, episode_id=trajectory_id)
     reward, info = await play(episode, env, sample)
-    record, ended, origin = episode.record, time.perf_counter(), episode.wall_origin
+    record = episode.record
+    ended = time.perf_counter()
+    origin = episode.wall_origin
     return Trajectory(
         id=trajectory_id, group_id=group_id, prompt_index=prompt_index, sample_index=sample_index,
         token_ids=np.asarray(record.ids, dtype=np.int32), loss_mask=np.asarray(record.mask, dtype=np.uint8),

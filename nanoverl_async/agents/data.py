@@ -104,7 +104,9 @@ class DatasetPrompts:
     """prompt_fn(index) over verl-format files, shuffled per epoch (see the module invariants)."""
 
     def __init__(self, files: list[str], seed: int, skip: Collection[str] = ()):
-        self.files, self.seed, self.skip = [str(Path(f).resolve()) for f in files], seed, frozenset(skip)
+        self.files = [str(Path(f).resolve()) for f in files]
+        self.seed = seed
+        self.skip = frozenset(skip)
 
     @functools.cached_property
     def samples(self) -> list[dict]:

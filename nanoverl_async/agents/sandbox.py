@@ -227,7 +227,9 @@ def _argv(sandbox: _Bwrap, limits: SandboxLimits) -> list:
 
 
 def _rlimits(limits: SandboxLimits) -> list:
-    cpu, memory, files = limits.cpu_s, limits.memory_mb << 20, limits.file_mb << 20
+    cpu = limits.cpu_s
+    memory = limits.memory_mb << 20
+    files = limits.file_mb << 20
     return [f"RLIMIT_CPU={cpu}:{cpu + 1}", f"RLIMIT_AS={memory}:{memory}", f"RLIMIT_FSIZE={files}:{files}",
             f"RLIMIT_NPROC={limits.max_processes}:{limits.max_processes}", "RLIMIT_NOFILE=64:64", "RLIMIT_CORE=0:0"]
 

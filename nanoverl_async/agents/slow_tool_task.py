@@ -81,7 +81,9 @@ class SlowToolEnv(MultiplyEnv):
     def __init__(self, median_s: float = 0.2, p99_s: float = 2.0, blocking: bool = False, seed: int = 0):
         if not isinstance(blocking, bool):  # YAML's `blocking: "no"` is a string, and a string is true
             raise ValueError(f"blocking must be true or false, got {blocking!r}")
-        self.latency, self.seed, self.rng = Lognormal(median_s, p99_s), seed, random.Random()
+        self.latency = Lognormal(median_s, p99_s)
+        self.seed = seed
+        self.rng = random.Random()
         self.tools = [delayed(calculator, lambda: self.latency.sample(self.rng), blocking)]
 
     def reseed(self, episode_id: str) -> None:

@@ -5,9 +5,10 @@ its call can time out.
     future = in_thread(functools.partial(step, sample, message))   # an asyncio future of step(sample, message)
 
 A call is taken by an idle thread, or by a new one when none is idle, so calls never queue; finished threads
-wait for the next call (starting a thread for each call costs ~0.1 ms, 3% of the default job's step). Not
-asyncio.to_thread: its pool has min(32, CPUs + 4) threads, so the calls of many concurrent episodes would queue
-for them past their timeouts, a call that never returns would hold one for good, and the pool is joined at
+wait for the next call (a thread started per call showed in the default job's step:
+docs/benchmarks.md "Costs behind choices in the code"). Not asyncio.to_thread: its pool has min(32, CPUs + 4)
+threads, so the calls of many concurrent episodes would queue for them past their timeouts, a call that never
+returns would hold one for good, and the pool is joined at
 exit. Python cannot kill a thread: after a timeout the call runs on, unwatched (a daemon, it does not keep the
 process alive at exit), so code that may run away belongs in `nanoverl_async.agents.sandbox` (a killable
 subprocess).

@@ -48,7 +48,8 @@ def stop_strings(tool_format: str) -> tuple[str, ...]:
     return (BUILTIN_CLOSE,) if tool_format == "builtin" else ()
 
 
-def parse_turn(text: str, tool_format: str, default_tool: str = "", default_arg: str = "") -> tuple[str, list[ParsedCall]]:
+def parse_turn(text: str, tool_format: str, default_tool: str = "",
+               default_arg: str = "") -> tuple[str, list[ParsedCall]]:
     """A sampled turn's text (eos removed) -> (content, calls). No calls: a final answer."""
     if tool_format not in FORMATS:
         raise ValueError(f"tool format {tool_format!r} is not one of {', '.join(FORMATS)}")

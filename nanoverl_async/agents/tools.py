@@ -81,8 +81,8 @@ def as_tool(fn: Callable | Tool, name: Optional[str] = None, timeout_s: Optional
 def _described(function: Callable, bound: bool, name: str) -> tuple[dict, dict]:
     """(schema, hints) of `function` as tool `name` (`bound`: a method, whose first parameter its instance
     fills). Cached: every episode's environment declares its tools again (a bound method is new each time),
-    and reading a signature and docstring costs ~70 us, 1-2% of a generator's time. The schema is shared:
-    read it, never change it."""
+    and reading a signature and docstring each time showed in a generator's time
+    (docs/benchmarks.md "Costs behind choices in the code"). The schema is shared: read it, never change it."""
     try:
         hints = typing.get_type_hints(function)
     except Exception as error:  # noqa: BLE001 - e.g. a NameError from a hint naming an unimported type

@@ -139,7 +139,10 @@ class _Call:
     """One hook call in flight: its deadline, and where in the user's code it is now."""
 
     def __init__(self, hook: str, function: Callable, timeout_s: Optional[float], key: str):
-        self.hook, self.function, self.timeout_s, self.key = hook, function, timeout_s, key
+        self.hook = hook
+        self.function = function
+        self.timeout_s = timeout_s
+        self.key = key
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.thread: Optional[int] = None  # the thread running a synchronous hook, while it runs
         self.coroutine: Any = None  # an async hook's coroutine
@@ -158,9 +161,9 @@ class _Call:
         """What `running` gives by the call's deadline (None: whenever), else a UserCodeError saying where the
         call was then. At the deadline a timer reads where the hook is, then cancels this task (the episode's):
         asyncio.timeout would report once the hook has unwound, its frames gone, and Python 3.11's
-        asyncio.wait_for, or a task of the hook's own, cost ~0.1 ms a call against this ~0.01 ms (the default
-        job calls 256 hooks a step). So an async hook that catches its cancellation and runs on holds its
-        episode, until the generator's group timeout."""
+        asyncio.wait_for, or a task of the hook's own, cost more a call than this timer, and the default job calls
+        hundreds of hooks a step (docs/benchmarks.md "Costs behind choices in the code"). So an async hook that
+        catches its cancellation and runs on holds its episode, until the generator's group timeout."""
         if self.deadline is None:
             return await running
         task, expired = asyncio.current_task(), []

@@ -139,8 +139,9 @@ class AdmissionGate:
         self._next_group_id, self.counters = state["next_group_id"], dict(state["counters"])
         self.min_version = min_version
         for group_id, index, version, generator_id, complete in state["live"]:
-            self.live[group_id] = Lease(group_id, index, self.prompt_fn(index), version, generator_id,
-                                        now + self.lease_timeout_s, complete)
+            self.live[group_id] = Lease(group_id=group_id, prompt_index=index, sample=self.prompt_fn(index),
+                                        version=version, generator_id=generator_id,
+                                        deadline=now + self.lease_timeout_s, complete=complete)
             if not complete:  # its generator's episodes died with the old run: the prompt goes out again
                 self.release(group_id, reissue=True)
         return list(self.live)

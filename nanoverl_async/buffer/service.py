@@ -125,12 +125,16 @@ class BufferService:
                  host: str, generators: GeneratorConfig, vocab_size: int,
                  prompt_fn: Callable[[int], dict], group_filter: bool = False, curve: Optional[CurveKeys] = None,
                  trace: bool = False, max_tokens: Optional[int] = None):
-        """`host`: the address both sockets bind (this node's); `generators`: how many there are (replicas: ids 0..replicas-1) and how many groups each may run;
-        `vocab_size`: the model's, which bounds every token id; `max_tokens`: agent.max_total_tokens, which
-        bounds every trajectory's length (None: no bound, for tests); `curve`: the run's keys (wire/auth.py):
-        only the run's generators can then connect."""
-        self.prompts_per_step, self.group_size, self.staleness = prompts_per_step, group_size, staleness
-        self.generators, self.vocab_size, self.max_tokens = generators, vocab_size, max_tokens
+        """`host`: the address both sockets bind (this node's); `generators`: how many there are (replicas: ids
+        0..replicas-1) and how many groups each may run; `vocab_size`: the model's, which bounds every token id;
+        `max_tokens`: agent.max_total_tokens, which bounds every trajectory's length (None: no bound, for tests);
+        `curve`: the run's keys (wire/auth.py): only the run's generators can then connect."""
+        self.prompts_per_step = prompts_per_step
+        self.group_size = group_size
+        self.staleness = staleness
+        self.generators = generators
+        self.vocab_size = vocab_size
+        self.max_tokens = max_tokens
         self._published = 0  # the newest weights version published (or about to be): no token is newer
         self.gate = AdmissionGate(prompts_per_step, staleness, config.lease_timeout_s, prompt_fn)
         self.replay = ReplayBuffer(group_size, group_filter)  # group_filter: DAPO dynamic sampling

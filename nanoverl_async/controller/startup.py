@@ -44,8 +44,8 @@ def phase(started: float, what: str) -> None:
 @contextmanager
 def collecting_later():
     """Python's cyclic garbage collector paused for the block (a start-up: see the module docstring); what
-    became garbage meanwhile waits for the next automatic collection. Measured on 2 cores, importing torch and a transformers
-    model class: 6.5-8.3 s of CPU with it, 5.7-6.9 s without."""
+    became garbage meanwhile waits for the next automatic collection (its cost: docs/benchmarks.md
+    "Costs behind choices in the code")."""
     enabled = gc.isenabled()
     gc.disable()
     try:

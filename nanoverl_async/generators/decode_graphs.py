@@ -41,7 +41,9 @@ class DecodeGraphs:
     """Decode steps (Q = 1) replayed from CUDA graphs, one per (rows, length) bucket of the current table."""
 
     def __init__(self, model: LlamaModel, tokens: torch.Tensor, lens: torch.Tensor):
-        self.model, self.tokens, self.lens = model, tokens, lens  # the runner's next_tokens and lens
+        self.model = model
+        self.tokens = tokens  # the runner's next_tokens
+        self.lens = lens  # the runner's lens
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # one memory pool shared by the graphs of one table
         self.inputs = None  # the cache and block table the graphs were captured on

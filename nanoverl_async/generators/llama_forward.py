@@ -20,7 +20,7 @@ float32, rotary embeddings with HF's frequencies, grouped-query attention); test
 HF's forward per model type.
 
 Why `LlamaModel` and not transformers' model class: importing the model classes costs a generator seconds of
-CPU at start-up (a thousand modules; docs/benchmarks.md "Engine design choices, measured"), and the engine runs
+CPU at start-up (a thousand modules; docs/benchmarks.md "Costs behind choices in the code"), and the engine runs
 only this forward. The tensors keep transformers' names (checkpoint_reader.py reads them), so a learner's state
 dict loads into them in place (`load_state_dict`), and this forward reads them.
 
@@ -61,7 +61,7 @@ def _one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn
     head become that kv head's queries, so grouped-query attention is two batched matmuls over the gathered
     keys and values as they lie, read once. Faster than SDPA for one query per row on both devices: on the CPU
     SDPA's kernel is built for blocks of queries, and on CUDA SDPA given a mask and grouped heads falls back to
-    its math kernel (see `_expanded_sdpa`; docs/benchmarks.md "Engine design choices, measured"). Softmax in
+    its math kernel (see `_expanded_sdpa`; docs/benchmarks.md "Costs behind choices in the code"). Softmax in
     float32, as HF's eager attention."""
     rows, heads, _, dim = q.shape
     grouped = q.reshape(rows, k.shape[0], heads // k.shape[0], dim).transpose(0, 1)  # [kv_heads, rows, group, d]

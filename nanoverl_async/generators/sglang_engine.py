@@ -53,7 +53,7 @@ import tempfile
 import uuid
 from collections import OrderedDict
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import httpx
 import torch
@@ -74,7 +74,10 @@ COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 class SGLangEngine:
     def __init__(self, model_path: str, cfg: SGLangConfig, *, generator_id: int = 0, seed: int = 0, dtype: str = "auto",
                  servers: Optional[list[SGLangServer]] = None, start: bool = True, lora: Optional[LoRAConfig] = None):
-        self.cfg, self.base_model_path, self.version, self.lora = cfg, model_path, 0, lora
+        self.cfg = cfg
+        self.base_model_path = model_path
+        self.version = 0
+        self.lora = lora
         self.adapter: Optional[str] = None  # with LoRA, the adapter new requests name (None: the base, version 0)
         self.adapter_requests: dict[str, int] = {}  # requests in flight per adapter, current or not
         self._adapter_parts: dict[str, torch.Tensor] = {}  # the loading version's adapters so far
@@ -129,7 +132,10 @@ class SGLangEngine:
         if len(input_ids) == 0:
             raise ValueError("generate needs at least one input token")
         index, input_ids = self.route(episode_id), list(input_ids)
-        completion, rid, segment, empty = Completion(), f"{episode_id or 'req'}-{uuid.uuid4().hex[:12]}", 0, 0
+        completion = Completion()
+        rid = f"{episode_id or 'req'}-{uuid.uuid4().hex[:12]}"
+        segment = 0
+        empty = 0
         self.outstanding[index] += 1
         try:
             while True:
@@ -192,7 +198,8 @@ class SGLangEngine:
                               f"(rid {body['rid']})") from error
         except httpx.TransportError as error:
             if not await self._restart_if_dead(index, restarts):
-                raise SGLangError(f"{server.url}/generate: {type(error).__name__}: {error} (rid {body['rid']})") from error
+                raise SGLangError(f"{server.url}/generate: {type(error).__name__}: {error} "
+                                  f"(rid {body['rid']})") from error
             return None
         return checked(response, server.url + "/generate")
 
@@ -260,7 +267,9 @@ class SGLangEngine:
         save_adapter(adapters, self.lora, self.base_model_path, str(self.weights_dir / name))
         for server in self.servers:
             server.load_lora(name, str(self.weights_dir / name))
-        old, self.adapter, self.version = self.adapter, name, version
+        old = self.adapter
+        self.adapter = name
+        self.version = version
         unused = [adapter for adapter, count in self.adapter_requests.items() if count == 0 and adapter != name]
         for adapter in unused + ([old] if old is not None and old not in self.adapter_requests else []):
             for server in self.servers:
@@ -273,20 +282,30 @@ class SGLangEngine:
         with paused(self.servers, self.cfg.pause_mode):  # a failed update still continues every server
             for server in self.servers:
                 server.update_from_disk(path, version)
-        old, self.latest_path, self.version = self.latest_path, path, version
+        old = self.latest_path
+        self.latest_path = path
+        self.version = version
         if old != self.base_model_path and Path(old).parent == self.weights_dir:
             shutil.rmtree(old, ignore_errors=True)  # keep only the newest written version
 
 
-def parse_reply(reply: dict, fallback_version: int) -> tuple[list[int], list[float], list[int], str]:
-    """A /generate reply, checked (docs/sglang.md "Generation") -> (tokens, logprobs, versions, finish type)."""
+class Reply(NamedTuple):
+    """What one /generate reply brought: its tokens with their logprobs and versions, and the finish type."""
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish: str  # finish_reason.type; "abort": a pause stopped it, to be resumed from its tokens
+
+
+def parse_reply(reply: dict, fallback_version: int) -> Reply:
+    """A /generate reply, checked (docs/sglang.md "Generation")."""
     meta = reply["meta_info"]
     triples = meta.get("output_token_logprobs") or []
     tokens = [int(t[1]) for t in triples]
     logprobs = [float(t[0]) for t in triples]
     if "output_ids" in reply and list(reply["output_ids"]) != tokens:
         raise SGLangError(f"reply {meta.get('id')}: output_ids and output_token_logprobs disagree")
-    return tokens, logprobs, token_versions(meta, len(tokens), fallback_version), meta["finish_reason"]["type"]
+    return Reply(tokens, logprobs, token_versions(meta, len(tokens), fallback_version), meta["finish_reason"]["type"])
 
 
 def token_versions(meta: dict, count: int, fallback: int) -> list[int]:

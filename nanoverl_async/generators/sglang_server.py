@@ -52,12 +52,16 @@ class SGLangServer(SGLangClient):
     def __init__(self, model_path: str, port: int, cfg: SGLangConfig, *, command: Optional[list[str]] = None,
                  url: str = "", seed: int = 0, dtype: str = "auto", lora: Optional[LoRAConfig] = None):
         super().__init__(url or f"http://{cfg.host}:{port}", cfg.control_timeout_s, tp_size=cfg.tp_size)
-        self.model_path, self.port, self.cfg = model_path, port, cfg
+        self.model_path = model_path
+        self.port = port
+        self.cfg = cfg
         self.version = 0  # the weights version this server holds
         # generator.sglang.server_command, else SGLang's own launcher; a given url is not ours to launch
         default = [] if url else list(cfg.server_command) or [sys.executable, "-m", "sglang.launch_server"]
         self.command = command if command is not None else default
-        self.seed, self.dtype, self.lora = seed, dtype, lora
+        self.seed = seed
+        self.dtype = dtype
+        self.lora = lora
         self.process: Optional[subprocess.Popen] = None
         self._watcher: Optional[Reaper] = None  # ends the server's group if this process dies
         self.restarts = 0

@@ -93,7 +93,9 @@ class GeneratorWorker:
         """`model_path`: model.path as the launcher resolved it (models/load.py: a directory, or a Hub id)."""
         torch.set_num_threads(cfg.generator.torch_threads)  # this process is the generator's own
         self.generator_id = generator_id
-        self.generator, self.agent, self.weight_sync = cfg.generator, cfg.agent, cfg.weight_sync
+        self.generator = cfg.generator
+        self.agent = cfg.agent
+        self.weight_sync = cfg.weight_sync
         self.keep_messages = cfg.run.log_samples > 0  # the controller writes some episodes to samples.jsonl
         self.trace = SpanLog(cfg.run.trace)  # run.trace: episodes carry their spans; weight loads kept here
         self.group_size = cfg.data.samples_per_prompt
@@ -137,7 +139,7 @@ class GeneratorWorker:
         subscriber, tasks = None, []
         # subscriber.poll_bucket runs on a thread of its own, where its socket lives from its first poll to its
         # close (never shared): checking a whole version took seconds for a large model, and the engine decodes on
-        # this event loop (docs/benchmarks.md "Engine design choices, measured"). A bucket in the learner's shared
+        # this event loop (docs/benchmarks.md "Costs behind choices in the code"). A bucket in the learner's shared
         # memory, or on this GPU by CUDA IPC, is copied and checked there too (weights.py).
         self._weights_thread = ThreadPoolExecutor(1, thread_name_prefix=f"generator-{self.generator_id}-weights")
         try:
@@ -285,7 +287,9 @@ class GeneratorWorker:
         version's first bucket to its last the engine decodes nothing; if the rest never comes (a bucket lost,
         and the version rewritten by the learner meanwhile), a newer version's buckets replace it, asked for by
         the subscriber. A generator that stays without a whole version for weight_sync.timeout_s fails loudly."""
-        partial, progress, received = None, 0.0, 0.0  # the version part-loaded, its last bucket's time, its first's
+        partial = None  # the version part-loaded
+        progress = 0.0  # its last bucket's time
+        received = 0.0  # its first bucket's time
         while True:
             bucket = await self._loop.run_in_executor(self._weights_thread, subscriber.poll_bucket, self.engine.version)
             if bucket is None:

@@ -149,7 +149,9 @@ def shard(batch: TrainBatch, rank: int, world_size: int) -> TrainBatch:
 def token_budget_bounds(lengths: Sequence[int], budget: int) -> list[tuple[int, int]]:
     """Consecutive row ranges [start, stop) whose padded size, rows x longest row, stays within `budget`
     tokens (a row longer than the budget alone gets its own range); budget 0 = one range of all rows."""
-    bounds, start, longest = [], 0, 0
+    bounds = []
+    start = 0
+    longest = 0
     for row, length in enumerate(lengths):
         longest_with = max(longest, int(length))
         if budget > 0 and row > start and (row - start + 1) * longest_with > budget:

@@ -195,7 +195,9 @@ def save_hf(module: torch.nn.Module, model_class, source: str, path: str, rank: 
 def save_final(learner, path: str) -> None:
     """Collective: `LearnerRank.save_pretrained`: the policy (with LoRA, its adapter folder, and the merged model in
     `path/merged` with learner.lora.save_merged) and the critic (`path/critic`), in the run's dtype."""
-    model_path, dtype, rank = learner.setup.model.path, learner.dtype, learner.rank
+    model_path = learner.setup.model.path
+    dtype = learner.dtype
+    rank = learner.rank
     if learner.lora is not None:
         adapters = dict(learner._full_tensors(learner._published_state()))
         save_adapter(adapters, learner.lora, model_path, path, rank)

@@ -10,16 +10,15 @@ Invariants:
     of the whole minibatch, all-reduced over ranks), and FSDP2 averages gradients over ranks, so each
     rank backpropagates world_size * loss: the accumulated gradient is then exactly that of one pass
     over the whole minibatch, however the rows are split (tests/test_fsdp.py, test_fsdp_schedule.py);
-  - ranks run the same number of micro-batches (the largest any rank needs), since each forward and
-    backward all-gathers parameters collectively;
+  - ranks run the same number of micro-batches (the largest any rank needs), since each forward and backward
+    all-gathers parameters collectively;
   - logprobs use the generator's sampling temperature (softmax(logits / T), as the generator sampled);
-  - the models stay in eval mode (no dropout), so the logprobs of the update's forward equal the
-    proximal logprobs of `compute` on the same weights;
+  - the models stay in eval mode (no dropout), so the logprobs of the update's forward equal the proximal
+    logprobs of `compute` on the same weights;
   - `version` counts BATCHES trained (one per training step t, however many optimizer steps it took):
     the weights published after step t are version t + 1 (docs/design.md "The bound in batches");
-  - every collective (`update`, `compute`, `publish_weights`,
-    `save_pretrained`, `save_checkpoint`, `load_checkpoint`, `connect_sglang`) must be called on all
-    ranks, in the same order.
+  - every collective (`update`, `compute`, `publish_weights`, `save_pretrained`, `save_checkpoint`,
+    `load_checkpoint`, `connect_sglang`) must be called on all ranks, in the same order.
 Weights out: by default rank 0 publishes each version's full state dict over ZeroMQ, in buckets (weights.py). After
 `connect_sglang` (generator.sglang.weight_transport=nccl) rank 0 loads each version straight into the
 SGLang servers (learners/sglang_nccl.py) and publishes only a version notice (an empty state dict).
@@ -70,7 +69,11 @@ class LearnerRank:
         cfg, world_size = setup.learner, setup.learner.world_size
         torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(setup.seed + rank)
-        self.setup, self.rank, self.world_size, self.cfg, self.algo = setup, rank, world_size, cfg, setup.algorithm
+        self.setup = setup
+        self.rank = rank
+        self.world_size = world_size
+        self.cfg = cfg
+        self.algo = setup.algorithm
         self.dtype = DTYPES[setup.model.dtype]  # compute and published-weights dtype; master weights stay fp32
         self.version = 0  # batches trained (load_checkpoint sets it): the weights this rank holds are this version
         cuda = cfg.device == "cuda"  # else cpu (validation allows no other); one GPU per rank, rank % GPUs visible
@@ -87,16 +90,15 @@ class LearnerRank:
         if not cuda:
             map_large_blocks(sum(parameter.numel() for parameter in self.model.parameters()))
         # every optimizer (policy, critic): AdamW with learner.betas, fused: one kernel per step instead of a
-        # DTensor dispatch per parameter and op (~10% of a small step)
+        # DTensor dispatch per parameter and op (docs/benchmarks.md "Costs behind choices in the code")
         adamw = partial(torch.optim.AdamW, betas=tuple(cfg.betas), fused=True)
         trained = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
         self.optimizer = adamw(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.reference = None  # the frozen reference policy, only when KL is on; with LoRA, the base model itself
         if (setup.kl.loss_coef > 0 or setup.kl.reward_coef > 0) and not (self.lora and not setup.reference.path):
             self.reference = self._sharded_model(setup.reference.path or setup.model.path).requires_grad_(False)
-        # the value model of advantage=gae: LM backbone + scalar head, its own optimizer
         self.critic = self.critic_optimizer = None
-        if self.algo.advantage == "gae":
+        if self.algo.advantage == "gae":  # the value model: LM backbone + scalar head, its own optimizer
             critic = setup.critic
             torch.manual_seed(setup.seed)  # the fresh head: the same initial values on every rank and world size
             self.critic = self._sharded_model(critic.path or setup.model.path, AutoModelForTokenClassification,
@@ -122,14 +124,15 @@ class LearnerRank:
 
     def _sharded_model(self, path: str, model_class=AutoModelForCausalLM, adapters=None, **kwargs) -> torch.nn.Module:
         """A causal LM (or, for the critic, its backbone with a token-level head) with fp32 master weights,
-        sharded per decoder layer and at the root; bfloat16 only for compute when asked (FSDP2 mixed
-        precision), gradients reduced in fp32. On one rank the shard is the whole model: freeing the compute
-        copy after each forward would save no memory and cost a second cast of every weight in backward. One
-        rank in fp32 has nothing to shard, reduce or cast: the plain model (FSDP2 costs 5-10% of a CPU update).
-        learner.activation_checkpointing: each decoder layer keeps only its input for backward and recomputes
-        the rest (torch's composable, non-reentrant checkpoint: parameter names unchanged, FSDP2 composes).
-        `adapters` (learner.lora): a frozen base in the compute dtype, LoRA's A and B the fp32 master weights,
-        A's random start the same on every rank."""
+        sharded per decoder layer and at the root; bfloat16 only for compute when asked (FSDP2 mixed precision),
+        gradients reduced in fp32. On one rank the shard is the whole model: freeing the compute copy after each
+        forward would save no memory and cost a second cast of every weight in backward. One rank in fp32 has
+        nothing to shard, reduce or cast: the plain model (FSDP2's hooks and DTensors would slow its update:
+        docs/benchmarks.md "Costs behind choices in the code"). learner.activation_checkpointing: each
+        decoder layer keeps only its input for backward and recomputes the rest (torch's composable,
+        non-reentrant checkpoint: parameter names unchanged, FSDP2 composes). `adapters` (learner.lora): a
+        frozen base in the compute dtype, LoRA's A and B the fp32 master weights, A's random start the same on
+        every rank."""
         dtype = self.dtype if adapters else torch.float32
         model = model_class.from_pretrained(path, dtype=dtype, **kwargs).to(self.device)
         if adapters:
@@ -193,13 +196,13 @@ class LearnerRank:
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """ppo_epochs x minibatches optimizer steps on the batch, then version += 1: ONE new version per
-        batch, however many optimizer steps (docs/design.md "The bound in batches"). Minibatch k is the k-th contiguous
-        block of rows of the batch in this epoch's order (`epoch_order`: shuffled when there are several
-        minibatches), of which each rank trains its own shard. Without
-        proximal_logprobs the update's own detached logprobs stand in for p_old, which is exact only
-        with one optimizer step per batch (LearnerPool.prepare computes them otherwise). Metrics are
-        reduced over ranks, then averaged over optimizer steps (`*_max` keys: max); `memory/*`: the largest
-        peak of any rank since the previous update returned (docs/metrics.md)."""
+        batch, however many optimizer steps (docs/design.md "The bound in batches"). Minibatch k is the k-th
+        contiguous block of rows of the batch in this epoch's order (`epoch_order`: shuffled when there are
+        several minibatches), of which each rank trains its own shard. Without proximal_logprobs the update's
+        own detached logprobs stand in for p_old, which is exact only with one optimizer step per batch
+        (LearnerPool.prepare computes them otherwise). Metrics are reduced over ranks, then averaged over
+        optimizer steps (`*_max` keys: max); `memory/*`: the largest peak of any rank since the previous
+        update returned (docs/metrics.md)."""
         assert batch.advantages is not None, "the batch has no advantages (batch.with_advantages)"
         assert batch.proximal_logprobs is not None or "proximal_logprobs" not in self.setup.forwards, \
             "several optimizer steps per batch need the proximal logprobs (LearnerPool.prepare)"
@@ -275,14 +278,16 @@ class LearnerRank:
     def _loss(self, mb: TrainBatch, packing: Packing, normalisers: dict[str, float]) -> tuple[torch.Tensor, dict]:
         """The loss of one micro-batch (algorithms.policy_loss: correction, policy loss, KL, entropy) and
         its metrics, every sum divided by the GLOBAL normalisers."""
-        temperature, kl, tokens = self.setup.temperature, self.setup.kl, normalisers["tokens"]
+        kl = self.setup.kl
+        tokens = normalisers["tokens"]
         # the [N, L, V] softmax of the entropy is in the autograd graph only if the loss uses it
-        logprobs, entropy = packing.logprobs_and_entropy(self.model, temperature, self.algo.entropy_coef > 0,
-                                                         self.cfg.logits_chunk_tokens)
+        logprobs, entropy = packing.logprobs_and_entropy(self.model, self.setup.temperature,
+                                                         self.algo.entropy_coef > 0, self.cfg.logits_chunk_tokens)
         proximal = mb.proximal_logprobs if mb.proximal_logprobs is not None else logprobs.detach()
         mask = mb.loss_mask.bool()
-        inputs = LossInputs(logprobs, proximal, mb.behaviour_logprobs, mb.advantages, mb.loss_mask,
-                            mb.reference_logprobs, entropy)
+        inputs = LossInputs(logprobs=logprobs, proximal_logprobs=proximal, behaviour_logprobs=mb.behaviour_logprobs,
+                            advantages=mb.advantages, loss_mask=mb.loss_mask, ref_logprobs=mb.reference_logprobs,
+                            entropy=entropy)
         loss, metrics = policy_loss(inputs, self.algo, kl, tokens, normalisers["aggregation"])
         with torch.no_grad():
             metrics["entropy"] = torch.where(mask, entropy, 0.0).sum() / tokens

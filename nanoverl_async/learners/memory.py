@@ -51,15 +51,14 @@ def learner_state_bytes(trained: int, frozen_bytes: int, world_size: int) -> int
 
 
 # What a rank's process holds besides tensors, the part no shape predicts. cpu: the resident memory of a
-# LearnerRank process on a model of a few thousand parameters after an update (torch 2.13 CPU, transformers
-# 5.24, gloo and ZeroMQ up; 0.44 GB measured on 2026-11-28, bench/fit_check.py prints it as its "runtime"
-# row), rounded up. cuda: what nvidia-smi's total loses to the CUDA context (~0.5 GB), cuBLAS and NCCL
-# workspaces and the caching allocator's slack: 1 GB, an estimate, not yet measured (no GPU on that machine).
+# LearnerRank process on a model of a few thousand parameters after an update (bench/fit_check.py prints it as
+# its "runtime" row), rounded up. cuda: what nvidia-smi's total loses to the CUDA context, cuBLAS and NCCL
+# workspaces and the caching allocator's slack, an estimate, not yet measured. Both:
+# docs/benchmarks.md "Costs behind choices in the code".
 RUNTIME_BYTES = {"cpu": int(0.45 * GB), "cuda": int(1.0 * GB)}
 # float32 [tokens, vocabulary] tensors alive at once around the head: z = logits.float() / T kept for
-# backward, the logsumexp's exp, the entropy metric's softmax and product, and in backward z's gradient. 5.0
-# measured (bench/fit_check.py's method on a 1-layer, 151,936-wide model: the peak above the runtime / (4 x
-# tokens x vocabulary), whole and in chunks of 512, 2026-11-28).
+# backward, the logsumexp's exp, the entropy metric's softmax and product, and in backward z's gradient; as
+# bench/fit_check.py's method measured them (docs/benchmarks.md "Costs behind choices in the code").
 LOGITS_COPIES = 5
 
 
@@ -79,9 +78,9 @@ class Architecture:
     def of(cls, config) -> "Architecture":
         text = config.get_text_config()
         heads = text.num_attention_heads
-        return cls(text.hidden_size, text.intermediate_size, text.num_hidden_layers, heads,
-                   getattr(text, "num_key_value_heads", None) or heads,
-                   getattr(text, "head_dim", None) or text.hidden_size // heads, text.vocab_size)
+        return cls(hidden=text.hidden_size, intermediate=text.intermediate_size, layers=text.num_hidden_layers,
+                   heads=heads, kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, vocab=text.vocab_size)
 
 
 def layer_activation_bytes(arch: Architecture, tokens: int, compute_bytes: int, row: int) -> int:
@@ -101,7 +100,9 @@ def layer_activation_bytes(arch: Architecture, tokens: int, compute_bytes: int, 
     itself, [row, row] a row in the compute dtype (b row a token); the SwiGLU MLP its input (bh), the gate's
     output, the up projection's, their product's other factor and the down projection's input (4bi); no
     dropout (eval mode). Without a mask, k and v are kept at their own heads: an overestimate of 2b(q - kv)."""
-    h, i, q = arch.hidden, arch.intermediate, arch.heads * arch.head_dim
+    h = arch.hidden
+    i = arch.intermediate
+    q = arch.heads * arch.head_dim
     return tokens * (8 * h + compute_bytes * (4 * h + 4 * q + 4 * i + row) + 4 * arch.heads + 8)
 
 
@@ -127,9 +128,9 @@ def compute_copy_bytes(parameters: int, root_parameters: int, layers: int, world
     keeps the whole model unsharded through an update (LearnerRank._train), several hold the root's (embedding,
     final norm, head) and two layers' at a time (the one computing and the one prefetched); one float32 rank
     runs the plain model: none. One rank also holds the `trained` parameters' unsharded gradients in the
-    compute dtype beside their float32 accumulation (it syncs only after the last micro-batch): measured, the
-    1.0 GB the parts missed at the 0.5B shape, full model, with and without checkpointing (docs/benchmarks.md
-    "The fit check against the measured peak, CPU"); several ranks reduce each layer's at once (not counted)."""
+    compute dtype beside their float32 accumulation (it syncs only after the last micro-batch), which the fit
+    check once missed (docs/benchmarks.md "The fit check against the measured peak, CPU"); several ranks reduce
+    each layer's at once (not counted)."""
     if world_size == 1:
         return 0 if compute_bytes == 4 else compute_bytes * (parameters + trained)
     return compute_bytes * (root_parameters + 2 * math.ceil((parameters - root_parameters) / layers))
@@ -236,8 +237,9 @@ def _peak_resident_bytes() -> int:
 # sizes that the next allocations do not fit, so the heap grows past the tensors alive: +1.0-2.8 GB at the
 # Qwen2.5-0.5B shape with LoRA and 2,048-token micro-batches, in
 # docs/benchmarks.md "The fit check against the measured peak, CPU".
-# From MAPPED_FROM_PARAMETERS on, blocks of MAPPED_BLOCK_BYTES and more are mapped and returned when freed. A small model's few sizes are reused as they are, and the page faults of mapping them
-# anew would cost builtin:tiny's update up to a quarter of its time.
+# From MAPPED_FROM_PARAMETERS on, blocks of MAPPED_BLOCK_BYTES and more are mapped and returned when freed.
+# A small model's few sizes are reused as they are, and the page faults of mapping them anew would cost
+# builtin:tiny's update up to a quarter of its time.
 MAPPED_FROM_PARAMETERS = 100_000_000
 MAPPED_BLOCK_BYTES = 2**20
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (glibc's malloc.h)

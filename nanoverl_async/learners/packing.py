@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -174,18 +174,31 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
     target, destination = input_ids[read], read.flatten().nonzero().squeeze(1)
     several = len(rows) < len(lengths)  # else each row is one sequence from position 0: no ids needed
     mask = _shared_prompt_mask(blocks, branches) if any(shared for shared, _ in units) else None
-    return Packing(packed_ids, positions if several else None, mask, outputs, predictor, target, destination,
-                   tuple(attention_mask.shape))
+    return Packing(input_ids=packed_ids, position_ids=positions if several else None, attention_mask=mask,
+                   outputs=outputs, predictor=predictor, target=target, destination=destination,
+                   shape=tuple(attention_mask.shape))
+
+
+class Placement(NamedTuple):
+    """Where `_rows`' layout puts each token of [n, width] sequences."""
+    place: Tensor  # [n, width]: its flat position in [r * capacity], -1 past the sequence's end (a shared
+    #                prompt's tokens at the one copy of the prompt)
+    unit: Tensor  # [n, 1]
+    branch: Tensor  # [n, width]: 0 on a shared prompt and in a unit of one sequence, else the sequence's number
+    #                 in its unit from 1
+    filled: list[int]  # how many positions of each row are filled
 
 
 def _placed(units: list[tuple[int, list[int]]], rows: list[list[int]], lengths: list[int], capacity: int,
-            width: int) -> tuple[Tensor, Tensor, Tensor, list[int]]:
-    """Where `_rows`' layout puts each token of the [n, width] sequences: its flat position in [r * capacity]
-    ([n, width], -1 past the sequence's end; a shared prompt's tokens at the one copy of the prompt), its unit
-    [n, 1] and branch [n, width] (0 on a shared prompt and in a unit of one sequence, else the sequence's
-    number in its unit from 1), and how many positions of each row are filled. Integers per sequence, then
-    whole-tensor arithmetic: tensor slices per sequence made `pack` 3x slower, host time in every step."""
-    prompt_at, own_at, shared_of, unit_of, branch_of = ([0] * len(lengths) for _ in range(5))
+            width: int) -> Placement:
+    """Where `_rows`' layout puts each token of the [n, width] sequences (`Placement`). Integers per sequence,
+    then whole-tensor arithmetic: tensor slices per sequence cost `pack` several times the host time, in every
+    step (docs/benchmarks.md "Costs behind choices in the code")."""
+    prompt_at = [0] * len(lengths)
+    own_at = [0] * len(lengths)
+    shared_of = [0] * len(lengths)
+    unit_of = [0] * len(lengths)
+    branch_of = [0] * len(lengths)
     filled = []
     for r, members_of_row in enumerate(rows):
         offset = r * capacity
@@ -193,16 +206,26 @@ def _placed(units: list[tuple[int, list[int]]], rows: list[list[int]], lengths: 
             shared, members = units[unit]
             prompt, offset = offset, offset + shared
             for branch, sequence in enumerate(members, start=1):
-                prompt_at[sequence], own_at[sequence], shared_of[sequence] = prompt, offset, shared
+                prompt_at[sequence] = prompt
+                own_at[sequence] = offset
+                shared_of[sequence] = shared
                 unit_of[sequence], branch_of[sequence] = unit, branch if shared else 0
                 offset += lengths[sequence] - shared
         filled.append(offset - r * capacity)
-    prompt_at, own_at, shared, unit, branch, length = (torch.tensor(values, dtype=torch.long)[:, None] for values in
-                                                       (prompt_at, own_at, shared_of, unit_of, branch_of, lengths))
+
+    def as_column(values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.long)[:, None]
+
+    prompt_at = as_column(prompt_at)
+    own_at = as_column(own_at)
+    shared = as_column(shared_of)
+    unit = as_column(unit_of)
+    branch = as_column(branch_of)
+    length = as_column(lengths)
     column = torch.arange(width)
     in_prompt = column < shared
     place = torch.where(in_prompt, prompt_at + column, own_at + column - shared)
-    return torch.where(column < length, place, -1), unit, torch.where(in_prompt, 0, branch), filled
+    return Placement(torch.where(column < length, place, -1), unit, torch.where(in_prompt, 0, branch), filled)
 
 
 def _laid_out(values: Tensor, place: Tensor, fill: Tensor) -> Tensor:
@@ -237,7 +260,9 @@ def attention_cost_per_position(model: torch.nn.Module) -> float:
     """A token's attention FLOPs per position of its row (4 x hidden per layer: the scores and the weighted
     values over every position, masked or not), relative to its other FLOPs (2 per weight of the layers and
     the LM head): what one more position of row length costs each token, for `pack`."""
-    config, embedding, head = model.config, model.get_input_embeddings().weight, model.get_output_embeddings()
+    config = model.config
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
     weights = sum(p.numel() for p in model.parameters()) - embedding.numel()
     weights += embedding.numel() if head is None or head.weight is embedding else 0  # a tied head: once more
     return 4 * config.hidden_size * config.num_hidden_layers / (2 * weights)
@@ -320,8 +345,17 @@ def keeps_packed_sequences_apart(model: torch.nn.Module, device: torch.device) -
         return (tokens + 1) % vocab
 
     # Rows Z | X Y, kept apart by position ids; rows L | A B C, with A and B sharing a 4-token prompt.
-    x, y, z, prompt, a, b, c, longest = (torch.randint(vocab, (size,), generator=generator)
-                                         for size in (4, 3, 7, 4, 3, 3, 2, 12))
+    def random_tokens(size: int) -> Tensor:
+        return torch.randint(vocab, (size,), generator=generator)
+
+    x = random_tokens(4)  # drawn in this order from one seeded generator
+    y = random_tokens(3)
+    z = random_tokens(7)
+    prompt = random_tokens(4)
+    a = random_tokens(3)
+    b = random_tokens(3)
+    c = random_tokens(2)
+    longest = random_tokens(12)
     shared = torch.tensor([4, 4, 0, 0])
     plain = outputs([x, y, z])
     grouped = outputs([torch.cat([prompt, a]), torch.cat([prompt, b]), c, longest], shared)

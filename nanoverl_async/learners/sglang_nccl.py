@@ -100,8 +100,12 @@ class SGLangWeightSender:
     def __init__(self, servers: list[SGLangClient], master_address: str, master_port: int, *,
                  group_name: str = "weight_update_group", bucket_bytes: int = 512 << 20, pause_mode: str = "abort",
                  timeout_s: float = 300.0, broadcast: Optional[Callable[[torch.Tensor], None]] = None):
-        self.servers, self.master_address, self.master_port = servers, master_address, master_port
-        self.group_name, self.bucket_bytes, self.pause_mode = group_name, bucket_bytes, pause_mode
+        self.servers = servers
+        self.master_address = master_address
+        self.master_port = master_port
+        self.group_name = group_name
+        self.bucket_bytes = bucket_bytes
+        self.pause_mode = pause_mode
         self.timeout_s, self.broadcast = timeout_s, broadcast
         self.device: Optional[torch.device] = None
         self.group = None
@@ -123,7 +127,8 @@ class SGLangWeightSender:
         pending = self._on_all("/init_weights_update_group", bodies)
         if self.broadcast is None:  # the real thing: join as rank 0 (blocks until every server has joined)
             self.group = init_custom_process_group(backend, f"tcp://{self.master_address}:{self.master_port}",
-                                                   world_size, 0, self.group_name, self.timeout_s, self.device)
+                                                   world_size=world_size, rank=0, group_name=self.group_name,
+                                                   timeout_s=self.timeout_s, device=self.device)
         for future in pending:
             future.result(self.timeout_s)
 
@@ -138,7 +143,8 @@ class SGLangWeightSender:
             for server in self.servers:
                 server.begin_update()
             for index, bucket in enumerate(parts):
-                body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                body = {"names": [n for n, _ in bucket],
+                        "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                         "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
                         "flush_cache": index == len(parts) - 1, "weight_version": str(version),
                         "load_format": None, "abort_all_requests": False}

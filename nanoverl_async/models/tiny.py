@@ -50,9 +50,16 @@ TASKS = {"multiply": (multiply_task.demo, multiply_task.calculator),
          "long-tail": (long_tail_task.demo, multiply_task.calculator),
          "code": (code_task.demo, sandbox.python)}
 
-PAD, END, UNK = "<|pad|>", "<|end|>", "<|unk|>"
-SYSTEM, USER, ASSISTANT = "<|system|>", "<|user|>", "<|assistant|>"
-CALL, CALL_END, RES, RES_END = "<call>", "</call>", "<res>", "</res>"
+PAD = "<|pad|>"
+END = "<|end|>"
+UNK = "<|unk|>"
+SYSTEM = "<|system|>"
+USER = "<|user|>"
+ASSISTANT = "<|assistant|>"
+CALL = "<call>"
+CALL_END = "</call>"
+RES = "<res>"
+RES_END = "</res>"
 SPECIAL_TOKENS = (PAD, END, UNK, SYSTEM, USER, ASSISTANT, CALL, CALL_END, RES, RES_END)
 
 # Roles render as <|role|>content<|end|>. An assistant turn that calls the tool stops right after
@@ -159,8 +166,9 @@ def build_model(tokenizer: PreTrainedTokenizerFast, recipe: TinyRecipe) -> Qwen2
 def demo_pieces(tokenizer: PreTrainedTokenizerFast, tools: bool, tool=multiply_task.calculator) -> dict[str, str]:
     """The chat-template renderings of one demo, cut at turn boundaries, with placeholders.
 
-    Rendering each demo through Jinja would cost ~0.1 ms a message; the template output is plain
-    text, so we render once with placeholders {Q} {E} {R} {P} and fill them per demo.
+    Rendering each demo through Jinja would cost a rendering a message
+    (docs/benchmarks.md "Costs behind choices in the code"); the template output is plain text, so we render
+    once with placeholders {Q} {E} {R} {P} and fill them per demo.
     """
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "{E}"}}}
     msgs = [{"role": "user", "content": "{Q}"}, {"role": "assistant", "content": "", "tool_calls": [call]},
@@ -182,8 +190,9 @@ def demo_batch(tokenizer, pieces: list[dict], recipe: TinyRecipe, rng: random.Ra
     model learns abruptly and only from enough tool demos, while the initial tool-use rate must stay
     low for RL to have something to learn; training the decision token on a share `call_keep`
     separates the two (many tool demos, a calibrated P(<call>)). Tool demos are about twice as long
-    as direct ones; padding them separately saves ~35% of the compute. A demo of several questions
-    (long-tail) asks each after the last answer, as the environment does, and decides on the tool for each.
+    as direct ones, so they are padded apart, which saves compute
+    (docs/benchmarks.md "Costs behind choices in the code"). A demo of several questions (long-tail) asks each
+    after the last answer, as the environment does, and decides on the tool for each.
     """
     demos = []  # (calls the tool, [(text, trained on)])
     for _ in range(recipe.batch_size):
@@ -202,7 +211,8 @@ def demo_batch(tokenizer, pieces: list[dict], recipe: TinyRecipe, rng: random.Ra
                 segments.append((p["direct"].replace("{P}", answer), 1))
             called |= use_tool
         demos.append((called, segments))
-    # one tokenizer call for the whole batch (per-segment calls cost ~10% of a step)
+    # one tokenizer call for the whole batch: per-segment calls showed in a step
+    # (docs/benchmarks.md "Costs behind choices in the code")
     encoded = iter(tokenizer([t for _, segs in demos for t, _ in segs], add_special_tokens=False)["input_ids"])
     groups: dict[bool, list[tuple[list[int], list[int]]]] = {True: [], False: []}
     for use_tool, segments in demos:

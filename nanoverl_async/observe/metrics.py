@@ -177,7 +177,9 @@ def eval_line(rows: list[dict]) -> list[str]:
     evals = [row for row in rows if EVAL_KEY in row]
     if not evals:
         return []
-    first, last, best = evals[0], evals[-1], max(evals, key=lambda row: row[EVAL_KEY])
+    first = evals[0]
+    last = evals[-1]
+    best = max(evals, key=lambda row: row[EVAL_KEY])
     return [f"  eval:        {EVAL_KEY} {first[EVAL_KEY]:.3f} (step {first['step']}) -> {last[EVAL_KEY]:.3f} (step "
             f"{last['step']}), best {best[EVAL_KEY]:.3f} (step {best['step']}); {len(evals)} evaluations on "
             f"data.val_files"]
@@ -215,7 +217,9 @@ class MetricsLogger:
         self.log_samples, self.print_sample_every = log_samples, print_sample_every
         samples = Path(output_dir) / "samples.jsonl"
         self.samples = self.closing.enter_context(_open_rows(samples, start_step, shift)) if log_samples else None
-        self.total_steps, self.start_step, self.progress = total_steps, start_step, progress
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.progress = progress
         self.started = time.monotonic()
         self.tied_steps, self.warned = 0, set()  # the warnings given: each at most once a run
         self.bar = self.wandb_run = None
@@ -262,7 +266,9 @@ class MetricsLogger:
                        f"and nothing is learned (learner/grad_norm 0). Likely the reward function never (or always) "
                        f"gives credit: check a few episodes' answers against it (reward.path, agent.env), or make "
                        f"the task easier for this model")
-        calls, errors, missing = m["episodes/tool_calls"], m["episodes/tool_errors"], m["episodes/ground_truth_missing"]
+        calls = m["episodes/tool_calls"]
+        errors = m["episodes/tool_errors"]
+        missing = m["episodes/ground_truth_missing"]
         if 2 * errors > calls:  # more than half
             first = next((t.info["first_tool_error"] for t in trajectories if t.info.get("first_tool_error")), "")
             self._warn("tools", f"step {m['step']}: {errors} of {calls} tool calls failed"

@@ -26,7 +26,7 @@ import json
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -46,14 +46,23 @@ MAX_LABEL_KEYS = 4  # further differing keys are summarised as "+N more", so a l
 TIME_SPLIT = {"time/wait_batch_s": "wait for batch", "time/train_s": "train", "time/publish_s": "publish"}
 TIME_COLOURS = ("#b0b0b0", "#4c72b0", "#dd8452")
 TITLE_CHARS = 60  # a run row's title wraps here: two titles side by side fit the figure's width
-# the overlaid panels: (title, x: "step" or "wall_s", the metrics key drawn (also the y label), x label[, a key drawn
-# dashed on the steps that have it])
-OVERLAYS = (("reward vs step", "step", "reward/mean", "step", EVAL_KEY),
-            ("reward vs wall clock", "wall_s", "reward/mean", "training wall clock (s)", EVAL_KEY),
-            ("generators gated", "step", "generators/gated_frac", "step"),
-            ("generated tokens/s", "step", "tokens/generated_per_s", "step"),
-            ("tool use: share of episodes with a tool call", "step", "episodes/tool_use_frac", "step"),
-            ("tool errors: failed calls / calls", "step", "episodes/tool_error_rate", "step"))
+
+
+class Overlay(NamedTuple):
+    """One overlaid panel."""
+    title: str
+    x: str  # "step" or "wall_s"
+    key: str  # the metrics key drawn (also the y label)
+    x_label: str
+    dashed: tuple[str, ...] = ()  # keys drawn dashed on the steps that have them
+
+
+OVERLAYS = (Overlay("reward vs step", "step", "reward/mean", "step", (EVAL_KEY,)),
+            Overlay("reward vs wall clock", "wall_s", "reward/mean", "training wall clock (s)", (EVAL_KEY,)),
+            Overlay("generators gated", "step", "generators/gated_frac", "step"),
+            Overlay("generated tokens/s", "step", "tokens/generated_per_s", "step"),
+            Overlay("tool use: share of episodes with a tool call", "step", "episodes/tool_use_frac", "step"),
+            Overlay("tool errors: failed calls / calls", "step", "episodes/tool_error_rate", "step"))
 
 
 @dataclass
@@ -167,10 +176,12 @@ def draw(runs: list[Run]) -> Figure:
     return figure
 
 
-def draw_overlay(ax, panel: tuple, runs: list[list[dict]], labels: list[str]) -> None:
+def draw_overlay(ax, panel: Overlay, runs: list[list[dict]], labels: list[str]) -> None:
     """One OVERLAYS panel: each run's metrics rows, one line each, and its dashed key where rows have it (in the
     run's colour, out of the legend; named in the y label when drawn); x "wall_s" is the running sum of time/step_s."""
-    title, x, key, x_label, *dashed = panel
+    x = panel.x
+    key = panel.key
+    dashed = panel.dashed
     drawn = set()
     for index, (rows, label) in enumerate(zip(runs, labels)):
         xs = np.cumsum(column(rows, "time/step_s")) if x == "wall_s" else column(rows, x)
@@ -182,12 +193,15 @@ def draw_overlay(ax, panel: tuple, runs: list[list[dict]], labels: list[str]) ->
             if kept.any():
                 ax.plot(xs[kept], ys[kept], color=f"C{index}", linestyle="--", marker="s", markersize=4)
                 drawn.add(other)
-    ax.set(title=title, xlabel=x_label, ylabel=", ".join([key, *(f"{d} (dashed)" for d in dashed if d in drawn)]))
+    y_label = ", ".join([key, *(f"{d} (dashed)" for d in dashed if d in drawn)])
+    ax.set(title=panel.title, xlabel=panel.x_label, ylabel=y_label)
     ax.grid(alpha=0.3)
 
 
 def draw_staleness(figure: Figure, ax, rows: list[dict], label: str, colour: str) -> None:
-    shares, first, last = staleness_shares(rows), rows[0]["step"], rows[-1]["step"]
+    shares = staleness_shares(rows)
+    first = rows[0]["step"]
+    last = rows[-1]["step"]
     image = ax.imshow(shares, origin="lower", aspect="auto", interpolation="nearest", cmap="viridis",
                       vmin=0, vmax=1, extent=(first - 0.5, last + 0.5, -0.5, shares.shape[0] - 0.5))
     figure.colorbar(image, ax=ax, label="share of the batch")

@@ -170,7 +170,9 @@ class PipelineTrace:
         self.roles = roles
         self.offsets: dict[str, tuple[float, float]] = {}  # role -> (offset, uncertainty), from the first step
         # process -> pid; (process, track, lane) -> tid; (process, track) -> its lanes (`place`)
-        self.pids, self.tids, self.lanes = {}, {}, {}
+        self.pids = {}
+        self.tids = {}
+        self.lanes = {}
 
     def step(self, step: int, trajectories: list[Trajectory], marks: tuple[float, ...]) -> None:
         """After step `step` (counted from 1, as metrics.jsonl does): its phases (`marks`: time.monotonic() when its

@@ -123,7 +123,9 @@ def read_events(events: list[dict], path: Path) -> dict:
     for e in events:
         if e.get("ph") != "X":
             continue
-        start, end, args = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e.get("args", {})
+        start = e["ts"] / 1e6
+        end = (e["ts"] + e["dur"]) / 1e6
+        args = e.get("args", {})
         kind = "weights" if e["name"].startswith("weights v") else e["name"]
         if names.get(e.get("pid")) == "learners":
             spans["steps"].setdefault(args["step"] + shift, {})[kind] = (start, end)
@@ -271,7 +273,9 @@ def step_costs(spans: dict, learner_work: Callable, drain: bool) -> tuple[np.nda
     for _, _, args in spans["episode"]:
         step, end = args["trained_step"], lease_end.get(args["group_id"], -math.inf)
         ready[step] = max(ready.get(step, -math.inf), end)
-    rows, delays, steps = [], [], spans["steps"]
+    rows = []
+    delays = []
+    steps = spans["steps"]
     for step, phases in steps:
         waited, published = phases["wait batch"], phases["publish"][1]
         handover = waited[1] - min(waited[1], max(waited[0], ready.get(step, waited[0])))
@@ -352,8 +356,11 @@ def read_source(run_dir: str, cores: float | None = None) -> Source:
     # least a tenth of it kept: a generated token costs something whatever the estimate of a swap
     work = np.array([generator_work(a, b) for a, b in zip(starts, ends)])
     work = np.maximum(work - swap * swaps_inside(list(zip(starts, ends, pids)), swaps), 0.1 * work)
-    return Source(cfg.data.prompts_per_step, cfg.data.samples_per_prompt, cfg.staleness.max, cfg.generator.replicas,
-                  cfg.generator.max_groups_in_flight, drain, len(costs), np.array(versions),
-                  work, outcomes.count("filtered") / len(outcomes), costs, delays, request_lags(spans),
-                  generator_starts(spans), slowdowns, interference, noise, swap, cores, sampled)
+    return Source(
+        batch=cfg.data.prompts_per_step, group=cfg.data.samples_per_prompt, staleness=cfg.staleness.max,
+        generators=cfg.generator.replicas, max_groups=cfg.generator.max_groups_in_flight, drain=drain,
+        steps=len(costs), lease_versions=np.array(versions), lease_work=work,
+        filtered_frac=outcomes.count("filtered") / len(outcomes), step_costs=costs, weight_delays=delays,
+        request_lags=request_lags(spans), starts=generator_starts(spans), slowdowns=slowdowns,
+        interference=interference, noise=noise, swap_work=swap, cores=cores, measured=sampled)
 

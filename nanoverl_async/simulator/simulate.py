@@ -65,13 +65,14 @@ NOISY = 0.15  # the learner's step-to-step noise (run_costs.py `learner_steps`) 
 CROWDED = 0.7  # interference (run_costs.py `fit_interference`) under which another job took cores: alone on a
 #               machine, roles that fit its cores barely slow each other (each runs learner/generator.torch_threads)
 # A run's samples/s differs from the next one's of the same config on the same machine (the host's other load,
-# its caches, its clock): sd of log samples/s, pooled over 14 same-setting pairs of A B B A reruns of the default
-# job on the 2-core machine (0.064 from 8, 0.098 from 6), in
-# docs/benchmarks.md "The simulator against A B B A reruns, CPU". Each simulated run draws such a factor, so an
-# interval says where another run would land, not only where this run's costs, resampled, put it.
+# its caches, its clock): sd of log samples/s, pooled over same-setting pairs of A B B A reruns of the default
+# job (docs/benchmarks.md "The simulator against A B B A reruns, CPU"). Each simulated run draws such a factor,
+# so an interval says where another run would land, not only where this run's costs, resampled, put it.
 RUN_TO_RUN = 0.08
 WIDE = 0.15  # an interval wider than +-15% of its median, or a miss of the run's own samples/s by more: cannot tell
-GENERATING, LEARNING, REAL = 0, 1, 2  # the virtual clocks of generators' groups and the learner's compute; timers
+GENERATING = 0  # the virtual clock of generators' groups
+LEARNING = 1  # the virtual clock of the learner's compute
+REAL = 2  # the real clock: timers
 HEADER = (f"{'setting':<26}{'samples/s':>10}{'80% of runs':>13}{'mean':>6}{'max':>5}{'gated':>7}"
           "  staleness: lag:% of samples")
 
@@ -107,8 +108,9 @@ def near_step(step: int, steps: int, rng: np.random.Generator) -> int:
 def group_record(lease) -> Trajectory:
     """What a simulated group files in the replay buffer: one trajectory with one token of the lease's version."""
     one = np.ones(1)
-    return Trajectory(str(lease.group_id), lease.group_id, lease.prompt_index, 0, one.astype(np.int32),
-                      one.astype(np.uint8), one * 0, np.array([lease.version]), 0.0)
+    return Trajectory(id=str(lease.group_id), group_id=lease.group_id, prompt_index=lease.prompt_index,
+                      sample_index=0, token_ids=one.astype(np.int32), loss_mask=one.astype(np.uint8),
+                      behaviour_logprobs=one * 0, versions=np.array([lease.version]), reward=0.0)
 
 
 class Simulation:
@@ -118,7 +120,10 @@ class Simulation:
     clock."""
 
     def __init__(self, source: Source, staleness: int, generators: int, rng: np.random.Generator):
-        self.source, self.staleness, self.generators, self.rng = source, staleness, generators, rng
+        self.source = source
+        self.staleness = staleness
+        self.generators = generators
+        self.rng = rng
         self.gate = AdmissionGate(source.batch, staleness, math.inf, lambda index: {})
         self.replay = ReplayBuffer(1)  # one record per group: the G episodes of a group share its version here
         self.gated = GatedClock(0.0)
@@ -129,7 +134,9 @@ class Simulation:
         self.in_flight, self.asking = [0] * generators, [False] * generators  # asking: a request is on its way
         self.step, self.phase = 0, -1  # phase: an index into STEP_COSTS; -1 while waiting for a batch
         self.costs, self.delays = source.step_costs[0], source.weight_delays[0]
-        self.step_start, self.step_seconds, self.gated_fracs = 0.0, [], []
+        self.step_start = 0.0
+        self.step_seconds = []
+        self.gated_fracs = []
         self.lags = Counter()
         self.pools: dict = {}  # version -> indices of the run's leases a group of that version draws from
         self.starts = [source.starts[g % len(source.starts)] for g in range(generators)]  # first requests

@@ -75,7 +75,9 @@ class BucketSet:
         first = self.payloads[0]
         header = bytes(self._host(first, 0, 8 + int.from_bytes(bytes(self._host(first, 0, 8)), "little")))
         self._stamp_at = header.index(VERSION_KEY) + len(VERSION_KEY)  # the same in every bucket: metadata first
-        self.version, self._written, self._stamped = -1, set(), set()
+        self.version = -1
+        self._written = set()
+        self._stamped = set()
 
     @classmethod
     def of(cls, state_dict: dict[str, torch.Tensor], version: int, bucket_bytes: int) -> "BucketSet":
@@ -93,7 +95,9 @@ class BucketSet:
 
     def begin(self, version: int) -> None:
         """The next `write`s are of `version`."""
-        self.version, self._written, self._stamped = version, set(), set()
+        self.version = version
+        self._written = set()
+        self._stamped = set()
 
     def write(self, name: str, tensor: torch.Tensor, non_blocking: bool = False) -> None:
         """Copy `tensor` into its slot, stamping its bucket with the version first (the module docstring)."""
@@ -154,7 +158,9 @@ class Assembly:
     """A subscriber's progress through one version's buckets (the module docstring)."""
 
     def __init__(self):
-        self.version, self.count, self.next = -1, 0, 0
+        self.version = -1
+        self.count = 0
+        self.next = 0
         self._gap_reported = -1  # the version whose gap was reported
 
     def verdict(self, held: int, version: int, index: int, count: int) -> str:
@@ -184,5 +190,7 @@ class Assembly:
 
     def took(self, version: int, index: int, count: int) -> bool:
         """The bucket "take" named is checked and handed on; whether it completed its version."""
-        self.version, self.count, self.next = version, count, index + 1
+        self.version = version
+        self.count = count
+        self.next = index + 1
         return self.next == self.count

@@ -1,12 +1,13 @@
 """The bytes of one weights payload (a bucket of a version, weights.py): safetensors' layout, written and read
-here rather than with safetensors' own functions, which hold the GIL while they copy a whole model (about 1 s
-each way for 360M bfloat16 parameters on 2 cores). The learner copies each tensor straight into its slot
-(`empty_payload`; torch copies, GIL released), and a receiver's tensors view the received bytes.
+here rather than with safetensors' own functions, which hold the GIL while they copy a whole model, stalling
+the learner's training thread (docs/benchmarks.md "Costs behind choices in the code"). The learner copies
+each tensor straight into its slot (`empty_payload`; torch copies, GIL released), and a receiver's tensors view
+the received bytes.
 
 Layout: an 8-byte little-endian header size, a JSON header {name: {dtype, shape, data_offsets}} (with, first,
 "__metadata__": {key: str}, as safetensors allows), then the data; safetensors.torch.load reads it too.
-checksum = xxh3_128 of a payload's host bytes (0.05 s for 358M bfloat16 parameters on one core;
-bench/weights_latency.py), or `shared_payloads.sum64` of a payload on the GPU.
+checksum = xxh3_128 of a payload's host bytes (fast: docs/benchmarks.md "Weights to a generator on one host"),
+or `shared_payloads.sum64` of a payload on the GPU.
 
 Invariants: every slot starts aligned to its element size (widest dtypes first, data 8-byte aligned), so a
 slot is a view, never a copy; `deserialise` refuses (ValueError) a header that does not fit its payload.
@@ -114,7 +115,9 @@ def deserialise(payload: memoryview | np.ndarray | torch.Tensor) -> dict[str, to
             continue
         if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
             raise ValueError(f"tensor {name!r}: entry {entry!r:.200} lacks dtype, shape or data_offsets")
-        dtype, shape, (start, stop) = SAFETENSORS_DTYPES.get(entry["dtype"]), entry["shape"], entry["data_offsets"]
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+        shape = entry["shape"]
+        start, stop = entry["data_offsets"]
         if dtype is None:
             raise ValueError(f"tensor {name!r}: dtype {entry['dtype']!r} is not one of {', '.join(SAFETENSORS_DTYPES)}")
         count = math.prod(shape)

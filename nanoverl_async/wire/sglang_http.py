@@ -41,7 +41,10 @@ def version_tuple(text: str) -> tuple[int, ...]:
 class SGLangClient:
     def __init__(self, url: str, timeout_s: float, *, tp_size: int = 1, server_version: str = "",
                  legacy_protocol: Optional[bool] = None):
-        self.url, self.timeout_s, self.tp_size, self.server_version = url, timeout_s, tp_size, server_version
+        self.url = url
+        self.timeout_s = timeout_s
+        self.tp_size = tp_size
+        self.server_version = server_version
         self.legacy_protocol = legacy_protocol  # None = decide from the server's version
         self._http = httpx.Client(timeout=timeout_s)
 

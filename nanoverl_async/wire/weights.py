@@ -182,7 +182,9 @@ class WeightPublisher:
                 if pending is not None:
                     if latest is not None:
                         self._supersede(latest[0])
-                    latest, built, queue = pending, {}, deque(range(len(pending[1].payloads)))
+                    latest = pending
+                    built = {}
+                    queue = deque(range(len(pending[1].payloads)))
                 elif subscriptions and latest is not None:
                     every = list(range(len(latest[1].payloads)))
                     if list(queue)[-len(every):] != every:  # one whole pass queued serves every new subscriber
@@ -271,7 +273,9 @@ class WeightSubscriber:
             if checked is None:
                 continue
             notice, payload = checked
-            version, index, count = notice["version"], notice["bucket"], notice["buckets"]
+            version = notice["version"]
+            index = notice["bucket"]
+            count = notice["buckets"]
             verdict = self._assembly.verdict(held, version, index, count)
             if verdict == "gap":
                 self._drop(f"version {version}: bucket {index} of {count} came before bucket "
@@ -299,7 +303,9 @@ class WeightSubscriber:
 
     def _open(self, notice: dict, payload: memoryview) -> Optional[dict[str, torch.Tensor]]:
         """The checked bucket's tensors (viewing the frame, or our copy of the segment), else None (dropped)."""
-        version, index, count = notice["version"], notice["bucket"], notice["buckets"]
+        version = notice["version"]
+        index = notice["bucket"]
+        count = notice["buckets"]
         where = f"version {version} bucket {index} of {count}"
         if "segment" in notice:
             payload = self._copy_segment(notice, where)
@@ -318,7 +324,9 @@ class WeightSubscriber:
     def _copy_segment(self, notice: dict, where: str) -> Optional[np.ndarray | torch.Tensor]:
         """Our copy of the bucket a notice names, if its checksum matches (else None: dropped, counted, logged).
         RuntimeError when this process cannot map it at all: then no version ever could be applied."""
-        segment, nbytes, version = notice["segment"], notice["nbytes"], notice["version"]
+        segment = notice["segment"]
+        nbytes = notice["nbytes"]
+        version = notice["version"]
         try:
             if "cuda" in segment:
                 source = shared_payloads.open_device_handle(segment["cuda"], nbytes)
