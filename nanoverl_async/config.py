@@ -23,7 +23,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from nanoverl_async.config_file import ConfigLoader, describe, read_yaml, yaml_problem
+from nanoverl_async.config_file import (ConfigLoader, Interpolated, describe, keep_interpolated, read_yaml,
+                                        yaml_problem)
 from nanoverl_async.validation import ConfigError, validate  # noqa: F401 (ConfigError: re-exported)
 
 log = logging.getLogger(__name__)
@@ -334,7 +335,7 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
         cfg: Config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise ConfigError(describe(error, Config())) from None
-    _keep_interpolated(cfg, OmegaConf.to_container(merged, resolve=False))
+    keep_interpolated(cfg, OmegaConf.to_container(merged, resolve=False))
     _read_old_names(cfg)
     validate(cfg)
     return cfg
@@ -346,34 +347,6 @@ def _read_old_names(cfg: Config) -> None:
     if cfg.generator.engine == "transformers":
         log.warning("config key 'generator.engine': 'transformers' is deprecated, write 'builtin' (the same engine)")
         cfg.generator.engine = "builtin"
-
-
-class Interpolated(str):
-    """A string value set through an interpolation: the run uses the value; `text` is what was written
-    (e.g. `${oc.env:WANDB_API_KEY}`), and all that the files a run writes hold (`to_dict`)."""
-
-    def __new__(cls, value: str, text: str):
-        string = super().__new__(cls, value)
-        string.text = text
-        return string
-
-    def __reduce__(self):  # copies and pickles (Ray) keep the text
-        return Interpolated, (str(self), self.text)
-
-
-def _keep_interpolated(node: Any, written: dict) -> None:
-    """Every string of `node` (a list's too) whose `written` text has an interpolation becomes Interpolated."""
-    def kept(value: Any, text: Any) -> Any:
-        return Interpolated(value, text) if isinstance(value, str) and isinstance(text, str) and "${" in text \
-            else value
-    for key in dataclasses.fields(node):
-        value, text = getattr(node, key.name), written[key.name]
-        if dataclasses.is_dataclass(value):
-            _keep_interpolated(value, text)
-        elif isinstance(value, list) and isinstance(text, list):
-            setattr(node, key.name, [kept(v, t) for v, t in zip(value, text)])
-        else:
-            setattr(node, key.name, kept(value, text))
 
 
 def _paths_as_lists(update: Any) -> Any:

@@ -7,6 +7,8 @@ yaml's SafeLoader builds no objects, but it still expands aliases, keeps the lat
 recurses as deep as the text nests: ConfigLoader refuses each, at its line and column, so a mistake or a crafted
 file is one ConfigError line naming the file (or the key), never a hang, a stack overflow or a silent override.
 An error merging it into the config tree is one line too (`describe`), a mistyped key with the nearest real one.
+A value written as an interpolation (`${oc.env:WANDB_API_KEY}`) is used resolved and written back as its text
+(`Interpolated`, `keep_interpolated`): an environment variable's value never reaches a run's files.
 
 Run alone: `python -m pytest tests/test_bad_input.py -q -k yaml`.
 """
@@ -127,3 +129,31 @@ def nearest_key(dotted: str, root: Any) -> Optional[str]:
         parts.append(close[0])
         node = getattr(node, close[0])
     return ".".join(parts)
+
+
+class Interpolated(str):
+    """A string value set through an interpolation: the run uses the value; `text` is what was written
+    (e.g. `${oc.env:WANDB_API_KEY}`), and all that the files a run writes hold (`to_dict`)."""
+
+    def __new__(cls, value: str, text: str):
+        string = super().__new__(cls, value)
+        string.text = text
+        return string
+
+    def __reduce__(self):  # copies and pickles (Ray) keep the text
+        return Interpolated, (str(self), self.text)
+
+
+def keep_interpolated(node: Any, written: dict) -> None:
+    """Every string of `node` (a list's too) whose `written` text has an interpolation becomes Interpolated."""
+    def kept(value: Any, text: Any) -> Any:
+        return Interpolated(value, text) if isinstance(value, str) and isinstance(text, str) and "${" in text \
+            else value
+    for key in dataclasses.fields(node):
+        value, text = getattr(node, key.name), written[key.name]
+        if dataclasses.is_dataclass(value):
+            keep_interpolated(value, text)
+        elif isinstance(value, list) and isinstance(text, list):
+            setattr(node, key.name, [kept(v, t) for v, t in zip(value, text)])
+        else:
+            setattr(node, key.name, kept(value, text))

@@ -298,6 +298,9 @@ def test_one_bfloat16_fsdp2_rank_trains_the_same_with_memory_saving_on(model_dir
     assert (saving_moments - plain_moments).norm() / plain_moments.norm() < 1e-2
 
 
+CPU = torch.device("cpu")
+
+
 class FakeLibc:
     """ctypes.CDLL's stand-in: records mallopt's calls and answers `answer` (glibc: 1 on success)."""
     calls: list = []
@@ -311,17 +314,18 @@ class FakeLibc:
 
 
 def test_a_large_model_maps_freed_blocks_from_its_parameter_count_on(monkeypatch):
-    """map_large_blocks: nothing below MAPPED_FROM_PARAMETERS; from it on, mallopt maps blocks of 1 MiB and
-    more and trims the heap past that size; a C library without mallopt (not glibc) changes nothing."""
+    """map_large_blocks: nothing below MAPPED_FROM_PARAMETERS or on a GPU; from it on, mallopt maps blocks of
+    1 MiB and more and trims the heap past that size; a C library without mallopt (not glibc) changes nothing."""
     monkeypatch.setattr(memory.ctypes, "CDLL", FakeLibc)
     FakeLibc.calls = []
-    assert not memory.map_large_blocks(memory.MAPPED_FROM_PARAMETERS - 1) and FakeLibc.calls == []
-    assert memory.map_large_blocks(memory.MAPPED_FROM_PARAMETERS)
+    assert not memory.map_large_blocks(memory.MAPPED_FROM_PARAMETERS - 1, CPU) and FakeLibc.calls == []
+    assert not memory.map_large_blocks(memory.MAPPED_FROM_PARAMETERS, torch.device("cuda")) and FakeLibc.calls == []
+    assert memory.map_large_blocks(memory.MAPPED_FROM_PARAMETERS, CPU)
     assert FakeLibc.calls == [(memory.M_MMAP_THRESHOLD, 2**20), (memory.M_TRIM_THRESHOLD, 2**20)]
     monkeypatch.setattr(memory.ctypes, "CDLL", partial(FakeLibc, answer=0))
-    assert not memory.map_large_blocks(memory.MAPPED_FROM_PARAMETERS)  # glibc refused the value
+    assert not memory.map_large_blocks(memory.MAPPED_FROM_PARAMETERS, CPU)  # glibc refused the value
     monkeypatch.undo()
-    assert not memory.map_large_blocks(memory.MAPPED_FROM_PARAMETERS, "libnot-a-c-library.so")
+    assert not memory.map_large_blocks(memory.MAPPED_FROM_PARAMETERS, CPU, "libnot-a-c-library.so")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
@@ -329,7 +333,8 @@ def test_a_mapped_block_goes_back_to_the_system_when_freed():
     """In a fresh process on glibc: after map_large_blocks, a freed 8 MiB block leaves the resident set at once;
     with glibc's defaults, once freed blocks of that size have raised its mapping threshold, the heap keeps it."""
     probe = ("import ctypes, sys, torch\nfrom nanoverl_async.learners import memory\n"
-             "mapped = sys.argv[1] == '1' and memory.map_large_blocks(memory.MAPPED_FROM_PARAMETERS)\n"
+             "cpu = torch.device('cpu')\n"
+             "mapped = sys.argv[1] == '1' and memory.map_large_blocks(memory.MAPPED_FROM_PARAMETERS, cpu)\n"
              "def rss(): return int(open('/proc/self/statm').read().split()[1]) * 4096\n"
              "for _ in range(3): torch.ones(2**21)\n"  # freed 8 MiB blocks: glibc's dynamic threshold rises
              "big = torch.ones(2**21); before = rss(); del big\n"

@@ -25,8 +25,7 @@ SGLang servers (learners/sglang_nccl.py) and publishes only a version notice (an
 Device: "cpu" uses gloo; "cuda" uses nccl, one GPU per rank (rank % GPUs visible). Memory (docs/design.md
 "Learner memory"): learner.activation_checkpointing, learner.logits_chunk_tokens; peaks logged as memory/*.
 
-Run alone (no Ray): `python -m pytest tests/test_fsdp.py tests/test_fsdp_schedule.py tests/test_learner_memory.py
--q` spawns 1 and 2 ranks with gloo.
+Run alone (no Ray, 1 and 2 gloo ranks): `python -m pytest tests/test_fsdp.py tests/test_fsdp_schedule.py -q`.
 """
 
 from __future__ import annotations
@@ -87,8 +86,7 @@ class LearnerRank:
         self.mesh = init_device_mesh(self.device.type, (world_size,))
         self.lora = cfg.lora if cfg.lora.rank > 0 else None  # learner.lora: adapters train, the base is frozen
         self.model = self._sharded_model(setup.model.path, adapters=self.lora)
-        if not cuda:
-            map_large_blocks(sum(parameter.numel() for parameter in self.model.parameters()))
+        map_large_blocks(sum(parameter.numel() for parameter in self.model.parameters()), self.device)
         # every optimizer (policy, critic): AdamW with learner.betas, fused: one kernel per step instead of a
         # DTensor dispatch per parameter and op (docs/benchmarks.md "Costs behind choices in the code")
         adamw = partial(torch.optim.AdamW, betas=tuple(cfg.betas), fused=True)

@@ -4,7 +4,7 @@ controller/fit_check.py) and the peaks it used, per step (the `memory/*` metrics
     prediction = predict_peak(Workload(...))                          # the parts, in bytes; .total
     learner_fit_error(lambda ranks: predict_peak(...), 1, available, "GPU memory (NVIDIA H100)")  # None: fits
     peak_memory(device)   # {"memory/learner_peak_host_gb": ..., on a GPU also ..._device_gb}, then reset
-    map_large_blocks(parameters)   # a CPU rank of a large model: freed blocks go back to the system
+    map_large_blocks(parameters, device)   # a CPU rank of a large model: freed blocks go back to the system
 
 The prediction adds five parts (`Prediction`), each from the model's shape and the learner settings:
   - state: a trained parameter's float32 weight, gradient and AdamW's two moments (16 bytes: ZeRO's
@@ -245,12 +245,13 @@ MAPPED_BLOCK_BYTES = 2**20
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (glibc's malloc.h)
 
 
-def map_large_blocks(parameters: int, libc_name: str = "libc.so.6") -> bool:
-    """For a model of `parameters` >= MAPPED_FROM_PARAMETERS, on glibc: allocations of MAPPED_BLOCK_BYTES and
-    more are mapped (and unmapped when freed) and the heap's free top is trimmed past that size (mallopt
-    M_MMAP_THRESHOLD, M_TRIM_THRESHOLD; glibc's MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ set from
-    inside the process). Whether it was set: not for a smaller model, nor where the C library is not glibc."""
-    if parameters < MAPPED_FROM_PARAMETERS:
+def map_large_blocks(parameters: int, device: torch.device, libc_name: str = "libc.so.6") -> bool:
+    """For a model of `parameters` >= MAPPED_FROM_PARAMETERS on the CPU, on glibc: allocations of
+    MAPPED_BLOCK_BYTES and more are mapped (and unmapped when freed) and the heap's free top is trimmed past
+    that size (mallopt M_MMAP_THRESHOLD, M_TRIM_THRESHOLD; glibc's MALLOC_MMAP_THRESHOLD_ and
+    MALLOC_TRIM_THRESHOLD_ set from inside the process). Whether it was set: not for a smaller model or one on
+    a GPU (whose peak is the device's), nor where the C library is not glibc."""
+    if parameters < MAPPED_FROM_PARAMETERS or device.type != "cpu":
         return False
     try:
         mallopt = ctypes.CDLL(libc_name).mallopt
