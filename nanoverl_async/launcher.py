@@ -109,7 +109,7 @@ def train(cfg: Config, roles: Roles, logger: MetricsLogger, start: int = 0,
           trace: Optional[PipelineTrace] = None, started: Optional[float] = None) -> None:
     """The RL dataflow (docs/design.md "Processes and data flow"), generation running ahead in the background.
     With `started` (launch's start), the first step logs time/startup_s: seconds from then until it is trained."""
-    samples_trained = start * cfg.data.prompts_per_step * cfg.data.samples_per_prompt  # every batch is B x G
+    samples_trained = start * cfg.data.episodes_per_step
     last_step_end = time.monotonic()
     for step in range(start + 1, cfg.run.total_steps + 1):  # step N: weights version N - 1 -> version N
         batch = roles.next_batch(version=step - 1)  # blocks until B complete groups at most eta versions older

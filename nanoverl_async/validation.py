@@ -158,7 +158,7 @@ def _rules(cfg: Config) -> Iterator[tuple[str, bool, str]]:
             (f"needs {key}={needed} (got {get_key(cfg, key)}); for an asynchronous run, run.record=true and "
              f"`nanoverl-async replay` reproduce the learner")
     # the algorithm, KL and the update schedule
-    samples = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
+    samples = cfg.data.episodes_per_step
     yield "learner.world_size" if samples % learner.world_size else "learner.minibatches", \
         samples % (learner.minibatches * learner.world_size) != 0, \
         (f"{learner.minibatches} minibatches x {learner.world_size} ranks do not divide the {samples} samples per "
