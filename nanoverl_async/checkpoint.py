@@ -23,8 +23,8 @@ listed entries, saying so in a line (refusing a checkpoints/ that holds what no 
 folder without the marker (a user's, or a run's from a version before markers) is refused whatever the flags,
 as is an entry the marker does not list or a symbolic link (a run writes none, so no write follows one out of
 the folder); nothing is changed then. These refusals, and a folder that cannot be written, come before anything
-starts (`inspect_output_dir`, in the launch's plan, controller/preflight.py, which the CLI checks before Ray
-starts), and a failed write on a full or read-only disk ends the run naming the path (`writing`).
+starts (`inspect_output_dir`: the launch's plan, controller/preflight.py, runs it before it builds a model, the
+CLI before Ray starts), and a failed write on a full or read-only disk ends the run naming the path (`writing`).
 
 Not saved: the generators' partial episodes (docs/design.md "Checkpoints and resume"): a resumed
 buffer re-issues every prompt that was in flight, and the generators sample it again from the restored

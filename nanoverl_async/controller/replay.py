@@ -42,7 +42,7 @@ def replay(run_dir: str) -> dict:
     try:
         with role_failures("learner pool"):
             learners = LearnerPool(cfg, plan.model_path, run_keys())
-            for version, trajectories in enumerate(batches, start=plan.start):  # step N updates N - 1, as in `train`
+            for version, trajectories in enumerate(batches):  # step N updates version N - 1, as in `train`
                 learners.update(learners.prepare(trajectories), version)
             learners.save_pretrained(str(checkpoint.claim(run_dir, "replay") / "final"))
     finally:
