@@ -75,7 +75,7 @@ def measure(cfg, vocab: int, prompt: int, sampled: int) -> float:
         batch = take_rows(qwen_batch(vocab, sequences=-(-sequences // 8) * 8, prompt=prompt, sampled=sampled),
                           torch.arange(sequences))
         peak_memory(rank.device)  # the window starts here
-        metrics = rank.update(batch)
+        metrics = rank.update(batch, 0)
     finally:
         rank.shutdown()
     return metrics["memory/learner_peak_device_gb" if cfg.learner.device == "cuda" else "memory/learner_peak_host_gb"]

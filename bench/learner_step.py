@@ -37,7 +37,7 @@ def step(rank: LearnerRank, batch, separate_forward: bool) -> None:
     """One learner step on `batch`: the update, after a separate proximal forward if asked."""
     batch.proximal_logprobs = torch.from_numpy(rank.compute(batch, "proximal_logprobs")) \
         if separate_forward else None
-    rank.update(batch)
+    rank.update(batch, 0)  # the same version each time: one minibatch, so no order it seeds
 
 
 def seconds_a_step(run, steps: int) -> float:

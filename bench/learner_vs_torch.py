@@ -194,7 +194,7 @@ def main() -> None:
         updates = {"bare": BareLoop(path, args.device, dtype, micro).update}
         if args.model != "qwen0.5b":  # its equal-length rows pack exactly as they pad
             updates["packed"] = BareLoop(path, args.device, dtype, micro, packed=True).update
-        updates["learner"] = rank.update
+        updates["learner"] = lambda batch: rank.update(batch, 0)  # one minibatch: no order for a version to seed
         vocab = rank.model.config.vocab_size
         batch = qwen_batch(vocab) if args.model == "qwen0.5b" else default_job_batch(vocab)
         rates = {name: [] for name in updates}

@@ -131,7 +131,7 @@ def measure(path: str, device: str, tokens: list[int], batch_shape: dict, update
         for size in tokens:
             rank.cfg = dataclasses.replace(rank.cfg, micro_batch_tokens=size)  # read at each update
             last = {}
-            speed = rate(lambda b: last.update(rank.update(b)), batch, updates, device)
+            speed = rate(lambda b: last.update(rank.update(b, 0)), batch, updates, device)
             results[size] = ("yes", speed, last[peak_key])
         if publish:
             publish_s = publish_to_received(rank)

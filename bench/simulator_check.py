@@ -82,7 +82,7 @@ def compare_abba(runs: Path) -> list[str]:
 
 def samples_per_s(run: Path) -> float:
     cfg = load_config(str(run / "config.yaml"))
-    return measured(read_rows(run / "metrics.jsonl"), cfg.data.prompts_per_step * cfg.data.samples_per_prompt)[
+    return measured(read_rows(run / "metrics.jsonl"), cfg.data.episodes_per_step)[
         "samples_per_s"]
 
 

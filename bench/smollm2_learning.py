@@ -62,7 +62,7 @@ def summarize(run_dir: Path, wall: float | None, before: dict | None, after: dic
     train_s = sum(row["time/train_s"] for row in rows)
     sampled = sum(row["learner/tokens"] for row in rows) / train_s  # the loss's tokens
     data = load_config(str(run_dir / "config.yaml")).data
-    processed = sum(row["episodes/length_mean"] for row in rows) * data.prompts_per_step * data.samples_per_prompt / train_s
+    processed = sum(row["episodes/length_mean"] for row in rows) * data.episodes_per_step / train_s
     steps = sum(row["time/step_s"] for row in rows)
     console = Console(width=140)
     console.print(table)

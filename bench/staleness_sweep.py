@@ -52,7 +52,7 @@ def summarize(output_dir: Path, wall: float) -> dict:
     rewards = [row["reward/mean"] for row in rows]
     reached = [step for step in range(WINDOW - 1, len(rows)) if mean(rows[step - WINDOW + 1: step + 1], "reward/mean")
                >= TARGET]
-    samples = len(rows) * cfg.data.prompts_per_step * cfg.data.samples_per_prompt
+    samples = len(rows) * cfg.data.episodes_per_step
     return {"eta": cfg.staleness.max, "correction": cfg.algorithm.correction, "dir": str(output_dir), "wall_s": wall,
             "samples_per_s": samples / sum(row["time/step_s"] for row in rows),
             "first_reward": mean(rows[:tenth], "reward/mean"), "mean_reward": sum(rewards) / len(rewards),

@@ -23,8 +23,8 @@ listed entries, saying so in a line (refusing a checkpoints/ that holds what no 
 folder without the marker (a user's, or a run's from a version before markers) is refused whatever the flags,
 as is an entry the marker does not list or a symbolic link (a run writes none, so no write follows one out of
 the folder); nothing is changed then. These refusals, and a folder that cannot be written, come before anything
-starts (`inspect_output_dir`, which the CLI calls before Ray starts), and a failed write on a full or read-only
-disk ends the run naming the path (`writing`).
+starts (`inspect_output_dir`: the launch's plan, controller/preflight.py, runs it before it builds a model, the
+CLI before Ray starts), and a failed write on a full or read-only disk ends the run naming the path (`writing`).
 
 Not saved: the generators' partial episodes (docs/design.md "Checkpoints and resume"): a resumed
 buffer re-issues every prompt that was in flight, and the generators sample it again from the restored
@@ -108,22 +108,23 @@ def check_output_dir(output_dir: str) -> None:
 class OutputDir(NamedTuple):
     """What a launch will do with run.output_dir (`inspect_output_dir`)."""
     resume_from: Optional[Path]  # the checkpoint to resume from; None: a fresh run
+    meta: Optional[dict]  # resume_from's meta.json (`read_meta`); None: a fresh run
     marker: Optional[dict]  # the folder's MARKER; None: no run's folder yet (missing or empty)
     clearing: Optional[str]  # the line saying why the run found there is cleared for this one; None: not cleared
 
 
-def inspect_output_dir(cfg: Config) -> OutputDir:
-    """What launching `cfg` will do with run.output_dir, changing nothing; every refusal is a ConfigError here, so
-    the CLI refuses before Ray starts and `launch` before it builds anything. Refused, losing no earlier run and
-    no file of the user's: a folder without MARKER, or holding an entry it does not list; a run's folder for a
-    fresh run, unless run.overwrite clears it, run.resume=auto finds a run that died before its first checkpoint,
-    or the run there finished no step (`finished_a_step`: it died starting); a checkpoint of another lineage
-    (LINEAGE_KEYS) or of a finished run."""
+def inspect_output_dir(cfg: Config, resume_from: Optional[Path], meta: Optional[dict]) -> OutputDir:
+    """What launching `cfg` will do with run.output_dir, resuming the checkpoint `resume_from` (None: a fresh run)
+    whose meta.json is `meta` (controller/preflight.py resolves both), changing nothing; every refusal is a
+    ConfigError here, so the CLI refuses before Ray starts and `launch` before it builds anything. Refused, losing
+    no earlier run and no file of the user's: a folder without MARKER, or holding an entry it does not list; a
+    run's folder for a fresh run, unless run.overwrite clears it, run.resume=auto finds a run that died before its
+    first checkpoint, or the run there finished no step (`finished_a_step`: it died starting); a checkpoint of
+    another lineage (LINEAGE_KEYS) or of a finished run."""
     out = Path(cfg.run.output_dir)
     check_output_dir(cfg.run.output_dir)
-    resume_from = find_checkpoint(cfg.run)
     if resume_from is not None:
-        check_resumable(cfg, resume_from)
+        check_resumable(cfg, resume_from, meta)
     names = sorted(os.listdir(out)) if out.is_dir() else []
     marker = read_marker(out) if names else None  # a non-empty folder without one is refused here
     present = [name for name in names if name not in (MARKER, MARKER_TMP)]
@@ -141,8 +142,8 @@ def inspect_output_dir(cfg: Config) -> OutputDir:
             raise ConfigError(f"config key 'run.output_dir': '{out}' already holds a run and no checkpoint is "
                               f"resumed; set {hint}a new run.output_dir, or run.overwrite=true to clear it")
         refuse_foreign_saves(out, marker["entries"])
-        return OutputDir(None, marker, clearing)
-    return OutputDir(resume_from, marker, None)
+        return OutputDir(None, None, marker, clearing)
+    return OutputDir(resume_from, meta, marker, None)
 
 
 def finished_a_step(out: Path) -> bool:
@@ -154,17 +155,16 @@ def finished_a_step(out: Path) -> bool:
             or (saves.is_dir() and any(is_checkpoint(p) for p in saves.iterdir())))
 
 
-def open_output_dir(cfg: Config) -> Optional[Path]:
-    """Make run.output_dir ready as `inspect_output_dir` found it, marked as this run's, and return the checkpoint
-    to resume from (None: a fresh run). A run cleared for this one loses only the entries it listed, in one line."""
-    out, found = Path(cfg.run.output_dir), inspect_output_dir(cfg)
+def open_output_dir(cfg: Config, found: OutputDir) -> None:
+    """Make run.output_dir ready as `inspect_output_dir` `found` it, marked as this run's. A run cleared for this one
+    loses only the entries it listed, in one line."""
+    out = Path(cfg.run.output_dir)
     if found.clearing is not None:
         clear_run(out, found.marker["entries"])
         print(found.clearing, file=sys.stderr)
     if found.resume_from is None or found.marker is None:  # a new run: its mark comes before any file of it
         out.mkdir(parents=True, exist_ok=True)
         write_marker(out, {"run_id": uuid.uuid4().hex, "entries": []})
-    return found.resume_from
 
 
 def read_marker(out: Path) -> dict:
@@ -239,9 +239,9 @@ def clear_run(out: Path, listed: list) -> None:
         shutil.rmtree(entry) if entry.is_dir() else entry.unlink(missing_ok=True)
 
 
-def check_resumable(cfg: Config, resume_from: Path) -> None:
-    """The checkpoint is whole, is this run's (same lineage) and leaves work to do: steps, or at least final/."""
-    meta = read_meta(resume_from)
+def check_resumable(cfg: Config, resume_from: Path, meta: dict) -> None:
+    """The checkpoint (its meta.json: `meta`) is whole, is this run's (same lineage) and leaves work to do: steps,
+    or at least final/."""
     for part in REQUIRED_FILES:
         if not (resume_from / part).is_file():
             raise ConfigError(f"config key 'run.resume': checkpoint file {resume_from / part} is missing; "

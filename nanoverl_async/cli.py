@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "replay":
         return replay_run(args.run_dir)
 
-    from nanoverl_async.checkpoint import inspect_output_dir
-    from nanoverl_async.controller.preflight import prepare  # no torch: a config is checked in a fraction of a second
+    # no torch: a config is checked in a fraction of a second
+    from nanoverl_async.controller.preflight import inspect_output, prepare
 
     try:  # bad input fails in one line here, before Ray starts
         cfg = load_config(args.config, args.overrides)
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "validate":
             print(to_yaml(prepared), end="")
             return 0
-        inspect_output_dir(prepared)  # a folder the launch may not use (holding a run, a user's files)
+        inspect_output(prepared)  # a folder the launch may not use (holding a run, a user's files)
     except ConfigError as error:
         return config_error(error)
 

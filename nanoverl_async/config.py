@@ -95,6 +95,11 @@ class DataConfig:
     skip_long_prompts: bool = False
     skip_rows: list[str] = field(default_factory=list)  # rows of the files above left out: "<file> row <i>"
 
+    @property
+    def episodes_per_step(self) -> int:
+        """B x G: the episodes of one training step's batch (the buffer hands out whole groups only)."""
+        return self.prompts_per_step * self.samples_per_prompt
+
 
 @dataclass
 class AgentConfig:

@@ -26,13 +26,11 @@ import ray
 from nanoverl_async import checkpoint
 
 from nanoverl_async.observe import record
-from nanoverl_async.config import Config, ConfigError, to_dict, to_yaml
+from nanoverl_async.config import Config, to_dict, to_yaml
 from nanoverl_async.learners.memory import GB
 from nanoverl_async.observe.metrics import MetricsLogger, step_metrics
-from nanoverl_async.models.load import check_positions, load_tokenizer, resolve_model_path
 from nanoverl_async.controller.fit_check import check_learner_fits
-from nanoverl_async.controller import warm_start
-from nanoverl_async.controller.preflight import prepare, tools_notice
+from nanoverl_async.controller.preflight import launch_plan
 from nanoverl_async.controller.roles import Roles
 from nanoverl_async.controller.startup import phase, start_ray
 from nanoverl_async.observe.trace import PipelineTrace
@@ -42,41 +40,28 @@ def launch(cfg: Config, started: Optional[float] = None) -> Path:
     """Run one training job; returns the output directory (metrics.jsonl, final/). `started`: the time.time()
     start-up counts from (the CLI's process start; default: now), up to the first trained step (time/startup_s)."""
     started = time.time() if started is None else started
-    cfg = prepare(cfg)  # files, user code and run.resume checked; user paths made absolute
-    checkpoint.inspect_output_dir(cfg)  # a folder this launch may not use is refused before the model is built
-    phase(started, f"model {cfg.model.path}" + (" (built on first use, then cached)" if ":" in cfg.model.path else ""))
-    try:  # a missing model, or a tokenizer that drops whitespace, fails here in one line, not in each role
-        model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-        tokenizer = load_tokenizer(model_path)
-    except (ValueError, OSError) as error:  # transformers raises OSError for a model it cannot find
-        raise ConfigError(f"config key 'model.path': {str(error).strip().splitlines()[0]}") from None
-    model_path = warm_start.start_model(cfg, model_path)  # model.warm_start: RL starts from the warm-started model
-    if measured := warm_start.report(model_path):
-        phase(started, measured)
-    if notice := tools_notice(cfg, tokenizer):
-        phase(started, notice)
-    check_positions(model_path, cfg.agent.max_total_tokens)  # the buffer drops longer trajectories
-    predicted = predicted_memory(cfg, model_path, started)  # a builder's model too, before Ray and the roles
+    plan = launch_plan(cfg, started)  # the config, the model and the checkpoint resumed, each resolved once
+    cfg = plan.cfg
+    predicted = predicted_memory(cfg, plan.model_path, started)  # a builder's model too, before Ray and the roles
     output_dir = Path(cfg.run.output_dir)
-    resume_from = checkpoint.open_output_dir(cfg)  # None: a fresh run (into an empty or cleared dir)
+    checkpoint.open_output_dir(cfg, plan.output)  # as the plan found it: a fresh run's cleared, a new one marked
     checkpoint.claim(output_dir, "config.yaml").write_text(to_yaml(cfg))
-    start = checkpoint.read_meta(resume_from)["step"] if resume_from else 0
-    if resume_from:
-        announce_resume(cfg, resume_from, started)
+    if plan.resume_from:
+        announce_resume(cfg, plan.output, started)
     if not ray.is_initialized():  # the CLI starts it while it imports this module (startup.py)
         phase(started, "starting Ray")
     started_ray = start_ray(cfg.ray)
     phase(started, f"placing the buffer, {cfg.generator.replicas} generator(s) and {cfg.learner.world_size} learner "
                    f"rank(s), each building its model")
-    roles = Roles(cfg, model_path, resume_from, start)
+    roles = Roles(cfg, plan.model_path, plan.resume_from, plan.start)
     phase(started, "roles ready; generating the first batch")
     logger = MetricsLogger(output_dir, cfg.run.total_steps, cfg.run.progress,
-                           wandb_config=to_dict(cfg) if cfg.run.wandb else None, start_step=start,
+                           wandb_config=to_dict(cfg) if cfg.run.wandb else None, start_step=plan.start,
                            log_samples=cfg.run.log_samples, print_sample_every=cfg.run.print_sample_every)
-    trace = PipelineTrace(output_dir, roles.traced(), start) if cfg.run.trace else None  # trace.json (trace.py)
+    trace = PipelineTrace(output_dir, roles.traced(), plan.start) if cfg.run.trace else None  # trace.json (trace.py)
     try:
         with checkpoint.writing("the run's files", output_dir):  # a full disk names itself
-            train(cfg, roles, logger, start, trace, started)
+            train(cfg, roles, logger, plan.start, trace, started)
         with checkpoint.writing("the final model", output_dir / checkpoint.FINAL), roles.failures("learner pool"):
             final = checkpoint.publish_final(output_dir, lambda folder: roles.learners.save_pretrained(str(folder)))
         # steps, reward first -> last, the learner's peak memory beside its prediction, where things are
@@ -109,7 +94,7 @@ def train(cfg: Config, roles: Roles, logger: MetricsLogger, start: int = 0,
           trace: Optional[PipelineTrace] = None, started: Optional[float] = None) -> None:
     """The RL dataflow (docs/design.md "Processes and data flow"), generation running ahead in the background.
     With `started` (launch's start), the first step logs time/startup_s: seconds from then until it is trained."""
-    samples_trained = start * cfg.data.prompts_per_step * cfg.data.samples_per_prompt  # every batch is B x G
+    samples_trained = start * cfg.data.episodes_per_step
     last_step_end = time.monotonic()
     for step in range(start + 1, cfg.run.total_steps + 1):  # step N: weights version N - 1 -> version N
         batch = roles.next_batch(version=step - 1)  # blocks until B complete groups at most eta versions older
@@ -119,7 +104,7 @@ def train(cfg: Config, roles: Roles, logger: MetricsLogger, start: int = 0,
         with roles.failures("learner pool"):
             train_batch = roles.learners.prepare(batch.trajectories)  # proximal logprobs (version step - 1), advantages
             prepared = time.monotonic()
-            learner_metrics = roles.learners.update(train_batch)  # ppo_epochs x minibatches FSDP2 steps
+            learner_metrics = roles.learners.update(train_batch, version=step - 1)  # epochs x minibatches FSDP2 steps
             trained = time.monotonic()
             roles.publish_weights(version=step)  # async; generators apply it when ready
         samples_trained += len(batch.trajectories)
@@ -156,10 +141,10 @@ def maybe_checkpoint(cfg: Config, roles: Roles, version: int) -> None:
         checkpoint.commit(folder, checkpoint.make_meta(cfg, version, counters, written_on), cfg.run.keep_checkpoints)
 
 
-def announce_resume(cfg: Config, resume_from: Path, started: float) -> None:
+def announce_resume(cfg: Config, output: checkpoint.OutputDir, started: float) -> None:
     """One line: the checkpoint resumed, and any other settings it resumes with (say a new learning rate:
     allowed, but never silent)."""
-    meta = checkpoint.read_meta(resume_from)
+    resume_from, meta = output.resume_from, output.meta
     changed = checkpoint.changed_keys(meta["config"], checkpoint.trained_config(cfg))
     left = (f"steps {meta['step'] + 1}-{cfg.run.total_steps}" if meta["step"] < cfg.run.total_steps
             else "no step left, final/ to write")

@@ -169,7 +169,7 @@ def _algorithm_rules(cfg: Config) -> Iterator[tuple[str, bool, str]]:
     algo = cfg.algorithm
     kl = cfg.kl
     learner = cfg.learner
-    samples = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
+    samples = cfg.data.episodes_per_step
     yield "learner.world_size" if samples % learner.world_size else "learner.minibatches", \
         samples % (learner.minibatches * learner.world_size) != 0, \
         (f"{learner.minibatches} minibatches x {learner.world_size} ranks do not divide the {samples} samples per "

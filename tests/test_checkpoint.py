@@ -24,7 +24,7 @@ from nanoverl_async.learners.batch import collate, with_advantages
 from nanoverl_async.learners.checkpoint import full_state_dict
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.observe.metrics import MetricsLogger
-from nanoverl_async.controller.preflight import prepare
+from nanoverl_async.controller.preflight import inspect_output, prepare
 from synthetic import episodes
 from test_fsdp import free_port, setup, write_model_dir
 from test_replay import TIMEOUT, GateAndReplay, fill
@@ -143,16 +143,16 @@ def save_then_resume(rank, world_size, ports, model_dir, out_dir, algo):
         return LearnerRank(setup(model_dir, algo, world_size=world_size, critic=critic), rank, "127.0.0.1", port)
 
     learner = make(ports[0])
-    learner.update(prepared(learner, world_size, algo, seed=0))  # Adam moments are no longer zero
+    learner.update(prepared(learner, world_size, algo, seed=0), 0)  # Adam moments are no longer zero
     learner.save_checkpoint(f"{out_dir}/learner")
     saved = snapshot(learner)
-    learner.update(prepared(learner, world_size, algo, seed=1))
+    learner.update(prepared(learner, world_size, algo, seed=1), 1)
     expected = snapshot(learner)
     learner.shutdown()
     learner = make(ports[1])  # fresh weights and optimizer
-    learner.load_checkpoint(f"{out_dir}/learner", version=1)
+    learner.load_checkpoint(f"{out_dir}/learner")
     loaded = snapshot(learner)
-    metrics = learner.update(prepared(learner, world_size, algo, seed=1))
+    metrics = learner.update(prepared(learner, world_size, algo, seed=1), 1)
     resumed = snapshot(learner)
     learner.shutdown()
     if rank == 0:
@@ -252,7 +252,7 @@ def saved_run(output_dir, step: int, *overrides: str):
     folder the run opened (and so marked) first."""
     cfg = load_config("configs/agent_grpo.yaml", [f"run.output_dir={output_dir}", *overrides])
     if not (output_dir / checkpoint.MARKER).exists():
-        checkpoint.open_output_dir(cfg)
+        opened(cfg)
     folder = checkpoint.begin(str(output_dir), step)
     write_state_files(folder)
     return checkpoint.commit(folder, checkpoint.make_meta(cfg, step, {}), 2)
@@ -260,6 +260,14 @@ def saved_run(output_dir, step: int, *overrides: str):
 
 def launch_config(output_dir, *overrides: str):
     return load_config("configs/agent_grpo.yaml", [f"run.output_dir={output_dir}", *overrides])
+
+
+def opened(cfg):
+    """run.output_dir made ready for a launch of `cfg` as launch makes it (the plan's inspection, then
+    checkpoint.open_output_dir); the checkpoint it resumes, None for a fresh run."""
+    found = inspect_output(cfg)
+    checkpoint.open_output_dir(cfg, found)
+    return found.resume_from
 
 
 def marker(output_dir) -> dict:
@@ -276,44 +284,44 @@ def test_a_fresh_run_never_reuses_an_output_dir_silently(tmp_path):
     for resume in ((), ("run.resume=''",)):
         with pytest.raises(ConfigError, match=r"run\.output_dir.*already holds a run.*run\.resume=auto.*"
                                               r"run\.overwrite=true"):
-            checkpoint.open_output_dir(launch_config(tmp_path, *resume))
+            opened(launch_config(tmp_path, *resume))
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing touched
-    assert checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=6")) \
+    assert opened(launch_config(tmp_path, "run.resume=auto", "run.total_steps=6")) \
         == tmp_path / "checkpoints" / "step_4"
     assert marker(tmp_path) == first  # a resume is the same run
-    assert checkpoint.open_output_dir(launch_config(tmp_path, "run.overwrite=true")) is None
+    assert opened(launch_config(tmp_path, "run.overwrite=true")) is None
     assert [p.name for p in tmp_path.iterdir()] == [checkpoint.MARKER]  # cleared: the fresh run starts clean
     assert marker(tmp_path)["entries"] == [] and marker(tmp_path)["run_id"] != first["run_id"]
-    assert checkpoint.open_output_dir(launch_config(tmp_path / "new")) is None  # created, marked, empty
+    assert opened(launch_config(tmp_path / "new")) is None  # created, marked, empty
     assert [p.name for p in (tmp_path / "new").iterdir()] == [checkpoint.MARKER]
     with pytest.raises(ConfigError, match=r"run\.overwrite.*run\.resume"):
         launch_config(tmp_path, "run.overwrite=true", "run.resume=auto")
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match=r"run\.output_dir.*is a file"):
-        checkpoint.open_output_dir(launch_config(tmp_path / "file"))
+        opened(launch_config(tmp_path / "file"))
 
 
 def test_resume_refuses_another_lineage_and_says_what_changed(tmp_path):
     saved_run(tmp_path, 4, "run.seed=1")
     with pytest.raises(ConfigError, match=r"another run \(other run\.seed\)"):
-        checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.seed=2"))
+        opened(launch_config(tmp_path, "run.resume=auto", "run.seed=2"))
     with pytest.raises(ConfigError, match=r"another run \(other model\.path\)"):
-        checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.seed=1", "model.path=/elsewhere"))
-    assert checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.seed=1", "learner.lr=1e-3"))
+        opened(launch_config(tmp_path, "run.resume=auto", "run.seed=1", "model.path=/elsewhere"))
+    assert opened(launch_config(tmp_path, "run.resume=auto", "run.seed=1", "learner.lr=1e-3"))
 
 
 def test_resume_finishes_a_run_that_died_before_final(tmp_path):
     """The last step's checkpoint is committed but final/ is missing: resuming with the same total_steps
     writes final/ (zero steps to train); once final/ exists the run is done."""
     saved_run(tmp_path, 4)
-    assert checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=4"))
+    assert opened(launch_config(tmp_path, "run.resume=auto", "run.total_steps=4"))
     checkpoint.claim(tmp_path, "final").mkdir()  # a final/ without its model (an older version wrote it in place)
-    assert checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=4"))
+    assert opened(launch_config(tmp_path, "run.resume=auto", "run.total_steps=4"))
     checkpoint.publish_final(tmp_path, write_final_files)
     with pytest.raises(ConfigError, match=r"run\.total_steps.*already done"):
-        checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=4"))
+        opened(launch_config(tmp_path, "run.resume=auto", "run.total_steps=4"))
     with pytest.raises(ConfigError, match=r"run\.total_steps.*already done"):
-        checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", "run.total_steps=3"))
+        opened(launch_config(tmp_path, "run.resume=auto", "run.total_steps=3"))
 
 
 def write_final_files(folder):
@@ -342,7 +350,7 @@ def test_overwrite_refuses_a_folder_that_holds_the_users_files_and_deletes_nothi
     (tmp_path / "thesis.txt").write_text("years of work")
     with pytest.raises(ConfigError, match=r"run\.output_dir.*thesis\.txt was not written by the run there "
                                           r"\(\.nanoverl-run\.json does not list it\); nothing was changed"):
-        checkpoint.open_output_dir(launch_config(tmp_path, "run.overwrite=true"))
+        opened(launch_config(tmp_path, "run.overwrite=true"))
     assert (tmp_path / "thesis.txt").read_text() == "years of work"
     assert checkpoint.is_checkpoint(tmp_path / "checkpoints" / "step_4")
 
@@ -355,7 +363,7 @@ def test_overwrite_clears_exactly_what_a_run_wrote(tmp_path):
         checkpoint.claim(tmp_path, name).write_text("x")
     (tmp_path / "checkpoints" / "notes.txt").write_text("mine")  # one file of the user's, deep inside
     with pytest.raises(ConfigError, match=r"notes\.txt, which no run writes"):
-        checkpoint.open_output_dir(launch_config(tmp_path, "run.overwrite=true"))
+        opened(launch_config(tmp_path, "run.overwrite=true"))
     assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "final" / "config.json").exists()
     (tmp_path / "checkpoints" / "notes.txt").unlink()
     outside = tmp_path.parent / f"{tmp_path.name}-kept"
@@ -363,30 +371,30 @@ def test_overwrite_clears_exactly_what_a_run_wrote(tmp_path):
     (outside / "kept.txt").write_text("x")
     checkpoint.claim(tmp_path, "record").symlink_to(outside)  # listed, then made a link: refused, not followed
     with pytest.raises(ConfigError, match=r"record is a symbolic link, which no run writes; nothing was changed"):
-        checkpoint.open_output_dir(launch_config(tmp_path, "run.overwrite=true"))
+        opened(launch_config(tmp_path, "run.overwrite=true"))
     assert (tmp_path / "metrics.jsonl").exists() and (outside / "kept.txt").exists()
     (tmp_path / "record").unlink()
-    assert checkpoint.open_output_dir(launch_config(tmp_path, "run.overwrite=true")) is None
+    assert opened(launch_config(tmp_path, "run.overwrite=true")) is None
     assert [p.name for p in tmp_path.iterdir()] == [checkpoint.MARKER] and (outside / "kept.txt").exists()
 
 
 def test_auto_starts_afresh_after_a_crash_before_the_first_checkpoint(tmp_path, capsys):
     """A kill during the first checkpoint write leaves config.yaml, metrics.jsonl and a .tmp save:
     run.resume=auto is a fresh run there ("a fresh run if there is none"), clearing only the run's files."""
-    checkpoint.open_output_dir(launch_config(tmp_path))
+    opened(launch_config(tmp_path))
     checkpoint.claim(tmp_path, "config.yaml").write_text("x")
     checkpoint.claim(tmp_path, "metrics.jsonl").write_text('{"step": 1}\n')
     checkpoint.begin(str(tmp_path), 2)
-    assert checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto")) is None
+    assert opened(launch_config(tmp_path, "run.resume=auto")) is None
     assert [p.name for p in tmp_path.iterdir()] == [checkpoint.MARKER]
     assert "no complete checkpoint" in capsys.readouterr().err
     (tmp_path / "thesis.txt").write_text("x")  # not the run's file: refused as with overwrite
     with pytest.raises(ConfigError, match=r"thesis\.txt was not written by the run there"):
-        checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto"))
+        opened(launch_config(tmp_path, "run.resume=auto"))
     (tmp_path / "thesis.txt").unlink()
     checkpoint.publish_final(tmp_path, write_final_files)  # a finished run without checkpoints is kept
     with pytest.raises(ConfigError, match=r"already holds a run"):
-        checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto"))
+        opened(launch_config(tmp_path, "run.resume=auto"))
     assert checkpoint.is_final(tmp_path / "final")
 
 

@@ -202,16 +202,16 @@ def test_a_value_from_the_environment_is_never_written(tmp_path, monkeypatch, ca
 
 def test_resume_with_the_same_environment_and_the_lineage_through_it(tmp_path, monkeypatch):
     from nanoverl_async import checkpoint
-    from test_checkpoint import launch_config, saved_run
+    from test_checkpoint import launch_config, opened, saved_run
 
     monkeypatch.setenv("NANOVERL_KEY", "hunter2")
     monkeypatch.setenv("NANOVERL_MODEL", "/models/a")
     saved_run(tmp_path, 4, *SECRET_OVERRIDES[::2])
     assert "hunter2" not in (tmp_path / "checkpoints" / "step_4" / "meta.json").read_text()
     resumed = launch_config(tmp_path, "run.resume=auto", *SECRET_OVERRIDES[::2])
-    assert checkpoint.open_output_dir(resumed) == tmp_path / "checkpoints" / "step_4"
+    assert opened(resumed) == tmp_path / "checkpoints" / "step_4"
     meta = checkpoint.read_meta(tmp_path / "checkpoints" / "step_4")
     assert checkpoint.changed_keys(meta["config"], checkpoint.trained_config(resumed)) == []
     monkeypatch.setenv("NANOVERL_MODEL", "/models/b")  # another model under the same text: another run
     with pytest.raises(ConfigError, match=r"another run \(other model\.path\)"):
-        checkpoint.open_output_dir(launch_config(tmp_path, "run.resume=auto", *SECRET_OVERRIDES[::2]))
+        opened(launch_config(tmp_path, "run.resume=auto", *SECRET_OVERRIDES[::2]))

@@ -101,7 +101,7 @@ def test_nccl_learner_rank_matches_plain_torch(tmp_path):
                           free_port())
     try:
         batch = make_batch()
-        first, second = learner.update(batch), learner.update(batch)
+        first, second = learner.update(batch, 0), learner.update(batch, 1)
         weights = full_state_dict(learner.model)
     finally:
         learner.shutdown()
@@ -177,7 +177,7 @@ def test_nccl_weight_group_beside_the_learners_nccl_world(tmp_path):
     try:
         learner.connect_sglang([], SGLangConfig(control_timeout_s=60), "127.0.0.1", ports[1])
         assert learner.sender.group is not None
-        learner.update(make_batch())
+        learner.update(make_batch(), 0)
         learner.publish_weights(version=1)  # gathered on the GPU, broadcast over the weight group
         version, notice = wait_newest(subscriber, current_version=0, timeout_s=60)
         assert version == 1 and notice == {}  # the version notice carries no tensors

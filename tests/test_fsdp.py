@@ -74,9 +74,9 @@ def train_and_report(rank, world_size, port, model_dir, out_dir, micro_batch_tok
     parts = [None] * world_size
     dist.all_gather_object(parts, learner.compute(batch, "proximal_logprobs"))  # what LearnerPool.prepare does
     batch.proximal_logprobs = torch.from_numpy(np.concatenate(parts))
-    first = learner.update(batch)
+    first = learner.update(batch, 0)
     batch.proximal_logprobs = None
-    second = learner.update(batch)
+    second = learner.update(batch, 1)
     subscriber = WeightSubscriber(learner.weights_endpoint()) if rank == 0 else None
     learner.publish_weights(version=2)
     learner.save_pretrained(f"{out_dir}/final")
@@ -187,11 +187,10 @@ def test_one_optimizer_step_takes_p_old_from_its_own_forward_bit_for_bit(model_d
         for separate_forward in (True, False):
             learner.model.load_state_dict(initial)
             learner.optimizer.load_state_dict(fresh_optimizer)
-            learner.version = 0
             batch = make_batch()
             if separate_forward:  # what LearnerPool.prepare computes when it is in setup.forwards
                 batch.proximal_logprobs = torch.from_numpy(learner.compute(batch, "proximal_logprobs"))
-            metrics = {key: value for key, value in learner.update(batch).items() if not key.startswith("memory/")}
+            metrics = {key: value for key, value in learner.update(batch, 0).items() if not key.startswith("memory/")}
             runs.append((metrics, {name: param.grad.clone() for name, param in learner.model.named_parameters()},
                          {name: tensor.clone() for name, tensor in learner.model.state_dict().items()}))
     finally:
@@ -213,7 +212,7 @@ def test_several_optimizer_steps_a_batch_need_the_separate_proximal_forward(mode
     learner = LearnerRank(setup(model_dir, learner=cfg), 0, "127.0.0.1", free_port())
     try:
         with pytest.raises(AssertionError, match="several optimizer steps per batch need the proximal logprobs"):
-            learner.update(make_batch())
+            learner.update(make_batch(), 0)
     finally:
         learner.shutdown()
 
@@ -231,7 +230,7 @@ def published_versions_equal_held(learner: LearnerRank, versions: int = 4) -> li
     learner.publisher.writable_buckets, learner.bucket_bytes = recorded_writable, 64 * 1024
     try:
         for version in range(1, versions + 1):
-            learner.update(make_batch())
+            learner.update(make_batch(), version - 1)
             held = full_state_dict(learner.model)
             learner.publish_weights(version)
             received, published = wait_newest(subscriber, current_version=version - 1, timeout_s=30)
@@ -269,7 +268,7 @@ def bfloat16_rank_matches_a_float32_pass(model_dir, device: str) -> None:
     try:
         assert isinstance(learner.model, FSDPModule)
         batch = make_batch()
-        metrics = learner.update(batch)
+        metrics = learner.update(batch, 0)
         state = learner.optimizer.state
         first_moments = {name: state[param]["exp_avg"].full_tensor().cpu() / (1 - LEARNER.betas[0])
                          for name, param in learner.model.named_parameters()}
@@ -300,7 +299,7 @@ def test_the_lm_head_runs_only_where_a_sampled_token_is_predicted(model_dir):
         lambda module, args, out: rows.append(out.shape[:-1].numel()))
     batch = make_batch()
     try:
-        learner.update(batch)
+        learner.update(batch, 0)
     finally:
         hook.remove()
         learner.shutdown()

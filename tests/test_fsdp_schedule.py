@@ -57,7 +57,7 @@ def train(rank, world_size, port, model_dir, out_dir, micro_batch_tokens):
     batch = make_batch()
     batch.proximal_logprobs = gathered(learner, batch, "proximal_logprobs", world_size)
     batch.reference_logprobs = gathered(learner, batch, "reference_logprobs", world_size)
-    metrics = learner.update(batch)
+    metrics = learner.update(batch, 0)
     state = full_state_dict(learner.model)
     if rank == 0:
         torch.save({"metrics": metrics, "weights": state}, f"{out_dir}/{world_size}.pt")
@@ -149,13 +149,13 @@ def train_critic(rank, world_size, port, model_dir, out_dir, micro_batch_tokens)
     cfg = dataclasses.replace(LEARNER, micro_batch_tokens=micro_batch_tokens)
     learner = LearnerRank(setup(model_dir, GAE, cfg, world_size, critic=CRITIC), rank, "127.0.0.1", port)
     runs = []
-    for _ in range(2):
+    for version in range(2):
         batch = make_batch(algo=None)
         parts = [None] * world_size
         dist.all_gather_object(parts, learner.compute(batch, "values"))
         batch.values = torch.from_numpy(np.concatenate(parts))
         batch = with_advantages(batch, 2, GAE, KLConfig(), max_total_tokens=16)
-        runs.append({**learner.update(batch), "explained_variance": explained_variance(batch)})
+        runs.append({**learner.update(batch, version), "explained_variance": explained_variance(batch)})
     critic = get_model_state_dict(learner.critic, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     policy = full_state_dict(learner.model)  # collectives: every rank calls them
     learner.save_pretrained(f"{out_dir}/final{world_size}")
@@ -196,7 +196,7 @@ def test_final_is_saved_in_the_runs_dtype_policy_and_critic(model_dir, tmp_path,
     try:
         batch = make_batch(algo=None)
         batch.values = torch.from_numpy(learner.compute(batch, "values"))
-        learner.update(with_advantages(batch, 2, GAE, KLConfig(), max_total_tokens=16))
+        learner.update(with_advantages(batch, 2, GAE, KLConfig(), max_total_tokens=16), 0)
         masters = {"": full_state_dict(learner.model), "critic": full_state_dict(learner.critic)}
         learner.save_pretrained(str(tmp_path))
     finally:

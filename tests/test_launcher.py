@@ -63,7 +63,7 @@ def assert_a_dead_role_fails_the_run_naming_it(roles, victim: str, version: int)
     with pytest.raises(RunFailed, match={"generator": "generator 0", "buffer": "buffer", "learner": "learner"}[victim]):
         train_batch = roles.next_batch(version)
         with role_failures("learner pool"):
-            roles.learners.update(roles.learners.prepare(train_batch.trajectories))
+            roles.learners.update(roles.learners.prepare(train_batch.trajectories), version)
     assert time.monotonic() - started < 30
 
 
@@ -104,7 +104,7 @@ def test_a_hostile_lease_request_during_a_run_is_refused_and_the_run_goes_on(ray
             assert "error" in msgpack.unpackb(dealer.recv(), raw=False)
         for version in (1, 2):
             with role_failures("learner pool"):
-                roles.learners.update(roles.learners.prepare(batch.trajectories))
+                roles.learners.update(roles.learners.prepare(batch.trajectories), version - 1)
             roles.publish_weights(version=version)
             batch = roles.next_batch(version)
         stats = batch.stats

@@ -39,7 +39,7 @@ def first_step(rank, world_size, port, model_dir, learner_fields):
     cfg = dataclasses.replace(LEARNER, micro_batch_tokens=1, **learner_fields)
     learner = LearnerRank(setup(model_dir, ENTROPY_ALGO, cfg, world_size), rank, "127.0.0.1", port)
     try:
-        metrics = learner.update(make_batch())
+        metrics = learner.update(make_batch(), 0)
         moments = {}
         for name, param in learner.model.named_parameters():
             moment = learner.optimizer.state[param]["exp_avg"]
@@ -287,7 +287,7 @@ def test_one_bfloat16_fsdp2_rank_trains_the_same_with_memory_saving_on(model_dir
         bf16 = dataclasses.replace(setup(model_dir, ENTROPY_ALGO, cfg), model=ModelConfig(model_dir, "bfloat16"))
         learner = LearnerRank(bf16, 0, "127.0.0.1", free_port())
         try:
-            metrics = learner.update(make_batch())
+            metrics = learner.update(make_batch(), 0)
             state = learner.optimizer.state
             steps[name] = metrics, torch.cat([state[p]["exp_avg"].full_tensor().flatten()
                                               for p in learner.model.parameters()])

@@ -107,8 +107,8 @@ def test_the_learner_trains_the_adapters_only_and_publishes_them_alone(model_dir
         assert set(published) == {lora.adapter_key(name) for name in trained}
         assert all(float(t.abs().sum()) == 0 for key, t in published.items() if ".lora_B." in key)  # v0 = base
         before = snapshot(learner)
-        learner.update(make_batch())
-        learner.update(make_batch())
+        learner.update(make_batch(), 0)
+        learner.update(make_batch(), 1)
         after = snapshot(learner)
     finally:
         learner.shutdown()
@@ -121,8 +121,8 @@ def two_ranks(rank, ports, model_dir, out_dir):
         if rank >= world_size:
             continue
         learner = LearnerRank(lora_setup(model_dir, "float32", world_size), rank, "127.0.0.1", port)
-        learner.update(make_batch())
-        learner.update(make_batch())
+        learner.update(make_batch(), 0)
+        learner.update(make_batch(), 1)
         gathered = dict(learner._full_tensors(learner._published_state()))
         if rank == 0:
             torch.save(gathered, f"{out_dir}/published_{world_size}.pt")
@@ -179,7 +179,7 @@ def test_final_is_a_peft_adapter_folder_and_the_merged_model_beside_it(model_dir
     learner = LearnerRank(lora_setup(model_dir, adapters=adapters), 0, "127.0.0.1", free_port())
     ids = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(4))
     try:
-        learner.update(make_batch())
+        learner.update(make_batch(), 0)
         learner.save_pretrained(str(tmp_path / "final"))
         with torch.no_grad():
             expected = learner.model(input_ids=ids).logits
@@ -197,9 +197,9 @@ def test_final_is_a_peft_adapter_folder_and_the_merged_model_beside_it(model_dir
 def test_a_checkpoint_holds_the_adapters_and_their_optimizer_and_resumes_exactly(model_dir, tmp_path):
     first = LearnerRank(lora_setup(model_dir), 0, "127.0.0.1", free_port())
     try:
-        first.update(make_batch())
+        first.update(make_batch(), 0)
         first.save_checkpoint(str(tmp_path / "learner"))
-        first.update(make_batch())
+        first.update(make_batch(), 1)
         continued = snapshot(first)
     finally:
         first.shutdown()
@@ -209,8 +209,8 @@ def test_a_checkpoint_holds_the_adapters_and_their_optimizer_and_resumes_exactly
     assert any(key.startswith("policy.optimizer.state.") for key in saved.state_dict_metadata)
     resumed = LearnerRank(lora_setup(model_dir), 0, "127.0.0.1", free_port())
     try:
-        resumed.load_checkpoint(str(tmp_path / "learner"), version=1)
-        resumed.update(make_batch())
+        resumed.load_checkpoint(str(tmp_path / "learner"))
+        resumed.update(make_batch(), 1)
         assert all(torch.equal(t, continued[name]) for name, t in snapshot(resumed).items())
     finally:
         resumed.shutdown()
@@ -221,8 +221,8 @@ def test_the_kl_reference_of_a_lora_run_is_the_base_model_without_a_copy(model_d
     batch = make_batch()
     try:
         assert learner.reference is None
-        learner.update(make_batch())
-        learner.update(make_batch())
+        learner.update(make_batch(), 0)
+        learner.update(make_batch(), 1)
         reference = learner.compute(batch, "reference_logprobs")
         proximal = learner.compute(batch, "proximal_logprobs")
     finally:

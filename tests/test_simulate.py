@@ -342,7 +342,7 @@ def test_recorded_runs_predict_the_other_etas_or_say_they_cannot_tell(recorded):
     for run in others:
         cfg = load_config(str(run / "config.yaml"))
         rows = read_rows(run / "metrics.jsonl")
-        truth[cfg.staleness.max] = measured(rows, cfg.data.prompts_per_step * cfg.data.samples_per_prompt)
+        truth[cfg.staleness.max] = measured(rows, cfg.data.episodes_per_step)
     lines = report(str(traced), ",".join(map(str, truth))).splitlines()
     if machine["machine"] == "loaded" and lines[0].startswith("cannot tell: "):
         return
@@ -385,7 +385,7 @@ def test_the_80_percent_interval_holds_a_b_b_a_reruns_in_4_of_5_cases_or_cannot_
         for run in ("A1", "B1", "B2", "A2"):
             cfg = load_config(str(folder / run / "config.yaml"))
             rates[run] = measured(read_rows(folder / run / "metrics.jsonl"),
-                                  cfg.data.prompts_per_step * cfg.data.samples_per_prompt)["samples_per_s"]
+                                  cfg.data.episodes_per_step)["samples_per_s"]
         truth = (rates["B1"] + rates["B2"]) / (rates["A1"] + rates["A2"])
         source, eta = read_source(str(folder / name)), load_config(str(folder / "B1" / "config.yaml")).staleness.max
         predictions = {(e, 1): predict(source, e, 1) for e in (source.staleness, eta)}

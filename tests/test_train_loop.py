@@ -15,7 +15,7 @@ from test_metrics import QUIET_COUNTERS, make_batch, trajectory
 
 class FakeRoles:
     """What `train` asks of the roles: a batch for each version (an episode of it and one a version older), a
-    learner whose version rises once an update, and the versions published and evaluated."""
+    learner told the version each update trains, and the versions published and evaluated."""
 
     def __init__(self, version: int):
         self.version, self.published, self.evaluated = version, [], []
@@ -32,7 +32,8 @@ class FakeRoles:
     def prepare(self, trajectories: list) -> list:
         return trajectories
 
-    def update(self, batch: list) -> dict:
+    def update(self, batch: list, version: int) -> dict:
+        assert version == self.version  # the controller hands the learner the version its batch updates
         self.version += 1
         return {"version": self.version}
 

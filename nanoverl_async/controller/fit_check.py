@@ -51,8 +51,7 @@ def micro_batch_tokens(cfg: Config) -> int:
     """The most tokens one micro-batch of a rank holds: learner.micro_batch_tokens (padded tokens; a sequence
     longer than it is a micro-batch of its own), or, at 0, the rank's whole share of a minibatch, every
     sequence agent.max_total_tokens long."""
-    rows = math.ceil(cfg.data.prompts_per_step * cfg.data.samples_per_prompt / cfg.learner.minibatches
-                     / cfg.learner.world_size)
+    rows = math.ceil(cfg.data.episodes_per_step / cfg.learner.minibatches / cfg.learner.world_size)
     whole = rows * cfg.agent.max_total_tokens
     budget = cfg.learner.micro_batch_tokens
     return min(whole, max(budget, cfg.agent.max_total_tokens)) if budget else whole

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import ray
 import torch
+from ray.actor import ActorHandle
 
 from nanoverl_async.config import Config, SGLangConfig
 from nanoverl_async.learners.batch import TrainBatch, collate, explained_variance, group_size_of, with_advantages
@@ -34,7 +35,7 @@ class LearnerPool:
     def __init__(self, cfg: Config, model_path: str, curve: Optional[CurveKeys] = None):
         """The ranks of `cfg.learner`, each built from the sections of `cfg` it reads (LearnerSetup);
         `model_path` is model.path resolved to a directory; `curve` the run's wire keys (wire/auth.py).
-        Their weights are version 0 until `load_checkpoint` restores another. Returns once the ranks are
+        They hold its weights until `load_checkpoint` restores a checkpoint's. Returns once the ranks are
         placed: they build their models while the caller starts the other roles (`ready` waits for them)."""
         self.setup = setup = LearnerSetup(
             dataclasses.replace(cfg.model, path=model_path), cfg.learner, cfg.algorithm, cfg.kl, cfg.reference,
@@ -53,14 +54,15 @@ class LearnerPool:
         if self._starts:
             ray.get(self._starts, timeout=TIMEOUT_S)
             self._starts = []
-            self.weights_endpoint = ray.get(self.ranks[0].call.remote("weights_endpoint"), timeout=TIMEOUT_S)
+            self.weights_endpoint = ray.get(self.ranks[0].weights_endpoint.remote(), timeout=TIMEOUT_S)
             self.nodes = ray.get([rank.node.remote() for rank in self.ranks], timeout=TIMEOUT_S)
 
-    def _all(self, method: str, *args) -> list:
-        """Call `method(*args)` on every rank at once (they run collectives together); one result per rank.
-        The first rank to fail raises at once: its peers would otherwise sit in a collective until timeout."""
+    def _all(self, method: str, call: Callable[[ActorHandle], ray.ObjectRef]) -> list:
+        """`call(rank)` (the typed Ray call of LearnerRankRole's `method`) on every rank at once: they run
+        collectives together; one result per rank. The first rank to fail raises at once: its peers would
+        otherwise sit in a collective until timeout, which names `method`."""
         self.ready()
-        refs = [rank.call.remote(method, *args) for rank in self.ranks]
+        refs = [call(rank) for rank in self.ranks]
         pending, deadline = list(refs), time.monotonic() + TIMEOUT_S
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
@@ -74,21 +76,23 @@ class LearnerPool:
         `update`: overlong-shaped rewards, the proximal logprobs of the current weights when the update takes
         several optimizer steps, the reference logprobs when KL is on, the critic's values for gae (each gathered from every rank's shard), and
         the advantages of `algorithm.advantage`. With one optimizer step per batch the update's own forward
-        runs on exactly the weights of version `step`: its detached logprobs ARE the proximal logprobs,
+        runs on exactly the weights it updates: its detached logprobs ARE the proximal logprobs,
         so that forward is not run twice (and, with no KL and no critic, nothing runs here at all)."""
         train_batch, group_size = collate(trajectories), group_size_of(trajectories)
         # one copy in Ray's object store for every rank
         shared = ray.put(train_batch) if self.setup.forwards else None
-        # each field [N, L]: every rank's [shard rows, L], concatenated in rank order
-        gathered = {field: torch.from_numpy(np.concatenate(self._all("compute", shared, field)))
-                    for field in self.setup.forwards}
+        gathered = {}
+        for field in self.setup.forwards:  # each [N, L]: every rank's [shard rows, L], concatenated in rank order
+            shards = self._all("compute", lambda rank: rank.compute.remote(shared, field))
+            gathered[field] = torch.from_numpy(np.concatenate(shards))
         return with_advantages(dataclasses.replace(train_batch, **gathered), group_size, self.setup.algorithm,
                                self.setup.kl, self.setup.max_total_tokens)
 
-    def update(self, batch: TrainBatch) -> dict[str, float]:
-        """learner.ppo_epochs x learner.minibatches optimizer steps on the batch, one new version;
-        metrics reduced over ranks."""
-        metrics = self._all("update", ray.put(batch))[0]
+    def update(self, batch: TrainBatch, version: int) -> dict[str, float]:
+        """learner.ppo_epochs x learner.minibatches optimizer steps on the batch, from the weights of `version`
+        (the controller's count: step N trains N - 1) to those of version + 1; metrics reduced over ranks."""
+        shared = ray.put(batch)
+        metrics = self._all("update", lambda rank: rank.update.remote(shared, version))[0]
         if batch.returns is not None:  # how much of the returns' variance the critic's values explain
             metrics["explained_variance"] = explained_variance(batch)
         return metrics
@@ -100,7 +104,8 @@ class LearnerPool:
         self.ready()
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=TIMEOUT_S)
         check_reachable(endpoints, master_addr)
-        self._all("connect_sglang", endpoints, cfg, master_addr, master_port)
+        self._all("connect_sglang",
+                  lambda rank: rank.connect_sglang.remote(endpoints, cfg, master_addr, master_port))
 
     def share_gpu_with(self, generator_gpus: list[str]) -> bool:
         """Weights to the generators without a host round trip when they all share rank 0's GPU (their device
@@ -111,22 +116,22 @@ class LearnerPool:
     def publish_weights(self, version: int) -> None:
         """Gathers the full state dict on rank 0, which sends it on a background thread (disk transport), or
         loads it into the SGLang servers before returning and then sends a version notice (nccl)."""
-        self._all("publish_weights", version)
+        self._all("publish_weights", lambda rank: rank.publish_weights.remote(version))
 
     def save_checkpoint(self, path: str) -> None:
         """Every rank writes its DCP shards of models and optimizers under `path` (learners/checkpoint.py)."""
-        self._all("save_checkpoint", path)
+        self._all("save_checkpoint", lambda rank: rank.save_checkpoint.remote(path))
 
-    def load_checkpoint(self, path: str, version: int) -> None:
-        """Every rank loads its shards from `path`; the pool's weights are then version `version`."""
-        self._all("load_checkpoint", path, version)
+    def load_checkpoint(self, path: str) -> None:
+        """Every rank loads its shards from `path` (the weights of the checkpoint's step: Roles publishes them)."""
+        self._all("load_checkpoint", lambda rank: rank.load_checkpoint.remote(path))
 
     def save_pretrained(self, path: str) -> None:
-        self._all("save_pretrained", path)
+        self._all("save_pretrained", lambda rank: rank.save_pretrained.remote(path))
 
     def shutdown(self) -> None:
         """Close the publisher and process groups, then end the actors; never hangs."""
-        refs = [rank.call.remote("shutdown") for rank in self.ranks]
+        refs = [rank.shutdown.remote() for rank in self.ranks]
         ray.wait(refs, num_returns=len(refs), timeout=30)
         for rank in self.ranks:
             ray.kill(rank)

@@ -1,6 +1,7 @@
-"""Before anything starts: check what the config points at, and pin it down for the roles.
+"""Before anything starts: check what the config points at, and pin it down for the roles in one `Plan`.
 
     cfg = prepare(load_config("configs/agent_grpo.yaml", overrides))   # launch and `validate` both do this
+    plan = launch_plan(cfg, started)                                    # launch: the config, model, checkpoint
 
 `validation.py` checks values and touches nothing; this module checks the world the config names:
 data files exist and every row has a chat `prompt` that leaves room under agent.max_total_tokens
@@ -13,6 +14,11 @@ Each failure is one ConfigError naming the key. The returned config has `agent.e
 every user path absolute, so roles in other processes (and a later resume) load exactly the same code, the
 rows left out in data.skip_rows, and `wire.host` placed (wire_auth.placed_host: "auto" is loopback on one
 machine, each role's own node address on a cluster).
+
+The plan (`launch_plan`, `replay_plan`) is where the facts a run starts from are resolved, each once: the
+prepared config, the model RL starts from (model.path resolved: `model_files`, then model.warm_start) and, for a
+launch, the checkpoint it resumes with its meta.json and the step it continues after (`inspect_output`). The
+launcher, the roles and `replay` read them from the plan and resolve nothing again.
 """
 
 from __future__ import annotations
@@ -39,6 +45,75 @@ from nanoverl_async.agents.user_code import BUILTINS, UserCodeError, absolute_sp
 from nanoverl_async.controller.fit_check import check_learner_fits
 from nanoverl_async.validation import get_key
 from nanoverl_async.wire.auth import placed_host
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a launch or a replay runs, resolved once before anything is placed (the module docstring)."""
+    cfg: Config  # prepare's (a replay: the run's own config.yaml, which launch wrote prepared)
+    model_path: str  # model.path resolved to a directory, after model.warm_start: what every role loads
+    output: Optional[checkpoint.OutputDir] = None  # a launch's run.output_dir, with what it resumes; None: replay's
+
+    @property
+    def resume_from(self) -> Optional[Path]:
+        """The checkpoint the run resumes; None: it starts from model_path's weights."""
+        return self.output.resume_from if self.output else None
+
+    @property
+    def start(self) -> int:
+        """The steps done before this run's first: the resumed checkpoint's step (= its weights' version), else 0."""
+        return self.output.meta["step"] if self.resume_from else 0
+
+
+def launch_plan(cfg: Config, started: float) -> Plan:
+    """`launch`'s plan, a console line for each phase (startup.phase, seconds since `started`): `cfg` prepared,
+    what the launch does with run.output_dir (`inspect_output`: a folder it may not use is refused before the
+    model is built), then the model RL starts from, checked against agent.max_total_tokens. Writes nothing."""
+    from nanoverl_async.controller import warm_start  # torch and Ray: a launch's, never `validate`'s
+    from nanoverl_async.controller.startup import phase
+    from nanoverl_async.models.load import check_positions
+
+    cfg = prepare(cfg)  # files, user code and run.resume checked; user paths made absolute
+    output = inspect_output(cfg)
+    phase(started, f"model {cfg.model.path}" + (" (built on first use, then cached)" if ":" in cfg.model.path else ""))
+    model_path, tokenizer = model_files(cfg.model.path, cfg.model.cache_dir)
+    model_path = warm_start.start_model(cfg, model_path)  # model.warm_start: RL starts from the warm-started model
+    if measured := warm_start.report(model_path):
+        phase(started, measured)
+    if notice := tools_notice(cfg, tokenizer):
+        phase(started, notice)
+    check_positions(model_path, cfg.agent.max_total_tokens)  # the buffer drops longer trajectories
+    return Plan(cfg, model_path, output)
+
+
+def replay_plan(cfg: Config) -> Plan:
+    """`replay`'s plan for a run's config.yaml: the model that run started from (its warm start found in the
+    cache), and no checkpoint: a replay trains every recorded step from the first."""
+    from nanoverl_async.controller.warm_start import start_model  # torch
+
+    return Plan(cfg, start_model(cfg, model_files(cfg.model.path, cfg.model.cache_dir)[0]))
+
+
+def inspect_output(cfg: Config) -> checkpoint.OutputDir:
+    """What launching `cfg` does with run.output_dir (checkpoint.inspect_output_dir: every refusal, and what a fresh
+    run clears), after resolving run.resume: the checkpoint to resume (None: a fresh run) and its meta.json, read
+    here once. Changes nothing, imports no torch: the CLI calls it before Ray starts."""
+    resume_from = checkpoint.find_checkpoint(cfg.run)
+    meta = checkpoint.read_meta(resume_from) if resume_from else None
+    return checkpoint.inspect_output_dir(cfg, resume_from, meta)
+
+
+def model_files(path: str, cache_dir: str) -> tuple[str, Any]:
+    """model.path (`path`) resolved to a Hugging Face directory (a built-in's or a builder's made on first use,
+    then cached: models/load.resolve_model_path) and its tokenizer, checked to keep whitespace. A missing model
+    or such a tokenizer fails here in one ConfigError line, not in each role."""
+    from nanoverl_async.models.load import load_tokenizer, resolve_model_path  # torch: once a model is needed
+
+    try:
+        directory = resolve_model_path(path, cache_dir)
+        return directory, load_tokenizer(directory)
+    except (ValueError, OSError) as error:  # transformers raises OSError for a model it cannot find
+        raise ConfigError(f"config key 'model.path': {str(error).strip().splitlines()[0]}") from None
 
 
 def prepare(cfg: Config) -> Config:
@@ -80,7 +155,7 @@ def prepare(cfg: Config) -> Config:
     check_model(cfg)
     cfg = check_prompt_lengths(cfg, loaded["agent.env"], rows)
     check_task_prompts(cfg, loaded["agent.env"])
-    checkpoint.find_checkpoint(cfg.run)  # a run.resume path that is not a checkpoint fails here
+    checkpoint.find_checkpoint(cfg.run)  # a check (for `validate` too): a run.resume path that is no checkpoint
     checkpoint.check_output_dir(cfg.run.output_dir)  # a file, or a folder this process cannot write in
     if cfg.wire.host != "auto":  # one address for every role (auto: each binds on its own node, wire/auth.py)
         try:
@@ -235,10 +310,5 @@ def prompt_tokenizer(path: str, cache_dir: str) -> tuple[Any, int]:
     """model.path's tokenizer (a built-in is built: launch would build it next) and the most bytes one of its
     tokens stands for: 4 (UTF-8's longest character) per character of its longest token, a bound for any
     vocabulary (a byte-level token's characters stand for one byte each)."""
-    from nanoverl_async.models.load import load_tokenizer, resolve_model_path  # torch: only for a long prompt
-
-    try:
-        tokenizer = load_tokenizer(resolve_model_path(path, cache_dir))
-    except (ValueError, OSError) as error:
-        raise ConfigError(f"config key 'model.path': {str(error).strip().splitlines()[0]}") from None
+    tokenizer = model_files(path, cache_dir)[1]  # torch: only for a long prompt
     return tokenizer, 4 * max(map(len, tokenizer.get_vocab()))

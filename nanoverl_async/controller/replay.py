@@ -19,10 +19,10 @@ import ray
 from nanoverl_async import checkpoint
 from nanoverl_async.config import ConfigError, load_config
 from nanoverl_async.controller.learner_pool import LearnerPool
+from nanoverl_async.controller.preflight import replay_plan
 from nanoverl_async.controller.roles import role_failures
 from nanoverl_async.controller.startup import start_ray
-from nanoverl_async.controller.warm_start import start_model
-from nanoverl_async.models.load import resolve_model_path, vocab_size
+from nanoverl_async.models.load import vocab_size
 from nanoverl_async.observe import record
 from nanoverl_async.wire.auth import run_keys
 
@@ -34,15 +34,16 @@ def replay(run_dir: str) -> dict:
     cfg = dataclasses.replace(cfg, wire=dataclasses.replace(cfg.wire, host="127.0.0.1"))  # no generator connects
     if not cfg.run.record:
         raise ConfigError(f"{run_dir}: run.record was off in this run's config.yaml, so there is nothing to replay")
-    model_path = start_model(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir))
-    batches = record.read_batches(run_dir, cfg.run.total_steps, vocab_size(model_path), cfg.agent.max_total_tokens)
+    plan = replay_plan(cfg)  # the model the run started from, resolved as launch resolved it
+    batches = record.read_batches(run_dir, cfg.run.total_steps, vocab_size(plan.model_path),
+                                  cfg.agent.max_total_tokens)
     started_ray = start_ray(cfg.ray)
     learners = None
     try:
         with role_failures("learner pool"):
-            learners = LearnerPool(cfg, model_path, run_keys())
-            for trajectories in batches:
-                learners.update(learners.prepare(trajectories))
+            learners = LearnerPool(cfg, plan.model_path, run_keys())
+            for version, trajectories in enumerate(batches):  # step N updates version N - 1, as in `train`
+                learners.update(learners.prepare(trajectories), version)
             learners.save_pretrained(str(checkpoint.claim(run_dir, "replay") / "final"))
     finally:
         if learners is not None:

@@ -18,7 +18,7 @@ from typing import Optional
 import ray
 
 from nanoverl_async.buffer.service import BufferService
-from nanoverl_async.config import Config
+from nanoverl_async.config import Config, SGLangConfig
 from nanoverl_async.agents.data import prompt_source
 from nanoverl_async.learners.setup import LearnerSetup
 from nanoverl_async.controller.startup import collecting_later
@@ -104,7 +104,8 @@ class GeneratorRole(Role):
 class LearnerRankRole(Role):
     """One learner rank's process. It starts empty, so that rank 0 can first pick where the ranks meet;
     `start` then builds the LearnerRank, imported only there, in the rank's own process (the controller
-    needs none of FSDP or a model class), and `call` runs one of its methods."""
+    needs none of FSDP or a model class). The methods after it are the LearnerRank's own (learners/fsdp_rank.py
+    documents each), named here so that the pool's calls read as what they do."""
 
     def rendezvous_address(self) -> tuple[str, int]:
         with socket.socket() as probe:
@@ -121,8 +122,32 @@ class LearnerRankRole(Role):
             setup = dataclasses.replace(setup, wire_host=bind_host(setup.wire_host, node))
             self.rank = LearnerRank(setup, rank, *rendezvous)
 
-    def call(self, method: str, *args):
-        return getattr(self.rank, method)(*args)
+    def compute(self, batch, field: str):
+        return self.rank.compute(batch, field)
+
+    def update(self, batch, version: int) -> dict[str, float]:
+        return self.rank.update(batch, version)
+
+    def publish_weights(self, version: int) -> None:
+        self.rank.publish_weights(version)
+
+    def weights_endpoint(self) -> str:
+        return self.rank.weights_endpoint()
+
+    def connect_sglang(self, endpoints: list[dict], cfg: SGLangConfig, master_addr: str, master_port: int) -> None:
+        self.rank.connect_sglang(endpoints, cfg, master_addr, master_port)
+
+    def save_checkpoint(self, path: str) -> None:
+        self.rank.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.rank.load_checkpoint(path)
+
+    def save_pretrained(self, path: str) -> None:
+        self.rank.save_pretrained(path)
+
+    def shutdown(self) -> None:
+        self.rank.shutdown()
 
     def share_gpu_with(self, generator_gpus: list[str]) -> bool:
         """Rank 0, on cuda (Roles asks only then): publish weights by CUDA IPC handles (weights.py) if every

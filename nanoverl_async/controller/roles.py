@@ -65,7 +65,7 @@ class Roles:
         with role_failures("learner pool"):
             self.learners.ready()
             if resume_from:
-                self.learners.load_checkpoint(str(resume_from / "learner"), start)
+                self.learners.load_checkpoint(str(resume_from / "learner"))
         if cfg.learner.device == cfg.generator.device == "cuda" and cfg.generator.engine == "builtin":
             # on one GPU with learner rank 0: weights by CUDA IPC handles
             gpus = self.get("generators", [gen.gpu.remote() for gen in self.generators], cfg.run.step_timeout_s)

@@ -1,7 +1,7 @@
 """A warm start before RL: supervised steps on demonstrations that a scripted solver writes (model.warm_start).
 
-    model_path = start_model(cfg, resolve_model_path(cfg.model.path))      # launch and replay
-    print(report(model_path))                                               # what the warm start measured
+    model_path = start_model(cfg, base)     # preflight's plan (launch, replay); base: model.path resolved
+    print(report(model_path))               # what the warm start measured
 
 Why: RL learns only from what the policy samples. A base model that never calls the environment's tools
 (SmolLM2-135M-Instruct never does) gives groups whose rewards are all equal, so GRPO has no signal. A few

@@ -15,8 +15,8 @@ Invariants:
   - logprobs use the generator's sampling temperature (softmax(logits / T), as the generator sampled);
   - the models stay in eval mode (no dropout), so the logprobs of the update's forward equal the proximal
     logprobs of `compute` on the same weights;
-  - `version` counts BATCHES trained (one per training step t, however many optimizer steps it took):
-    the weights published after step t are version t + 1 (docs/design.md "The bound in batches");
+  - the rank counts no versions: the controller's loop owns them and passes each `update` the version of the
+    weights it trains (step N: N - 1; docs/design.md "Versions and staleness");
   - every collective (`update`, `compute`, `publish_weights`, `save_pretrained`, `save_checkpoint`,
     `load_checkpoint`, `connect_sglang`) must be called on all ranks, in the same order.
 Weights out: by default rank 0 publishes each version's full state dict over ZeroMQ, in buckets (weights.py). After
@@ -74,7 +74,6 @@ class LearnerRank:
         self.cfg = cfg
         self.algo = setup.algorithm
         self.dtype = DTYPES[setup.model.dtype]  # compute and published-weights dtype; master weights stay fp32
-        self.version = 0  # batches trained (load_checkpoint sets it): the weights this rank holds are this version
         cuda = cfg.device == "cuda"  # else cpu (validation allows no other); one GPU per rank, rank % GPUs visible
         assert not cuda or torch.cuda.is_available(), "learner.device=cuda, but no GPU is visible here"
         self.device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
@@ -170,7 +169,7 @@ class LearnerRank:
     def compute(self, batch: TrainBatch, field: str) -> np.ndarray:
         """The TrainBatch field `field` of this rank's shard, from a forward before the update: float32 [rows,
         L], token-indexed (see batch.sequence_logprobs), 0 off the loss mask. "proximal_logprobs": p_old, of
-        the weights this rank holds now (version `self.version`); "reference_logprobs": those of the frozen
+        the weights this rank holds now; "reference_logprobs": those of the frozen
         reference model (KL only; with LoRA and no reference.path, the base: the policy, its adapters off);
         "values": the critic's V before this step (advantage=gae only)."""
         base = field == "reference_logprobs" and self.reference is None and self.lora is not None  # the base model
@@ -192,50 +191,49 @@ class LearnerRank:
         j - 1: the state in which token j is sampled, the same shift as the logprobs); 0 at j = 0."""
         return packing.predicted(packing.forward(self.critic)[..., 0].float())
 
-    def update(self, batch: TrainBatch) -> dict[str, float]:
-        """ppo_epochs x minibatches optimizer steps on the batch, then version += 1: ONE new version per
-        batch, however many optimizer steps (docs/design.md "The bound in batches"). Minibatch k is the k-th
-        contiguous block of rows of the batch in this epoch's order (`epoch_order`: shuffled when there are
-        several minibatches), of which each rank trains its own shard. Without proximal_logprobs the update's
-        own detached logprobs stand in for p_old, which is exact only with one optimizer step per batch
-        (LearnerPool.prepare computes them otherwise). Metrics are reduced over ranks, then averaged over
-        optimizer steps (`*_max` keys: max); `memory/*`: the largest peak of any rank since the previous
-        update returned (docs/metrics.md)."""
+    def update(self, batch: TrainBatch, version: int) -> dict[str, float]:
+        """ppo_epochs x minibatches optimizer steps on the batch, from the weights of `version` to those of
+        version + 1: ONE new version per batch, however many optimizer steps
+        (docs/design.md "The bound in batches"). Minibatch k is the k-th contiguous block of rows of the batch in this epoch's order
+        (`epoch_order`, seeded by `version`: shuffled when there are several minibatches), of which each rank
+        trains its own shard. Without proximal_logprobs the update's own detached logprobs stand in for p_old,
+        which is exact only with one optimizer step per batch (LearnerPool.prepare computes them otherwise).
+        Metrics are reduced over ranks, then averaged over optimizer steps (`*_max` keys: max); `memory/*`:
+        the largest peak of any rank since the previous update returned (docs/metrics.md)."""
         assert batch.advantages is not None, "the batch has no advantages (batch.with_advantages)"
         assert batch.proximal_logprobs is not None or "proximal_logprobs" not in self.setup.forwards, \
             "several optimizer steps per batch need the proximal logprobs (LearnerPool.prepare)"
         history = []
         for epoch in range(self.cfg.ppo_epochs):
             ordered = batch if self.cfg.minibatches == 1 else \
-                take_rows(batch, epoch_order(batch.size, self.setup.seed, self.version, epoch))
+                take_rows(batch, epoch_order(batch.size, self.setup.seed, version, epoch))
             for k in range(self.cfg.minibatches):
                 minibatch = shard(ordered, k, self.cfg.minibatches)
-                history.append(self._optimizer_step(shard(minibatch, self.rank, self.world_size)))
-        self.version += 1
+                history.append(self._optimizer_step(shard(minibatch, self.rank, self.world_size), version))
         steps = {key: torch.tensor([h[key] for h in history], dtype=torch.float64) for key in history[0]}
         out = {key: float(value) for key, value in merge_metrics(steps, len(history)).items()}  # the mean or max
-        out.update(tokens=int(sum(h["tokens"] for h in history) / self.cfg.ppo_epochs), version=self.version,
+        out.update(tokens=int(sum(h["tokens"] for h in history) / self.cfg.ppo_epochs), version=version + 1,
                    optimizer_steps=len(history))
         return {**out, **peak_memory(self.device, over_ranks=True)}
 
-    def _normalisers(self, local: TrainBatch) -> dict[str, float]:
+    def _normalisers(self, local: TrainBatch, version: int) -> dict[str, float]:
         """Global (all-rank) counts of this minibatch: the denominators of every loss and metric, so
         micro-batches and ranks add up to one pass over the whole minibatch: sampled tokens (metrics,
-        token-mean), same-version tokens (mismatch_kl), and the aggregation's own normaliser."""
+        token-mean), tokens of `version`, the weights trained (mismatch_kl), and the aggregation's own normaliser."""
         sampled = local.loss_mask.bool()
-        same_version = sampled & (local.versions == self.version)  # train/inference mismatch, not staleness
+        same_version = sampled & (local.versions == version)  # train/inference mismatch, not staleness
         aggregation = loss_normaliser(local.loss_mask, self.algo.loss_agg, self.setup.max_total_tokens)
         counts = torch.stack([sampled.sum().double(), same_version.sum().double(), aggregation]).to(self.device)
         dist.all_reduce(counts)
         return dict(zip(("tokens", "same_version_tokens", "aggregation"), counts.clamp(min=1.0).tolist()))
 
-    def _optimizer_step(self, local: TrainBatch) -> dict[str, float]:
-        """One optimizer step of the policy on this rank's rows and, with gae, one of the critic on the same
-        micro-batches."""
-        normalisers, bounds = self._normalisers(local), self._micro_bounds(local)
+    def _optimizer_step(self, local: TrainBatch, version: int) -> dict[str, float]:
+        """One optimizer step of the policy (on the weights of `version`) on this rank's rows and, with gae, one of
+        the critic on the same micro-batches."""
+        normalisers, bounds = self._normalisers(local, version), self._micro_bounds(local)
         with lora.adapter_dropout(self.model) if self.lora else contextlib.nullcontext():
             out, grad_norm = self._train(self.model, self.optimizer, self.cfg.grad_clip, local, bounds, normalisers,
-                                         self._loss)
+                                         partial(self._loss, version=version))
         out.update(grad_norm=grad_norm, tokens=int(normalisers["tokens"]))
         if self.critic is not None:
             critic, critic_norm = self._train(self.critic, self.critic_optimizer, self.setup.critic.grad_clip, local,
@@ -273,9 +271,10 @@ class LearnerRank:
         loss = aggregate(token_loss, mb.loss_mask, "token-mean", tokens)
         return loss, {"value_loss": loss.detach(), **reduce_token_metrics(metrics, mb.loss_mask, tokens)}
 
-    def _loss(self, mb: TrainBatch, packing: Packing, normalisers: dict[str, float]) -> tuple[torch.Tensor, dict]:
+    def _loss(self, mb: TrainBatch, packing: Packing, normalisers: dict[str, float],
+              version: int) -> tuple[torch.Tensor, dict]:
         """The loss of one micro-batch (algorithms.policy_loss: correction, policy loss, KL, entropy) and
-        its metrics, every sum divided by the GLOBAL normalisers."""
+        its metrics, every sum divided by the GLOBAL normalisers; mismatch_kl over the tokens of `version`."""
         kl = self.setup.kl
         tokens = normalisers["tokens"]
         # the [N, L, V] softmax of the entropy is in the autograd graph only if the loss uses it
@@ -292,7 +291,7 @@ class LearnerRank:
             if mb.reference_logprobs is not None:  # KL(pi || ref), whether or not it is in the loss
                 metrics["kl"] = kl_per_token(logprobs, mb.reference_logprobs, mask, kl.estimator).sum() / tokens
             # train/inference mismatch alone: tokens sampled by the very weights the learner holds
-            same_version = mask & (mb.versions == self.version)
+            same_version = mask & (mb.versions == version)
             metrics["mismatch_kl"] = kl_estimates(proximal, mb.behaviour_logprobs, same_version,
                                                   normalisers["same_version_tokens"])["k3"]
             metrics["same_version_fraction"] = same_version.sum() / tokens
@@ -372,10 +371,9 @@ class LearnerRank:
         """Collective: this rank's shards of models and optimizers, DCP, under `path` (learners/checkpoint.py)."""
         save_training_state(self, path)
 
-    def load_checkpoint(self, path: str, version: int) -> None:
-        """Collective: restore what `save_checkpoint` wrote; the weights are then version `version`."""
+    def load_checkpoint(self, path: str) -> None:
+        """Collective: restore what `save_checkpoint` wrote."""
         load_training_state(self, path)
-        self.version = version
 
     def shutdown(self) -> None:
         if self.sender is not None:

@@ -329,7 +329,6 @@ def read_source(run_dir: str, cores: float | None = None) -> Source:
     cfg = load_config(str(path / "config.yaml"))
     rows, trace = read_rows(path / "metrics.jsonl"), trace_path(path)
     drain, cores = cfg.weight_sync.mode == "drain", float(cores or os.cpu_count() or 1)
-    samples_per_step = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
     try:
         spans = read_events(load_trace(trace), trace)
         pid_of_group = {args["group_id"]: args["pid"] for _, _, args in spans["episode"]}  # its generator's
@@ -339,7 +338,7 @@ def read_source(run_dir: str, cores: float | None = None) -> Source:
             raise ConfigError(f"{trace}: no lease completed its group")
         points, learner, generators = computing(spans)
         generating = integral(points, (generators > 0).astype(float))
-        learner_slowdown, noise = learner_steps(spans, rows, generating, samples_per_step)
+        learner_slowdown, noise = learner_steps(spans, rows, generating, cfg.data.episodes_per_step)
         calls, swaps = one_call_episodes(spans), swap_times(spans)
         swapped = swaps_inside(calls, swaps)
         slowdowns = generation_slowdown(calls, integral(points, learner), swapped), learner_slowdown
@@ -347,7 +346,7 @@ def read_source(run_dir: str, cores: float | None = None) -> Source:
         interference = fit_interference(slowdowns, cfg.generator.replicas, cores)
         generator_speed, learner_speed = speeds(generators, learner, cores, interference)
         costs, delays = step_costs(spans, integral(points, learner_speed), drain)
-        sampled = measured(rows, samples_per_step)
+        sampled = measured(rows, cfg.data.episodes_per_step)
     except (KeyError, TypeError) as error:  # an event or a row without a field the trace and metrics always have
         raise ConfigError(f"{path}: trace.json or metrics.jsonl lacks the field {error}") from None
     versions, starts, ends, outcomes, pids = zip(*done)
