@@ -7,15 +7,11 @@ Run alone: `python -m pytest tests/test_code_shape.py -q`.
 import ast
 from pathlib import Path
 
-import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nanoverl_async"
 MAX_COLUMNS = 120
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
-# Lines over MAX_COLUMNS in modules being rewritten elsewhere at the time of writing; the line test is expected
-# to fail until they are wrapped, and then passes (xfail is not strict).
-PENDING_LONG_LINES = ("generators/llama_forward.py", "launcher.py", "learners/pool.py", "runtime/startup.py")
 
 
 def modules() -> list[Path]:
@@ -47,8 +43,6 @@ def long_functions() -> list[str]:
     return found
 
 
-@pytest.mark.xfail(strict=False,
-                   reason=f"lines over {MAX_COLUMNS} columns remain in {', '.join(PENDING_LONG_LINES)}")
 def test_no_line_over_max_columns():
     found = long_lines()
     assert not found, f"lines over {MAX_COLUMNS} columns (wrap them): " + ", ".join(found)

@@ -74,10 +74,10 @@ class LearnerPool:
     def prepare(self, trajectories: list) -> TrainBatch:
         """A batch's trajectories (the buffer's Batch.trajectories, group-contiguous) -> a TrainBatch ready for
         `update`: overlong-shaped rewards, the proximal logprobs of the current weights when the update takes
-        several optimizer steps, the reference logprobs when KL is on, the critic's values for gae (each gathered from every rank's shard), and
-        the advantages of `algorithm.advantage`. With one optimizer step per batch the update's own forward
-        runs on exactly the weights it updates: its detached logprobs ARE the proximal logprobs,
-        so that forward is not run twice (and, with no KL and no critic, nothing runs here at all)."""
+        several optimizer steps, the reference logprobs when KL is on, the critic's values for gae (each
+        gathered from every rank's shard), and the advantages of `algorithm.advantage`. With one optimizer step
+        per batch the update's own forward runs on exactly the weights it updates: its detached logprobs ARE the
+        proximal logprobs, so that forward is not run twice (and, with no KL and no critic, nothing runs here)."""
         train_batch, group_size = collate(trajectories), group_size_of(trajectories)
         # one copy in Ray's object store for every rank
         shared = ray.put(train_batch) if self.setup.forwards else None

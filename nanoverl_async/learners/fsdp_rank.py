@@ -194,12 +194,13 @@ class LearnerRank:
     def update(self, batch: TrainBatch, version: int) -> dict[str, float]:
         """ppo_epochs x minibatches optimizer steps on the batch, from the weights of `version` to those of
         version + 1: ONE new version per batch, however many optimizer steps
-        (docs/design.md "The bound in batches"). Minibatch k is the k-th contiguous block of rows of the batch in this epoch's order
-        (`epoch_order`, seeded by `version`: shuffled when there are several minibatches), of which each rank
-        trains its own shard. Without proximal_logprobs the update's own detached logprobs stand in for p_old,
-        which is exact only with one optimizer step per batch (LearnerPool.prepare computes them otherwise).
-        Metrics are reduced over ranks, then averaged over optimizer steps (`*_max` keys: max); `memory/*`:
-        the largest peak of any rank since the previous update returned (docs/metrics.md)."""
+        (docs/design.md "The bound in batches"). Minibatch k is the k-th contiguous block of rows of the batch
+        in this epoch's order (`epoch_order`, seeded by `version`: shuffled when there are several
+        minibatches), of which each rank trains its own shard. Without proximal_logprobs the update's own
+        detached logprobs stand in for p_old, which is exact only with one optimizer step per batch
+        (LearnerPool.prepare computes them otherwise). Metrics are reduced over ranks, then averaged over
+        optimizer steps (`*_max` keys: max); `memory/*`: the largest peak of any rank since the previous
+        update returned (docs/metrics.md)."""
         assert batch.advantages is not None, "the batch has no advantages (batch.with_advantages)"
         assert batch.proximal_logprobs is not None or "proximal_logprobs" not in self.setup.forwards, \
             "several optimizer steps per batch need the proximal logprobs (LearnerPool.prepare)"
