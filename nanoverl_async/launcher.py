@@ -27,10 +27,8 @@ from nanoverl_async import checkpoint
 
 from nanoverl_async.observe import record
 from nanoverl_async.config import Config, to_dict, to_yaml
-from nanoverl_async.learners.memory import GB
 from nanoverl_async.observe.metrics import MetricsLogger, step_metrics
-from nanoverl_async.controller.fit_check import check_learner_fits
-from nanoverl_async.controller.preflight import launch_plan
+from nanoverl_async.controller.preflight import launch_plan, resume_line
 from nanoverl_async.controller.roles import Roles
 from nanoverl_async.controller.startup import phase, start_ray
 from nanoverl_async.observe.trace import PipelineTrace
@@ -42,12 +40,11 @@ def launch(cfg: Config, started: Optional[float] = None) -> Path:
     started = time.time() if started is None else started
     plan = launch_plan(cfg, started)  # the config, the model and the checkpoint resumed, each resolved once
     cfg = plan.cfg
-    predicted = predicted_memory(cfg, plan.model_path, started)  # a builder's model too, before Ray and the roles
     output_dir = Path(cfg.run.output_dir)
     checkpoint.open_output_dir(cfg, plan.output)  # as the plan found it: a fresh run's cleared, a new one marked
     checkpoint.claim(output_dir, "config.yaml").write_text(to_yaml(cfg))
     if plan.resume_from:
-        announce_resume(cfg, plan.output, started)
+        phase(started, resume_line(cfg, plan.output))
     if not ray.is_initialized():  # the CLI starts it while it imports this module (startup.py)
         phase(started, "starting Ray")
     started_ray = start_ray(cfg.ray)
@@ -65,7 +62,7 @@ def launch(cfg: Config, started: Optional[float] = None) -> Path:
         with checkpoint.writing("the final model", output_dir / checkpoint.FINAL), roles.failures("learner pool"):
             final = checkpoint.publish_final(output_dir, lambda folder: roles.learners.save_pretrained(str(folder)))
         # steps, reward first -> last, the learner's peak memory beside its prediction, where things are
-        print(logger.summary(final, predicted), file=sys.stderr, flush=True)
+        print(logger.summary(final, plan.predicted), file=sys.stderr, flush=True)
     finally:
         if trace:
             trace.close()
@@ -74,20 +71,6 @@ def launch(cfg: Config, started: Optional[float] = None) -> Path:
         if started_ray:
             ray.shutdown()
     return output_dir
-
-
-def predicted_memory(cfg: Config, model_path: str, started: float) -> dict[str, float]:
-    """The learner's fit check on the resolved model (whatever form model.path took: controller/fit_check.py), in
-    one ConfigError line if it cannot fit; else the prediction is logged once and returned as GB by the memory/*
-    key it predicts (on a GPU the device peak, which leaves the runtime out), for the run's summary."""
-    prediction = check_learner_fits(cfg, model_path)
-    if prediction is None:
-        return {}
-    phase(started, f"learner memory: an update's peak predicted at {prediction.total / GB:.1f} GB a rank "
-                   f"({prediction.parts()} GB; learners/memory.py)")
-    if cfg.learner.device == "cuda":
-        return {"memory/learner_peak_device_gb": (prediction.total - prediction.runtime) / GB}
-    return {"memory/learner_peak_host_gb": prediction.total / GB}
 
 
 def train(cfg: Config, roles: Roles, logger: MetricsLogger, start: int = 0,
@@ -139,14 +122,3 @@ def maybe_checkpoint(cfg: Config, roles: Roles, version: int) -> None:
         (folder / "buffer.msgpack").write_bytes(state)  # here, not on the buffer's node: no shared disk assumed
         written_on = {"learner": roles.learners.nodes, "buffer and meta": ray.util.get_node_ip_address()}
         checkpoint.commit(folder, checkpoint.make_meta(cfg, version, counters, written_on), cfg.run.keep_checkpoints)
-
-
-def announce_resume(cfg: Config, output: checkpoint.OutputDir, started: float) -> None:
-    """One line: the checkpoint resumed, and any other settings it resumes with (say a new learning rate:
-    allowed, but never silent)."""
-    resume_from, meta = output.resume_from, output.meta
-    changed = checkpoint.changed_keys(meta["config"], checkpoint.trained_config(cfg))
-    left = (f"steps {meta['step'] + 1}-{cfg.run.total_steps}" if meta["step"] < cfg.run.total_steps
-            else "no step left, final/ to write")
-    phase(started, f"resuming from {resume_from.name} ({resume_from}): {left}"
-          + (f" with changed config keys: {', '.join(changed)}" if changed else ""))

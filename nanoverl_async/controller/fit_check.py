@@ -154,3 +154,20 @@ def learner_memory(cfg: Config) -> Optional[tuple[int, str]]:
         return None
     mib, name = min((int(row.split(",")[0]), row.split(",", 1)[1].strip()) for row in listed.strip().splitlines())
     return mib * 2**20, f"GPU memory ({name})"
+
+
+def predicted_memory(cfg: Config, model_path: str, started: float) -> dict[str, float]:
+    """The learner's fit check on the resolved model (whatever form model.path took), in one ConfigError line if
+    it cannot fit; else the prediction is logged once (startup.phase, seconds since `started`) and returned as GB
+    by the memory/* key it predicts (on a GPU the device peak, which leaves the runtime out), for the summary."""
+    from nanoverl_async.controller.startup import phase
+    from nanoverl_async.learners.memory import GB
+
+    prediction = check_learner_fits(cfg, model_path)
+    if prediction is None:
+        return {}
+    phase(started, f"learner memory: an update's peak predicted at {prediction.total / GB:.1f} GB a rank "
+                   f"({prediction.parts()} GB; learners/memory.py)")
+    if cfg.learner.device == "cuda":
+        return {"memory/learner_peak_device_gb": (prediction.total - prediction.runtime) / GB}
+    return {"memory/learner_peak_host_gb": prediction.total / GB}

@@ -42,7 +42,7 @@ from nanoverl_async.agents.data import prompt_source, read_samples
 from nanoverl_async.agents.env import env_factory
 from nanoverl_async.agents.rewards import load_reward
 from nanoverl_async.agents.user_code import BUILTINS, UserCodeError, absolute_spec, load_object
-from nanoverl_async.controller.fit_check import check_learner_fits
+from nanoverl_async.controller.fit_check import check_learner_fits, predicted_memory
 from nanoverl_async.validation import get_key
 from nanoverl_async.wire.auth import placed_host
 
@@ -53,6 +53,7 @@ class Plan:
     cfg: Config  # prepare's (a replay: the run's own config.yaml, which launch wrote prepared)
     model_path: str  # model.path resolved to a directory, after model.warm_start: what every role loads
     output: Optional[checkpoint.OutputDir] = None  # a launch's run.output_dir, with what it resumes; None: replay's
+    predicted: dict = dataclasses.field(default_factory=dict)  # a launch's learner peak, by its memory/* key (GB)
 
     @property
     def resume_from(self) -> Optional[Path]:
@@ -83,7 +84,8 @@ def launch_plan(cfg: Config, started: float) -> Plan:
     if notice := tools_notice(cfg, tokenizer):
         phase(started, notice)
     check_positions(model_path, cfg.agent.max_total_tokens)  # the buffer drops longer trajectories
-    return Plan(cfg, model_path, output)
+    predicted = predicted_memory(cfg, model_path, started)  # a builder's model too, before Ray and the roles
+    return Plan(cfg, model_path, output, predicted)
 
 
 def replay_plan(cfg: Config) -> Plan:
@@ -101,6 +103,17 @@ def inspect_output(cfg: Config) -> checkpoint.OutputDir:
     resume_from = checkpoint.find_checkpoint(cfg.run)
     meta = checkpoint.read_meta(resume_from) if resume_from else None
     return checkpoint.inspect_output_dir(cfg, resume_from, meta)
+
+
+def resume_line(cfg: Config, output: checkpoint.OutputDir) -> str:
+    """The console's line for a resumed run: the checkpoint, the steps left, and any other settings it resumes
+    with (say a new learning rate: allowed, but never silent)."""
+    resume_from, meta = output.resume_from, output.meta
+    changed = checkpoint.changed_keys(meta["config"], checkpoint.trained_config(cfg))
+    left = (f"steps {meta['step'] + 1}-{cfg.run.total_steps}" if meta["step"] < cfg.run.total_steps
+            else "no step left, final/ to write")
+    return (f"resuming from {resume_from.name} ({resume_from}): {left}"
+            + (f" with changed config keys: {', '.join(changed)}" if changed else ""))
 
 
 def model_files(path: str, cache_dir: str) -> tuple[str, Any]:
