@@ -5,9 +5,9 @@ on nanoverl-async's default job, timed step by step.
 
 Runs in its own virtual environment, so that TRL's pins never touch the project's:
     python3 -m venv /work/trl-venv
-    /work/trl-venv/bin/pip install torch==2.13.0 trl==1.16.0 datasets omegaconf
-(this repository's root is put on sys.path for `nanoverl_async`; omegaconf is the one light dependency
-that importing the task module needs besides torch and transformers). bench/vs_trl.py passes the job's
+    /work/trl-venv/bin/pip install torch==2.13.0 trl==1.16.0 datasets omegaconf msgpack
+(this repository's root is put on sys.path for `nanoverl_async`; omegaconf and msgpack are the light
+dependencies that importing the task modules need besides torch and transformers). bench/vs_trl.py passes the job's
 settings from configs/agent_grpo.yaml; the defaults below are the same numbers.
 
 The same task: prompts `multiply_task.make_prompt(seed, i)` in index order, the cached `builtin:tiny` model
