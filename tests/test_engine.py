@@ -501,7 +501,7 @@ def test_random_workloads_match_a_full_forward_under_their_versions(seed, graphs
     mid-decode. Every token's logprob equals a full forward over its context under the weights of the
     version it is tagged with; stops and lengths hold; after every step the blocks in use are those the
     running rows hold, within the pool; the engine ends empty. Dropping the temperatures' move in
-    `_emit`, or the copies' blocks in `_share`, fails it."""
+    `ModelRunner.compact`, or the copies' blocks in `BlockPool.share`, fails it."""
     rng = random.Random(seed)
     randomized(tiny_qwen2()).save_pretrained(tmp_path)
     block_size, rows, tight = rng.choice([1, 4, 16]), rng.choice([3, 6, 16]), seed % 2 == 0

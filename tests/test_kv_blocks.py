@@ -161,8 +161,8 @@ def test_a_request_that_needs_exactly_the_pool_runs_and_one_position_more_is_ref
 
 
 def one_token_past(engine: BuiltinEngine) -> None:
-    """Plant the bug `_emit` must not have: each request samples one token past its max_new_tokens, so a row
-    can outgrow the pool that `generate` checked it against."""
+    """Plant the bug `Scheduler.postprocess` must not have: each request samples one token past its
+    max_new_tokens, so a row can outgrow the pool that `generate` checked it against."""
     admissions = engine._admissions
 
     def admitted():
