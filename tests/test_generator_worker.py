@@ -114,13 +114,18 @@ async def until(condition, timeout_s=30.0):
         await asyncio.sleep(0.01)
 
 
+def weights_socket(context: zmq.asyncio.Context):
+    """A PUB socket on a free loopback port, where a worker subscribes to weights: (the socket, its endpoint)."""
+    pub = context.socket(zmq.PUB)
+    return pub, f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+
+
 @pytest.mark.parametrize("mode", ["interrupt", "drain"])
 def test_leases_pushes_applies_weights_and_stops(model_dir, mode):
     async def main():
         context = zmq.asyncio.Context()
         buffer = FakeBuffer(context, first_groups=3, reopen_at=1)
-        pub = context.socket(zmq.PUB)
-        weights_endpoint = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+        pub, weights_endpoint = weights_socket(context)
         serving = asyncio.ensure_future(buffer.serve())
         worker = make_worker(model_dir, mode)
         running = asyncio.ensure_future(worker.run(buffer.endpoints, weights_endpoint))
@@ -185,8 +190,7 @@ def test_failures_end_run_with_the_exception(model_dir):
     async def main(env, reply_error, first_groups=1, sync_timeout_s=20.0):
         context = zmq.asyncio.Context()
         buffer = FakeBuffer(context, first_groups=first_groups, reopen_at=99)
-        pub = context.socket(zmq.PUB)
-        endpoint = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+        pub, endpoint = weights_socket(context)
         serving = asyncio.ensure_future(buffer.serve(reply_error))
         try:
             worker = make_worker(model_dir, "interrupt", env, sync_timeout_s)
@@ -217,8 +221,7 @@ def test_a_hung_hook_ends_run_within_its_timeout_naming_its_line(model_dir):
     async def main():
         context = zmq.asyncio.Context()
         buffer = FakeBuffer(context, first_groups=1, reopen_at=99)
-        pub = context.socket(zmq.PUB)
-        endpoint = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+        pub, endpoint = weights_socket(context)
         serving = asyncio.ensure_future(buffer.serve())
         try:
             worker = make_worker(model_dir, "interrupt", HungStep, hook_timeout_s=0.5)
