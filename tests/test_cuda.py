@@ -81,7 +81,7 @@ def test_replayed_decode_graphs_match_a_full_forward(qwen_dir):
         return await asyncio.gather(long, *short, late([30, 31], 3), late([50] * 9, 10), swap())
 
     *completions, _ = asyncio.run(main())
-    assert engine._graphs is not None and len(engine._graphs.graphs) >= 1
+    assert engine.runner.graphs is not None and len(engine.runner.graphs.graphs) >= 1
     prompts = [[7] * 60] + [[i + 1] * (i % 7 + 1) for i in range(9)] + [[30, 31], [50] * 9]
     for prompt, completion in zip(prompts, completions):
         ids = torch.tensor([prompt + completion.token_ids], device="cuda")

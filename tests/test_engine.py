@@ -478,16 +478,17 @@ def emulate_decode_graphs(engine: BuiltinEngine, monkeypatch) -> list[EmulatedGr
     """The engine's CUDA path on the CPU: its decode steps go through DecodeGraphs, with EmulatedGraphs (all
     it captures, returned), and blocks of queries through CUDA's attention (kv heads repeated)."""
     monkeypatch.setattr(llama_forward, "_gqa_sdpa", llama_forward._expanded_sdpa)
-    graphs, captured = DecodeGraphs(engine.model, engine._next, engine._lens), []
+    graphs, captured = DecodeGraphs(engine.model, engine.runner.next_tokens, engine.runner.lens), []
 
     def capture(step, pool):
-        captured.append(EmulatedGraph(step, lambda: [engine._next, engine._lens, engine.cache.table, engine.cache.kv,
-                                                     *engine.model.parameters()]))
+        runner = engine.runner
+        captured.append(EmulatedGraph(step, lambda: [runner.next_tokens, runner.lens, engine.cache.table,
+                                                     engine.cache.kv, *engine.model.parameters()]))
         return captured[-1], captured[-1].hidden
 
     monkeypatch.setattr(decode_graphs, "capture", capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    engine._graphs = graphs
+    engine.runner.graphs = graphs
     return captured
 
 
@@ -513,7 +514,7 @@ def test_random_workloads_match_a_full_forward_under_their_versions(seed, graphs
     def watched_step():
         with waits:
             step()
-        held = {block for request in engine._rows for block in request.blocks}
+        held = {block for request in engine.scheduler.running for block in request.blocks}
         assert engine.cache.pool.in_use() == len(held) <= engine.cache.pool.capacity
 
     engine._step = watched_step

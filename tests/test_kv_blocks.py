@@ -141,7 +141,7 @@ class Budgeted:
     def __call__(self):
         self.step()
         engine = self.engine
-        held = {block for request in engine._rows for block in request.blocks}
+        held = {block for request in engine.scheduler.running for block in request.blocks}
         assert engine.cache.pool.in_use() == len(held) <= engine.cache.pool.capacity
         self.in_use.append(len(held))
 
@@ -196,8 +196,8 @@ class Scheduled:
 
     def __init__(self, engine: BuiltinEngine):
         self.engine, self.events = engine, []
-        self.admissions, self.requeue = engine._admissions, engine._requeue
-        engine._admissions, engine._requeue = self.admitted, self.requeued
+        self.admissions, self.requeue = engine._admissions, engine.scheduler.requeue
+        engine._admissions, engine.scheduler.requeue = self.admitted, self.requeued
 
     def admitted(self):
         new = self.admissions()
@@ -207,7 +207,8 @@ class Scheduled:
 
     def requeued(self, count: int, preempted: bool = False):
         if preempted:
-            self.events += [(self.engine.decode_steps, "preempt", [r.input_ids[0]]) for r in self.engine._rows[-count:]]
+            rows = self.engine.scheduler.running[-count:]
+            self.events += [(self.engine.decode_steps, "preempt", [r.input_ids[0]]) for r in rows]
         self.requeue(count, preempted)
 
 

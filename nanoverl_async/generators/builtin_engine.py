@@ -59,27 +59,6 @@ class BuiltinEngine:
     def lockstep(self, live: Optional[Callable[[], int]]) -> None:
         self.scheduler.lockstep = live
 
-    # The scheduler's rows and the runner's buffers under the names tests watch and replace (tests/test_engine.py).
-    @property
-    def _rows(self) -> list[Request]:
-        return self.scheduler.running
-
-    @property
-    def _next(self) -> torch.Tensor:
-        return self.runner.next_tokens
-
-    @property
-    def _lens(self) -> torch.Tensor:
-        return self.runner.lens
-
-    @property
-    def _graphs(self):
-        return self.runner.graphs
-
-    @_graphs.setter
-    def _graphs(self, graphs) -> None:
-        self.runner.graphs = graphs
-
     async def generate(self, input_ids: list[int], params: SamplingParams, *,
                        episode_id: Optional[str] = None) -> Completion:
         """See engine.Engine.generate (`episode_id` orders a lockstep wave; prefixes are found by hash)."""
@@ -145,7 +124,7 @@ class BuiltinEngine:
         (their context after its cached prefix), then a token sampled for each: requests join without a
         forward of their own. Finished rows leave, and the last rows move into their places."""
         while self.scheduler.short_of_blocks():  # the last rows wait for blocks to free
-            self._requeue(1, preempted=True)
+            self.scheduler.requeue(1, preempted=True)
         updates, copies = self.scheduler.grow()
         self.cache.write(updates, copies)
         self.cow_copies += len(copies)
@@ -156,10 +135,6 @@ class BuiltinEngine:
         tokens, logprobs = self.runner.step(self.scheduler.running, running, admission)
         self.decode_steps += 1
         self.runner.compact(*self.scheduler.postprocess(tokens, logprobs, self.version))
-
-    def _requeue(self, count: int, preempted: bool = False) -> None:
-        """Scheduler.requeue (tests watch the preemptions here)."""
-        self.scheduler.requeue(count, preempted)
 
     def _admissions(self) -> Admission:
         """Scheduler.admit, and the sampler reseeded for a lockstep wave (tests watch the admissions here)."""
