@@ -34,7 +34,7 @@ from nanoverl_async.wire.buckets import BucketSet, stamp_metadata
 from nanoverl_async.wire.payload_layout import deserialise, serialise
 from nanoverl_async.wire import weights as weight_wire
 from nanoverl_async.wire.weights import WeightPublisher, WeightSubscriber
-from weight_waits import wait_newest, wait_sent
+from weight_waits import wait_newest, wait_sent, wait_subscribed
 
 TIMEOUT_S = 10.0
 BUCKET_BYTES = 48  # state()'s weight alone, then its bias and steps: two buckets a version
@@ -174,6 +174,7 @@ def test_versions_damaged_on_the_way_are_asked_for_again_and_the_newest_is_appli
     subscriber = WeightSubscriber(tamperer.endpoint)
     applied, held = [], 0
     try:
+        wait_subscribed(publisher, 1, TIMEOUT_S)  # joined before version 1: no gap in it counts as a drop
         for version in range(1, DAMAGED + 2):
             publisher.publish(version, buckets(version, state(float(version))))
             held, weights = wait_newest(subscriber, current_version=held, timeout_s=TIMEOUT_S)
@@ -365,6 +366,7 @@ def test_a_second_process_reads_the_version_bit_equal_through_shared_memory(tmp_
 @pytest.mark.parametrize("pair", ["shared memory"], indirect=True)
 def test_a_shared_payload_rewritten_after_its_notice_is_refused_and_the_newest_valid_version_wins(pair):
     publisher, subscriber = pair
+    wait_subscribed(publisher, 1, TIMEOUT_S)  # joined before version 1: no late-joiner pass adds a third copy
     torn = buckets(1, state(1.0))
     publisher.publish(1, torn)
     wait_sent(publisher, 1, TIMEOUT_S)
