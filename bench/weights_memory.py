@@ -9,8 +9,9 @@ The model is random float32 tensors (--model-mb of 4 MiB tensors and one of 2.5 
 Each process measures its peak RSS above its own model (VmHWM, reset after the model is built, minus VmRSS then;
 /proc/self/status), and how much of that peak was shared memory (RssShmem, sampled every 2 ms: the publisher's
 memfd buckets). The bounds: publisher extra <= 1.25 x the bytes a version publishes; subscriber extra <= one
-bucket (the largest) beyond its model: its copy of the bucket it holds, or over the socket the frame it holds,
-plus those ZeroMQ has received meanwhile (up to weights.RECEIVE_QUEUE more, and one on its way in). Versions
+bucket (the largest) beyond its model: its one copy of the bucket it holds, joined from the socket's parts,
+plus the parts ZeroMQ has received meanwhile (weights.RECEIVE_QUEUE of weight_messages.PART_BYTES, and one on
+its way in). Versions
 are published one at a time, each once the subscriber holds the one before, as the learner publishes one per
 step. Linux only (/proc).
 """

@@ -88,13 +88,13 @@ class FakeBuffer:
 
 
 def weights_messages(version: int, state_dict: dict, bucket_bytes: int = 32 * 1024) -> list[list[bytes]]:
-    """A version as a publisher sends it over the socket: one message per bucket (several, at this size)."""
+    """A version as a publisher sends it over the socket: several buckets at this size, each one part."""
     published = BucketSet.of({k: v for k, v in state_dict.items() if k != "lm_head.weight"}, version, bucket_bytes)
     messages = []
     for index, payload in enumerate(published.payloads):
         payload = bytes(payload)
         notice = {"version": version, "bucket": index, "buckets": len(published.payloads), "nbytes": len(payload),
-                  "checksum": xxhash.xxh3_128(payload).hexdigest()}
+                  "offset": 0, "checksum": xxhash.xxh3_128(payload).hexdigest()}
         messages.append([msgpack.packb(notice), payload])
     return messages
 

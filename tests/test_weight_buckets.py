@@ -160,7 +160,7 @@ class FakePublisher:
         for index in range(count) if indices is None else indices:
             payload = bytes(published.payloads[index])
             notice = {"version": version, "bucket": index, "buckets": count, "nbytes": len(payload),
-                      "checksum": xxhash.xxh3_128(payload).hexdigest()}
+                      "offset": 0, "checksum": xxhash.xxh3_128(payload).hexdigest()}
             if index == damaged:
                 payload = payload[:-1] + bytes([payload[-1] ^ 0xFF])
             await self.socket.send_multipart([msgpack.packb(notice), payload])

@@ -14,6 +14,7 @@ import time
 from typing import Optional
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 import xxhash
@@ -32,11 +33,13 @@ from nanoverl_async.controller.preflight import prepare
 from nanoverl_async.wire import shared_payloads
 from nanoverl_async.wire.buckets import BucketSet, stamp_metadata
 from nanoverl_async.wire.payload_layout import deserialise, serialise
+from nanoverl_async.wire import weight_messages
 from nanoverl_async.wire import weights as weight_wire
 from nanoverl_async.wire.weights import WeightPublisher, WeightSubscriber
 from weight_waits import wait_newest, wait_sent, wait_subscribed
 
 TIMEOUT_S = 10.0
+PART = 100  # bytes a part where a test cuts buckets small: a bucket of these states is several parts
 BUCKET_BYTES = 48  # state()'s weight alone, then its bias and steps: two buckets a version
 
 
@@ -52,7 +55,7 @@ def buckets(version: int, state_dict: dict, bucket_bytes: int = BUCKET_BYTES) ->
 def one_bucket(version: int, state_dict: dict) -> tuple[dict, bytes]:
     """(notice, payload) of a version sent whole in one bucket, as a publisher would over the socket."""
     payload = bytes(serialise(state_dict, stamp_metadata(version, 0, 1)))
-    return {"version": version, "bucket": 0, "buckets": 1, "nbytes": len(payload),
+    return {"version": version, "bucket": 0, "buckets": 1, "nbytes": len(payload), "offset": 0,
             "checksum": xxhash.xxh3_128(payload).hexdigest()}, payload
 
 
@@ -162,14 +165,16 @@ class Tamperer:
 DAMAGED = 3  # k consecutive versions damaged on the way
 
 
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared memory", "socket"])
+@pytest.mark.parametrize("transport", ["shared memory", "socket", "socket in parts"])
 @pytest.mark.parametrize("drop", [False, True], ids=["damaged", "lost"])
-def test_versions_damaged_on_the_way_are_asked_for_again_and_the_newest_is_applied(shared_memory, drop, monkeypatch):
-    """Versions 2..k+1 arrive damaged (or lose their last bucket: no gap shows, the wait for it does), one after
-    another, and the publisher sends nothing newer (its learner waits for a batch these weights would open the
-    gate for): each is asked for again and applied."""
+def test_versions_damaged_on_the_way_are_asked_for_again_and_the_newest_is_applied(transport, drop, monkeypatch):
+    """Versions 2..k+1 arrive damaged (or lose their last bucket, or its first part: no gap shows, the wait for
+    it does), one after another, and the publisher sends nothing newer (its learner waits for a batch these
+    weights would open the gate for): each is asked for again and applied."""
     monkeypatch.setattr(weight_wire, "STALL_S", 0.2)
-    publisher = WeightPublisher("127.0.0.1", shared_memory=shared_memory)
+    if transport == "socket in parts":
+        monkeypatch.setattr(weight_messages, "PART_BYTES", PART)
+    publisher = WeightPublisher("127.0.0.1", shared_memory=transport == "shared memory")
     tamperer = Tamperer(publisher.endpoint, versions=set(range(2, DAMAGED + 2)), drop=drop)
     subscriber = WeightSubscriber(tamperer.endpoint)
     applied, held = [], 0
@@ -402,7 +407,7 @@ def test_forged_segment_notices_are_dropped_and_one_that_cannot_be_mapped_fails_
     subscriber = WeightSubscriber(f"tcp://127.0.0.1:{port}")
     good = serialise(state(5.0), stamp_metadata(5, 0, 1))
     path = shared_payloads.path_of(good)
-    notice = {"version": 5, "bucket": 0, "buckets": 1, "nbytes": len(good),
+    notice = {"version": 5, "bucket": 0, "buckets": 1, "nbytes": len(good), "offset": 0,
               "checksum": xxhash.xxh3_128(good).hexdigest(), "segment": {"path": path}}
     unreadable = tmp_path / "unreadable"
     unreadable.write_bytes(bytes(len(good)))
@@ -441,6 +446,100 @@ def wait_dropped(subscriber: WeightSubscriber, dropped: int):
             return result
         assert time.monotonic() < deadline, f"dropped {subscriber.counts['dropped']}, waiting for {dropped}"
         time.sleep(0.005)
+
+
+def test_a_bucket_is_cut_into_parts_that_view_it_and_only_a_segment_is_one_empty_message(monkeypatch):
+    monkeypatch.setattr(weight_messages, "PART_BYTES", PART)
+    notice, payload = one_bucket(3, state(3.0))
+    del notice["offset"]
+    payload = np.frombuffer(bytearray(payload), dtype=np.uint8)
+    parts = weight_messages.messages(notice, payload)
+    assert len(parts) == -(-len(payload) // PART) > 2
+    assert [msgpack.unpackb(head)["offset"] for head, _ in parts] == list(range(0, len(payload), PART))
+    assert all(len(part) == PART for _, part in parts[:-1]) and 0 < len(parts[-1][1]) <= PART
+    assert b"".join(bytes(part) for _, part in parts) == payload.tobytes()
+    payload[0] ^= 0xFF  # views, not copies: the learner's next version shows through until it is checked
+    assert bytes(parts[0][1])[0] == payload[0]
+    assert weight_messages.messages({**notice, "nbytes": 0}, np.empty(0, dtype=np.uint8))[0][1].nbytes == 0
+    (head, part), = weight_messages.messages(notice, payload, segment={"path": "/proc/self/fd/3"})
+    assert msgpack.unpackb(head)["offset"] == 0 and part == b""
+
+
+def frames_of(notice: dict, part: bytes) -> list:
+    return [zmq.Frame(msgpack.packb(notice)), zmq.Frame(part)]
+
+
+@pytest.mark.parametrize("offset, size, nbytes, good", [
+    (0, 10, 10, True), (9, 1, 10, True),  # the last part ends exactly at nbytes
+    (9, 2, 10, False), (10, 1, 10, False),  # one byte past the end
+    (-1, 1, 10, False), (0, 0, 10, False),  # before the start; an empty part of a bucket with bytes
+    (0, 0, 0, True),  # an empty bucket's one part
+])
+def test_a_part_must_lie_inside_its_bucket(offset, size, nbytes, good):
+    notice = {"version": 1, "bucket": 0, "buckets": 1, "nbytes": nbytes, "offset": offset, "checksum": "0" * 32}
+    if good:
+        assert weight_messages.read(frames_of(notice, bytes(size)))[0] == notice
+    else:
+        with pytest.raises(weight_messages.BadMessage, match="part of"):
+            weight_messages.read(frames_of(notice, bytes(size)))
+    segment = {**notice, "offset": 1, "segment": {"path": "/x"}}  # a segment is always one message at 0
+    with pytest.raises(weight_messages.BadMessage, match="bad segment"):
+        weight_messages.read(frames_of(segment, b""))
+
+
+def test_socket_parts_are_joined_into_one_buffer_and_a_bucket_that_lost_a_part_is_asked_for_again(monkeypatch):
+    """Parts arrive, are joined into the subscriber's one buffer (the tensors handed on view it); a bucket whose
+    middle part was lost, one a new bucket interrupts, and one whose last part never comes are each dropped
+    once and asked for again; the resend is applied."""
+    monkeypatch.setattr(weight_messages, "PART_BYTES", PART)
+    monkeypatch.setattr(weight_wire, "STALL_S", 0.2)
+    context = zmq.Context()
+    sender = context.socket(zmq.XPUB)
+    sender.setsockopt(zmq.XPUB_VERBOSE, 1)
+    port = sender.bind_to_random_port("tcp://127.0.0.1")
+    subscriber = WeightSubscriber(f"tcp://127.0.0.1:{port}")
+
+    def parts(version: int) -> list:
+        notice, payload = one_bucket(version, state(float(version)))
+        del notice["offset"]
+        return weight_messages.messages(notice, np.frombuffer(payload, dtype=np.uint8))
+
+    def asked_again(times: int) -> None:
+        for _ in range(times):
+            assert sender.poll(timeout=int(TIMEOUT_S * 1000)) and sender.recv() == b"\x01"
+
+    try:
+        asked_again(1)  # joined
+        for version, sent in ((1, [parts(1)[0], *parts(1)[2:]]),  # a middle part lost
+                              (2, parts(2)[:-1])):  # the last part never comes: the wait for it ends
+            for frames in sent:
+                sender.send_multipart(frames)
+            assert wait_dropped(subscriber, version) is None
+            assert subscriber.counts["dropped"] == subscriber.counts["refetched"] == version
+            asked_again(1)
+            for frames in parts(version):
+                sender.send_multipart(frames)
+            held, received = wait_newest(subscriber, current_version=version - 1, timeout_s=TIMEOUT_S)
+            assert held == version and torch.equal(received["layer.weight"], state(float(version))["layer.weight"])
+        for frames in parts(3)[:2] + parts(3):  # cut short by its own resend starting
+            sender.send_multipart(frames)
+        held, received = wait_newest(subscriber, current_version=2, timeout_s=TIMEOUT_S)
+        assert held == 3 and torch.equal(received["layer.weight"], state(3.0)["layer.weight"])
+        assert subscriber.counts["dropped"] == 3 and subscriber.counts["refetched"] in (2, 3)  # asked, or it came first
+        assert subscriber.counts["received"] == 3
+        bucket = None
+        sender.send_multipart(parts(4)[0])
+        for frames in parts(4)[1:]:
+            assert subscriber.poll_bucket(held=3) is None  # nothing is handed on before the last part
+            sender.send_multipart(frames)
+        while bucket is None:
+            bucket = subscriber.poll_bucket(held=3)
+        start = subscriber._copy.ctypes.data
+        assert all(start <= tensor.data_ptr() < start + len(subscriber._copy) for tensor in bucket.tensors.values())
+    finally:
+        subscriber.close()
+        sender.close(linger=0)
+        context.term()
 
 
 def test_sum64_is_equal_for_equal_bytes_and_catches_a_torn_payload_and_its_tail():

@@ -1,13 +1,14 @@
 """Versioned weights from learner rank 0 to the generators, in buckets, newest wins; ZeroMQ PUB/SUB carries
 every bucket's notice (no pickle, ever), and the bucket's bytes go one of three ways.
 
-Wire (one multipart message per bucket; wire/buckets.py splits a version, payload_layout.py lays out a bucket):
-    frame 0: msgpack {"version": int, "bucket": int, "buckets": int, "nbytes": int, "checksum": str
-                      [, "segment": {...}]}
+Wire (wire/buckets.py splits a version, payload_layout.py lays out a bucket, weight_messages.py frames it):
+    frame 0: msgpack {"version": int, "bucket": int, "buckets": int, "nbytes": int, "offset": int,
+                      "checksum": str [, "segment": {...}]}
     frame 1: the bucket's tensors in safetensors' layout, stamped with version, bucket and buckets in its
-             header's metadata; empty when "segment" names where the bytes lie instead
+             header's metadata, from byte `offset` (a part); empty when "segment" names where the bytes lie
 How a bucket travels (the publisher picks, per version):
-  - socket: in frame 1; the only way between machines (a publisher bound beyond loopback);
+  - socket: in frame 1, in parts of weight_messages.PART_BYTES, one message each; the only way between
+    machines (a publisher bound beyond loopback);
   - shared memory (a publisher on loopback, so every subscriber is on its machine, and Linux): each bucket
     is a memfd segment the learner wrote (wire/shared_payloads.py), "segment": {"path": ...};
   - CUDA IPC (`device_handles`, set when learner rank 0 and every generator share one GPU): each bucket is
@@ -15,9 +16,9 @@ How a bucket travels (the publisher picks, per version):
 Memory: the learner writes every version into ONE set of buckets (`writable_buckets`), bucket by bucket as it
 gathers its tensors, and publishes the version once every bucket is written; so the publisher holds about one
 version (socket sends are views of it, never copies).
-A subscriber holds one bucket beyond its model: it copies a segment's bucket into one buffer of its own (a
-socket's bucket is the received frame; ZeroMQ may hold RECEIVE_QUEUE more received and one on its way in),
-checks it, and hands it on; the caller copies it into its model before the next poll.
+A subscriber holds one bucket beyond its model: it copies a segment's bucket, or a socket bucket's parts, into
+one buffer of its own (ZeroMQ holds RECEIVE_QUEUE more parts received and one on its way in), checks it, and
+hands it on; the caller copies it into its model before the next poll.
 checksum = xxh3_128 of the bucket's bytes, or `shared_payloads.sum64` (on the GPU) for CUDA IPC: it catches
 a bucket damaged on its way, or rewritten by the learner (its next version) while a subscriber read it; the
 bucket's stamp catches one whose checksum was taken as the learner rewrote it.
@@ -32,14 +33,15 @@ Invariants:
     whose buckets the learner starts rewriting before they are sent is cut short (counted as superseded).
   - A subscriber that joins late is sent the newest version when its subscription arrives (XPUB); one that
     joins while a version is being sent sees the rest of it first: a gap, counted as dropped, then all of it.
-  - `WeightSubscriber.poll_bucket` never blocks on the socket: it drops (counts and logs in one line) any
-    message whose framing, fields, nbytes, checksum or stamp is wrong, and returns the next bucket of the
+  - `WeightSubscriber.poll_bucket` never blocks on the socket (but for PART_WAIT_MS at a time, for the next
+    part of a bucket it joins): it drops (counts and logs in one line) any
+    message whose framing, fields, part, checksum or stamp is wrong, and returns the next bucket of the
     version being assembled (wire/buckets.py `Assembly`), only ever of a version newer than the caller holds.
     Every wait that can block (`close`) has a timeout.
   - A poll that dropped a bucket of a version newer than the caller holds asks for the newest again, once per
     version (`counts["refetched"]`): a publisher whose newest version is itself bad is not made to resend it
-    without end. A part-taken version whose next bucket does not come within STALL_S lost it (a lost last
-    bucket leaves no gap): that counts as a dropped bucket too.
+    without end. A part-taken version or bucket whose next bucket or part does not come within STALL_S lost it
+    (a lost last part leaves no gap): that counts as a dropped bucket too.
 A bucket rewritten while it is still being sent over a slow socket arrives torn and is dropped: a subscriber
 that needs longer than a training step to receive a version misses it and takes the next.
 
@@ -55,7 +57,6 @@ import time
 from collections import deque
 from typing import Optional
 
-import msgpack
 import numpy as np
 import torch
 import zmq
@@ -64,17 +65,19 @@ from nanoverl_async.wire import shared_payloads
 from nanoverl_async.wire.auth import CONTROL_MESSAGE_BYTES, CurveKeys, connect, serve
 from nanoverl_async.wire.buckets import Assembly, Bucket, BucketSet, stamp_problem
 from nanoverl_async.wire.payload_layout import checksum, deserialise
-from nanoverl_async.wire.trajectory import check_fields, unpack_map
+from nanoverl_async.wire.weight_messages import BadMessage, PartJoin, messages, read
 
 log = logging.getLogger(__name__)
 
-SEND_QUEUE = 1024  # messages queued per subscriber: notices and views of the learner's buckets, never copies
-RECEIVE_QUEUE = 1  # messages queued on a subscriber: over the socket, each is a whole bucket
+# Messages queued per subscriber: notices and views of the learner's buckets (never copies), a few versions'
+# parts (a 7B bfloat16 version is 14,000 parts); a subscriber further behind misses parts, then asks again.
+SEND_QUEUE = 1 << 16
+RECEIVE_QUEUE = 4  # messages queued on a subscriber: over the socket, each is a part
 POLL_INTERVAL_S = 0.02  # how often the send thread checks for new work and new subscribers
-# A part-taken version whose next bucket has not come for this long lost it on the way (a bucket lost last
-# leaves no gap to see): dropped and asked for again. Longer than a bucket takes over a slow link.
+# A part-taken version or bucket whose next bucket or part has not come for this long lost it on the way (a
+# part lost last leaves no gap to see): dropped and asked for again. Longer than a part takes over a slow link.
 STALL_S = 10.0
-NOTICE_INTS = ("version", "bucket", "buckets", "nbytes")
+PART_WAIT_MS = 50  # how long a poll waits for the next part of a bucket being joined before it returns None
 
 
 class WeightPublisher:
@@ -140,8 +143,8 @@ class WeightPublisher:
         if self._thread.is_alive():
             log.error("weight publisher thread did not stop within %.0f s", timeout_s)
 
-    def _message(self, version: int, buckets: BucketSet, index: int, built: dict[int, list]) -> Optional[list]:
-        """Bucket `index`'s message (built, checksummed, at its first send), or None if the learner is writing a
+    def _messages(self, version: int, buckets: BucketSet, index: int, built: dict[int, list]) -> Optional[list]:
+        """Bucket `index`'s messages (built, checksummed, at its first send), or None if the learner is writing a
         newer version into it: its bytes are no longer (or soon not) this version's."""
         if buckets.stamp(index) != version:
             return None
@@ -151,11 +154,12 @@ class WeightPublisher:
                       "checksum": checksum(payload)}
             if buckets.stamp(index) != version:  # rewritten while summed: the sum may mix two versions
                 return None
+            segment = None
             if isinstance(payload, torch.Tensor):  # on the GPU: only ever with device_handles
-                notice["segment"] = {"cuda": shared_payloads.device_handle(payload)}
+                segment = {"cuda": shared_payloads.device_handle(payload)}
             elif self.shared_memory and (path := shared_payloads.path_of(payload)) is not None:
-                notice["segment"] = {"path": path}
-            built[index] = [msgpack.packb(notice), b"" if "segment" in notice else payload]
+                segment = {"path": path}
+            built[index] = messages(notice, payload, segment)
         return built[index]
 
     def _run(self, host: str, curve: Optional[CurveKeys]) -> None:
@@ -216,12 +220,13 @@ class WeightPublisher:
         between two buckets."""
         version, buckets = latest
         index = queue.popleft()
-        message = self._message(version, buckets, index, built)
-        if message is None:  # the learner writes a newer version: what is left of this one would be torn
+        bucket = self._messages(version, buckets, index, built)
+        if bucket is None:  # the learner writes a newer version: what is left of this one would be torn
             self._supersede(version)
             queue.clear()
             return
-        socket.send_multipart(message, copy=False)  # a view of the bucket: never a copy of a version
+        for message in bucket:
+            socket.send_multipart(message, copy=False)  # views of the bucket: never a copy of a version
         if index == len(buckets.payloads) - 1 and self.sent_version < version:
             self.sent_version = version
             self.counts["sent"] += 1
@@ -242,6 +247,7 @@ class WeightSubscriber:
         self._socket.connect(endpoint)
         self.counts = {"received": 0, "dropped": 0, "from_shared_memory": 0, "refetched": 0}
         self._assembly = Assembly()
+        self._join = PartJoin()  # a socket bucket's parts, joined into `_copy`
         self._copy: Optional[np.ndarray | torch.Tensor] = None  # this process's copy of a segment's bucket
         self._progress = time.monotonic()  # when a bucket was last handed on
         self._missed = -1  # the newest version the current poll dropped a bucket of
@@ -255,11 +261,12 @@ class WeightSubscriber:
         bucket = self._next_bucket(held)
         if bucket is not None:
             self._progress = time.monotonic()
-        elif self._assembly.stalled(held) and time.monotonic() - self._progress > STALL_S:
+        elif (self._assembly.stalled(held) or self._join.bucket is not None) and \
+                time.monotonic() - self._progress > STALL_S:
             version = self._assembly.version
-            self._assembly.lost(version)
-            self._drop(f"version {version}: bucket {self._assembly.next} of {self._assembly.count} did not come "
-                       f"within {STALL_S:.0f} s of the one before", version)
+            lost = self._join.abandon() or (version, f"version {version}: bucket {self._assembly.next} of "
+                                                     f"{self._assembly.count}")
+            self._lose((lost[0], f"{lost[1]}: nothing more came within {STALL_S:.0f} s"))
         self._ask_again(held if bucket is None else max(held, bucket.version))
         return bucket
 
@@ -268,21 +275,36 @@ class WeightSubscriber:
             try:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                if self._join.bucket is not None and self._socket.poll(PART_WAIT_MS):
+                    continue  # a bucket's parts come back to back: a caller's sleep between each would cost
                 return None
-            checked = self._check(frames, held)
-            if checked is None:
+            try:
+                notice, part = read(frames)
+            except BadMessage as problem:  # a version that cannot be read counts as the one after `held`
+                self._drop(str(problem), held + 1 if problem.version is None else problem.version)
                 continue
-            notice, payload = checked
             version = notice["version"]
             index = notice["bucket"]
             count = notice["buckets"]
-            verdict = self._assembly.verdict(held, version, index, count)
-            if verdict == "gap":
-                self._drop(f"version {version}: bucket {index} of {count} came before bucket "
-                           f"{self._assembly.next}, which never did", version)
-            if verdict != "take":
-                continue
-            tensors = self._open(notice, payload)
+            if notice["offset"] == 0:  # a bucket starts: one being joined lost its last parts
+                self._lose(self._join.abandon())
+                verdict = self._assembly.verdict(held, version, index, count)
+                if verdict == "gap":
+                    self._drop(f"version {version}: bucket {index} of {count} came before bucket "
+                               f"{self._assembly.next}, which never did", version)
+                if verdict != "take":
+                    continue
+                if "segment" not in notice:
+                    self._join.start(notice, self._buffer(notice["nbytes"], None))
+            if "segment" in notice:
+                data = self._copy_segment(notice)
+            else:
+                data, lost = self._join.add(notice, part)
+                self._lose(lost)
+                if data is None:
+                    self._progress = time.monotonic() if self._join.bucket is not None else self._progress
+                    continue
+            tensors = None if data is None else self._open(notice, data)
             if tensors is None:
                 self._assembly.lost(version)
                 continue
@@ -301,32 +323,33 @@ class WeightSubscriber:
             self.counts["refetched"] += 1
             log.info("asked %s for the newest weights again (version %d was dropped)", self.endpoint, self._missed)
 
-    def _open(self, notice: dict, payload: memoryview) -> Optional[dict[str, torch.Tensor]]:
-        """The checked bucket's tensors (viewing the frame, or our copy of the segment), else None (dropped)."""
+    def _open(self, notice: dict, data: np.ndarray | torch.Tensor) -> Optional[dict[str, torch.Tensor]]:
+        """The tensors of a whole bucket (viewing our copy) if it is the one its notice names, else None
+        (dropped): damaged on the way, or rewritten by the learner while it was read."""
         version = notice["version"]
         index = notice["bucket"]
         count = notice["buckets"]
         where = f"version {version} bucket {index} of {count}"
-        if "segment" in notice:
-            payload = self._copy_segment(notice, where)
-            if payload is None:
-                return None
-        elif checksum(payload) != notice["checksum"]:
-            return self._drop(f"{where}: checksum mismatch", version)
+        if checksum(data) != notice["checksum"]:
+            return self._drop(f"{where}: checksum mismatch (damaged, or rewritten while it was read)", version)
         try:
-            problem = stamp_problem(payload, version, index, count)
+            problem = stamp_problem(data, version, index, count)
             if problem:
                 return self._drop(f"{where}: {problem}", version)
-            return deserialise(payload)
+            tensors = deserialise(data)
         except Exception as error:  # checksummed bytes that are not safetensors: a sender bug
             return self._drop(f"{where}: not safetensors ({error})", version)
+        if "segment" in notice:
+            self.counts["from_shared_memory"] += 1
+        return tensors
 
-    def _copy_segment(self, notice: dict, where: str) -> Optional[np.ndarray | torch.Tensor]:
-        """Our copy of the bucket a notice names, if its checksum matches (else None: dropped, counted, logged).
-        RuntimeError when this process cannot map it at all: then no version ever could be applied."""
+    def _copy_segment(self, notice: dict) -> Optional[np.ndarray | torch.Tensor]:
+        """Our copy of the bucket a notice names (None if it is gone: dropped, counted, logged). RuntimeError
+        when this process cannot map it at all: then no version ever could be applied."""
         segment = notice["segment"]
         nbytes = notice["nbytes"]
         version = notice["version"]
+        where = f"version {version} bucket {notice['bucket']} of {notice['buckets']}"
         try:
             if "cuda" in segment:
                 source = shared_payloads.open_device_handle(segment["cuda"], nbytes)
@@ -343,9 +366,6 @@ class WeightSubscriber:
         except (OSError, RuntimeError) as error:
             raise RuntimeError(f"weights {where}: cannot map the learner's payload ({error}); learner rank 0 "
                                f"must share this machine (and, for CUDA IPC, this GPU)") from error
-        if checksum(copy) != notice["checksum"]:
-            return self._drop(f"{where}: checksum mismatch (rewritten while it was read)", version)
-        self.counts["from_shared_memory"] += 1
         return copy
 
     def _buffer(self, nbytes: int, device: Optional[torch.device]) -> np.ndarray | torch.Tensor:
@@ -358,41 +378,16 @@ class WeightSubscriber:
                 torch.empty(nbytes, dtype=torch.uint8, device=device)
         return copy
 
+    def _lose(self, lost: Optional[tuple[int, str]]) -> None:
+        """A bucket lost part-joined ((version, why), if one was) is a dropped one."""
+        if lost is not None:
+            self._assembly.lost(lost[0])
+            self._drop(lost[1], lost[0])
+
     def _drop(self, problem: str, version: int) -> None:
         self.counts["dropped"] += 1
         self._missed = max(self._missed, version)
         log.warning("dropped a weights message from %s: %s", self.endpoint, problem)
-
-    def _check(self, frames: list, held: int) -> Optional[tuple[dict, memoryview]]:
-        """(notice, payload frame) of a well-formed message, or None (dropped, counted, logged in one line).
-        A dropped message whose version cannot be read counts as the version after `held`."""
-        version = held + 1
-        try:
-            if len(frames) != 2:
-                raise ValueError(f"{len(frames)} frames, expected 2")
-            notice, payload = unpack_map(frames[0].bytes), frames[1].buffer
-            check_fields(notice, {*NOTICE_INTS, "checksum"} | ({"segment"} & set(notice)))
-            if not all(isinstance(notice[key], int) and not isinstance(notice[key], bool) for key in NOTICE_INTS):
-                raise ValueError(f"version, bucket, buckets and nbytes must be ints: {notice!r:.200}")
-            if notice["version"] >= 0:
-                version = notice["version"]
-            index, count = notice["bucket"], notice["buckets"]
-            if notice["version"] < 0 or notice["nbytes"] < 0 or not 0 <= index < count:
-                raise ValueError(f"version {notice['version']}: bucket {index} of {count}, "
-                                 f"{notice['nbytes']} bytes")
-            if not isinstance(notice["checksum"], str):
-                raise ValueError(f"version {version}: checksum {notice['checksum']!r:.100} is not a string")
-            if "segment" in notice:
-                segment = notice["segment"]
-                if len(payload) or not isinstance(segment, dict) or not (
-                        isinstance(segment.get("path"), str) or isinstance(segment.get("cuda"), dict)
-                        and set(segment["cuda"]) == {"uuid", *shared_payloads.HANDLE_FIELDS}):
-                    raise ValueError(f"version {version}: bad segment {segment!r:.200}")
-            elif notice["nbytes"] != len(payload):
-                raise ValueError(f"version {version}: {len(payload)} bytes, the notice says {notice['nbytes']}")
-            return notice, payload
-        except ValueError as problem:
-            return self._drop(str(problem), version)
 
     def close(self) -> None:
         self._socket.close(linger=0)
