@@ -1,9 +1,9 @@
 """Asynchronous RL on an agent workload: staleness 1, 2 and 4 against the fair synchronous run.
 
-    python bench/agentic.py configs/slow_tool.yaml [--repeats N] [--threshold R] [key=value ...]
+    python bench/agentic.py configs/slow_tool.yaml [--repeats N] [--threshold R] [--etas 1,2,4] [key=value ...]
 
 For one workload config (configs/slow_tool.yaml, configs/long_tail.yaml, configs/code.yaml) it runs the same
-job with staleness.max 1, 2, 4 and 0 (synchronous; on a CPU with two threads per role, the fair baseline of
+job with staleness.max 1, 2, 4 (or --etas) and 0 (synchronous; on a CPU with two threads per role, the fair baseline of
 bench/async_vs_sync.py, whose run_one it uses), one after the other in this process tree, interleaved over
 repeats (A B C D, then D C B A, ...). Prints one table: trained samples per second of the training loop, and
 the steps and seconds until the reward, as a mean over WINDOW steps, first reaches the threshold (default
@@ -41,11 +41,12 @@ def main(argv: list[str]) -> None:
     config = argv.pop(0) if argv and argv[0].endswith(".yaml") else "configs/slow_tool.yaml"
     repeats = int(argv.pop(argv.index("--repeats") + 1)) if "--repeats" in argv else 1
     threshold = float(argv.pop(argv.index("--threshold") + 1)) if "--threshold" in argv else 0.5
-    extra = [arg for arg in argv if arg not in ("--repeats", "--threshold")] + ["run.progress=false"]
+    etas = [int(eta) for eta in argv.pop(argv.index("--etas") + 1).split(",")] if "--etas" in argv else ETAS
+    extra = [arg for arg in argv if arg not in ("--repeats", "--threshold", "--etas")] + ["run.progress=false"]
     cfg = load_config(config, extra)
     on_cpu = cfg.generator.device == "cpu" and cfg.learner.device == "cpu"
     sync = ["staleness.max=0"] + (["generator.torch_threads=2", "learner.torch_threads=2"] if on_cpu else [])
-    runs = {f"async_eta{eta}": [f"staleness.max={eta}"] for eta in ETAS} | {"sync": sync}
+    runs = {f"async_eta{eta}": [f"staleness.max={eta}"] for eta in etas} | {"sync": sync}
     start_ray(cfg.ray)  # one Ray instance for every run
     name = Path(config).stem
     results = {label: [] for label in runs}
