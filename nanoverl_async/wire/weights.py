@@ -255,7 +255,8 @@ class WeightSubscriber:
 
     def poll_bucket(self, held: int) -> Optional[Bucket]:
         """The next bucket of a version newer than `held` (the caller's complete version), checked, else None.
-        Never blocks on the socket. A bucket dropped on the way, of a version newer than the one the caller
+        Never blocks on the socket, but for PART_WAIT_MS at a time for the next part of a bucket it joins (its
+        parts come back to back). A bucket dropped on the way, of a version newer than the one the caller
         holds or now assembles, has that version asked for again."""
         self._missed = -1
         bucket = self._next_bucket(held)
