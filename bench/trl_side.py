@@ -6,8 +6,8 @@ on nanoverl-async's default job, timed step by step.
 Runs in its own virtual environment, so that TRL's pins never touch the project's:
     python3 -m venv /work/trl-venv
     /work/trl-venv/bin/pip install torch==2.13.0 trl==1.16.0 datasets omegaconf msgpack
-(this repository's root is put on sys.path for `nanoverl_async`; omegaconf and msgpack are the light
-dependencies that importing the task modules need besides torch and transformers). bench/vs_trl.py passes the job's
+(this repository's root is put on sys.path for `nanoverl_async`; omegaconf, and msgpack for the slow tool's
+task, are the light dependencies that importing the task modules need besides torch and transformers). bench/vs_trl.py passes the job's
 settings from configs/agent_grpo.yaml; the defaults below are the same numbers.
 
 The same task: prompts `multiply_task.make_prompt(seed, i)` in index order, the cached `builtin:tiny` model
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from nanoverl_async.agents import multiply_task, slow_tool_task
+    from nanoverl_async.agents import multiply_task
     from nanoverl_async.models.load import load_tokenizer, resolve_model_path
     from nanoverl_async.models.tiny import CALL_END, END, RES_END
     from nanoverl_async.agents.tool_parsers import parse_builtin
@@ -183,6 +183,8 @@ def main(argv=None) -> int:
 
     tool = calculator
     if args.tool_median_s > 0:  # builtin:slow-tool's calculator: the same delays, an `async def` tool
+        from nanoverl_async.agents import slow_tool_task  # its agent loop needs msgpack: only for this task
+
         latency, rng = slow_tool_task.Lognormal(args.tool_median_s, args.tool_p99_s), random.Random(args.seed)
         tool = slow_tool_task.delayed(calculator, lambda: latency.sample(rng), blocking=False)
 

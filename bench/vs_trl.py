@@ -13,8 +13,8 @@ TRL is an optional extra (`pip install '.[bench]'`), best kept in its own virtua
 pins never touch this one:
     python3 -m venv /work/trl-venv
     /work/trl-venv/bin/pip install torch==2.13.0 trl==1.16.0 datasets omegaconf msgpack
-(bench/trl_side.py imports `nanoverl_async` from this checkout; omegaconf and msgpack are all it needs
-besides torch and transformers). --trl-python defaults to this interpreter.
+(bench/trl_side.py imports `nanoverl_async` from this checkout; omegaconf, and msgpack for
+configs/slow_tool.yaml, are all it needs besides torch and transformers). --trl-python defaults to this interpreter.
 
 Each side runs as its own subprocess (its own process tree), interleaved A B B A (TRL, project, project,
 TRL for --repeats 2) so that slow drift of the machine hits both sides alike:
