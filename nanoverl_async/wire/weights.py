@@ -34,10 +34,10 @@ Invariants:
   - A subscriber that joins late is sent the newest version when its subscription arrives (XPUB); one that
     joins while a version is being sent sees the rest of it first: a gap, counted as dropped, then all of it.
   - `WeightSubscriber.poll_bucket` never blocks on the socket (but for PART_WAIT_MS at a time, for the next
-    part of a bucket it joins): it drops (counts and logs in one line) any
-    message whose framing, fields, part, checksum or stamp is wrong, and returns the next bucket of the
-    version being assembled (wire/buckets.py `Assembly`), only ever of a version newer than the caller holds.
-    Every wait that can block (`close`) has a timeout.
+    part of a bucket it joins): it drops (counts and logs in one line) any message whose framing, fields,
+    part, checksum or stamp is wrong, and returns the next bucket of the version being assembled
+    (wire/buckets.py `Assembly`), only ever of a version newer than the caller holds. Every wait that can
+    block (`close`) has a timeout.
   - A poll that dropped a bucket of a version newer than the caller holds asks for the newest again, once per
     version (`counts["refetched"]`): a publisher whose newest version is itself bad is not made to resend it
     without end. A part-taken version or bucket whose next bucket or part does not come within STALL_S lost it
@@ -248,8 +248,8 @@ class WeightSubscriber:
         self.counts = {"received": 0, "dropped": 0, "from_shared_memory": 0, "refetched": 0}
         self._assembly = Assembly()
         self._join = PartJoin()  # a socket bucket's parts, joined into `_copy`
-        self._copy: Optional[np.ndarray | torch.Tensor] = None  # this process's copy of a segment's bucket
-        self._progress = time.monotonic()  # when a bucket was last handed on
+        self._copy: Optional[np.ndarray | torch.Tensor] = None  # our copy of a bucket: a segment's, or joined parts
+        self._progress = time.monotonic()  # when a bucket was last handed on, or a part joined
         self._missed = -1  # the newest version the current poll dropped a bucket of
         self._asked_for = -1  # the newest version asked for again (`_ask_again`)
 
@@ -303,7 +303,8 @@ class WeightSubscriber:
                 data, lost = self._join.add(notice, part)
                 self._lose(lost)
                 if data is None:
-                    self._progress = time.monotonic() if self._join.bucket is not None else self._progress
+                    if self._join.bucket is not None:  # a part joined: its bucket is on its way
+                        self._progress = time.monotonic()
                     continue
             tensors = None if data is None else self._open(notice, data)
             if tensors is None:
