@@ -2,7 +2,7 @@
 here rather than with safetensors' own functions, which hold the GIL while they copy a whole model, stalling
 the learner's training thread (docs/benchmarks.md "Costs behind choices in the code"). The learner copies
 each tensor straight into its slot (`empty_payload`; torch copies, GIL released), and a receiver's tensors view
-the received bytes.
+its one copy of the bucket (`deserialise`: nothing is copied again).
 
 Layout: an 8-byte little-endian header size, a JSON header {name: {dtype, shape, data_offsets}} (with, first,
 "__metadata__": {key: str}, as safetensors allows), then the data; safetensors.torch.load reads it too.
