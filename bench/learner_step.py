@@ -8,12 +8,14 @@ between two batches. With one optimizer step a batch (learner.ppo_epochs = minib
 job) the update takes the proximal logprobs from its own forward (LearnerSetup.forwards); a separate
 proximal forward before it is what a step costs otherwise. The two paths give the same loss, metrics and
 gradients bit for bit (tests/test_fsdp.py). Interleaved A B B A per repeat; a warm-up step of each first.
-The last row is `pack` alone on the batch: the host's share of the update, the layout of its rows.
+The last row is `pack` alone on the batch: the host's share of the update, the layout of its rows. The last
+column counts the pages the process faulted in a step (the heap's policy: models/host_allocator.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import socket
 import statistics
 import time
@@ -40,11 +42,17 @@ def step(rank: LearnerRank, batch, separate_forward: bool) -> None:
     rank.update(batch, 0)  # the same version each time: one minibatch, so no order it seeds
 
 
-def seconds_a_step(run, steps: int) -> float:
-    started = time.perf_counter()
+def seconds_a_step(run, steps: int) -> tuple[float, float]:
+    """(seconds, page faults) a step: the faults are the pages the heap took from the system anew
+    (models/host_allocator.py), a count the host's drift does not move."""
+    faults, started = page_faults(), time.perf_counter()
     for _ in range(steps):
         run()
-    return (time.perf_counter() - started) / steps
+    return (time.perf_counter() - started) / steps, (page_faults() - faults) / steps
+
+
+def page_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def main() -> None:
@@ -67,25 +75,27 @@ def main() -> None:
                                                     prompt_lengths(batch.loss_mask), rank.attention_cost,
                                                     batch.loss_mask)}
     names = list(paths)
-    seconds = {name: [] for name in names}
+    seconds, faults = {name: [] for name in names}, {name: [] for name in names}
     try:
         for name in names:
             paths[name]()  # warm-up
         for _ in range(args.repeats):
             for name in names + names[::-1]:  # A B C C B A
-                seconds[name].append(seconds_a_step(paths[name], args.steps))
+                took, faulted = seconds_a_step(paths[name], args.steps)
+                seconds[name].append(took)
+                faults[name].append(faulted)
     finally:
         rank.shutdown()
     baseline = statistics.median(seconds[names[0]])
     table = Table(title=f"learner seconds a step: {batch.size} sequences, {int(batch.loss_mask.sum())} sampled "
                         f"tokens, builtin:tiny, {args.threads} thread(s), {args.repeats} repeats x 2 x "
                         f"{args.steps} steps")
-    for column in ("path", "median s", "range s", "/ separate forward"):
+    for column in ("path", "median s", "range s", "/ separate forward", "page faults a step"):
         table.add_column(column)
     for name in names:
         median = statistics.median(seconds[name])
         table.add_row(name, f"{median:.3f}", f"{min(seconds[name]):.3f}-{max(seconds[name]):.3f}",
-                      f"{median / baseline:.2f}")
+                      f"{median / baseline:.2f}", f"{statistics.median(faults[name]):,.0f}")
     Console().print(table)
 
 

@@ -7,8 +7,6 @@ Run alone: `python -m pytest tests/test_learner_memory.py -q`.
 """
 
 import dataclasses
-import subprocess
-import sys
 from functools import partial
 
 import pytest
@@ -19,7 +17,6 @@ from test_fsdp import ALGO, LEARNER, free_port, make_batch, model_dir, setup  # 
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from nanoverl_async.config import ConfigError, ModelConfig, load_config
-from nanoverl_async.learners import memory
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.learners.memory import (GB, RUNTIME_BYTES, Architecture, Prediction, Workload, activation_bytes,
                                             compute_copy_bytes, layer_activation_bytes, learner_fit_error,
@@ -296,53 +293,3 @@ def test_one_bfloat16_fsdp2_rank_trains_the_same_with_memory_saving_on(model_dir
     (plain, plain_moments), (saving, saving_moments) = steps["plain"], steps["saving"]
     assert saving["loss"] == pytest.approx(plain["loss"], rel=1e-2, abs=1e-4)
     assert (saving_moments - plain_moments).norm() / plain_moments.norm() < 1e-2
-
-
-CPU = torch.device("cpu")
-
-
-class FakeLibc:
-    """ctypes.CDLL's stand-in: records mallopt's calls and answers `answer` (glibc: 1 on success)."""
-    calls: list = []
-
-    def __init__(self, name: str, answer: int = 1):
-        self.answer = answer
-
-    def mallopt(self, option: int, value: int) -> int:
-        FakeLibc.calls.append((option, value))
-        return self.answer
-
-
-def test_a_large_model_maps_freed_blocks_from_its_parameter_count_on(monkeypatch):
-    """map_large_blocks: nothing below MAPPED_FROM_PARAMETERS or on a GPU; from it on, mallopt maps blocks of
-    1 MiB and more and trims the heap past that size; a C library without mallopt (not glibc) changes nothing."""
-    monkeypatch.setattr(memory.ctypes, "CDLL", FakeLibc)
-    FakeLibc.calls = []
-    assert not memory.map_large_blocks(memory.MAPPED_FROM_PARAMETERS - 1, CPU) and FakeLibc.calls == []
-    assert not memory.map_large_blocks(memory.MAPPED_FROM_PARAMETERS, torch.device("cuda")) and FakeLibc.calls == []
-    assert memory.map_large_blocks(memory.MAPPED_FROM_PARAMETERS, CPU)
-    assert FakeLibc.calls == [(memory.M_MMAP_THRESHOLD, 2**20), (memory.M_TRIM_THRESHOLD, 2**20)]
-    monkeypatch.setattr(memory.ctypes, "CDLL", partial(FakeLibc, answer=0))
-    assert not memory.map_large_blocks(memory.MAPPED_FROM_PARAMETERS, CPU)  # glibc refused the value
-    monkeypatch.undo()
-    assert not memory.map_large_blocks(memory.MAPPED_FROM_PARAMETERS, CPU, "libnot-a-c-library.so")
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_a_mapped_block_goes_back_to_the_system_when_freed():
-    """In a fresh process on glibc: after map_large_blocks, a freed 8 MiB block leaves the resident set at once;
-    with glibc's defaults, once freed blocks of that size have raised its mapping threshold, the heap keeps it."""
-    probe = ("import ctypes, sys, torch\nfrom nanoverl_async.learners import memory\n"
-             "cpu = torch.device('cpu')\n"
-             "mapped = sys.argv[1] == '1' and memory.map_large_blocks(memory.MAPPED_FROM_PARAMETERS, cpu)\n"
-             "def rss(): return int(open('/proc/self/statm').read().split()[1]) * 4096\n"
-             "for _ in range(3): torch.ones(2**21)\n"  # freed 8 MiB blocks: glibc's dynamic threshold rises
-             "big = torch.ones(2**21); before = rss(); del big\n"
-             "print(int(mapped), before - rss())\n")
-    freed = {}
-    for mapped in ("0", "1"):
-        out = subprocess.run([sys.executable, "-c", probe, mapped], capture_output=True, text=True, check=True)
-        flag, returned = out.stdout.split()
-        freed[mapped] = (flag, int(returned))
-    assert freed["1"][0] == "1" and freed["1"][1] >= 8 * 2**20 - 2**16  # the block's pages left
-    assert freed["0"][1] < 2**20  # kept in the heap

@@ -29,6 +29,7 @@ from nanoverl_async.generators.kv_blocks import NULL_BLOCK, BlockPool, pool_bloc
 from nanoverl_async.generators.llama_forward import LlamaModel, Tokens
 from nanoverl_async.generators.scheduler import Admission
 from nanoverl_async.generators.sequence import Request
+from nanoverl_async.models.host_allocator import tune_host_allocator
 from nanoverl_async.models.load import DTYPES, on_device
 from nanoverl_async.models.lora import MergedAdapters, gathered
 from nanoverl_async.validation import kv_cache_budget
@@ -71,6 +72,7 @@ class ModelRunner:
         memory free once the model is loaded; `lora_scaling` > 0: versions are LoRA adapters (models/lora.py)."""
         self.device = torch.device(device)
         self.model = LlamaModel(model_path, self.device, DTYPES[dtype])
+        tune_host_allocator(sum(parameter.numel() for parameter in self.model.parameters()), self.device)
         self.adapters = MergedAdapters(dict(self.model.named_parameters()), lora_scaling) if lora_scaling else None
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._loaded: set[int] = set()  # the parameters (data pointers) the loading version has loaded so far

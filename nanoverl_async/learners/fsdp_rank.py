@@ -51,11 +51,12 @@ from nanoverl_async.config import SGLangConfig
 from nanoverl_async.learners.batch import (TrainBatch, epoch_order, shard, split_to, take_rows, to_device,
                                            token_budget_bounds, trimmed)
 from nanoverl_async.learners.checkpoint import drop_compute_copy, load_training_state, save_final, save_training_state
-from nanoverl_async.learners.memory import map_large_blocks, peak_memory
+from nanoverl_async.learners.memory import peak_memory
 from nanoverl_async.learners.packing import (Packing, attends_to_whole_context, attention_cost_per_position,
                                              keeps_packed_sequences_apart, pack, prompt_lengths)
 from nanoverl_async.learners.setup import PROCESS_GROUP_TIMEOUT_S, LearnerSetup
 from nanoverl_async.models import lora
+from nanoverl_async.models.host_allocator import tune_host_allocator
 from nanoverl_async.models.load import DTYPES
 from nanoverl_async.wire.buckets import BucketSet
 from nanoverl_async.wire.weights import WeightPublisher
@@ -85,7 +86,7 @@ class LearnerRank:
         self.mesh = init_device_mesh(self.device.type, (world_size,))
         self.lora = cfg.lora if cfg.lora.rank > 0 else None  # learner.lora: adapters train, the base is frozen
         self.model = self._sharded_model(setup.model.path, adapters=self.lora)
-        map_large_blocks(sum(parameter.numel() for parameter in self.model.parameters()), self.device)
+        tune_host_allocator(sum(parameter.numel() for parameter in self.model.parameters()), self.device)
         # every optimizer (policy, critic): AdamW with learner.betas, fused: one kernel per step instead of a
         # DTensor dispatch per parameter and op (docs/benchmarks.md "Costs behind choices in the code")
         adamw = partial(torch.optim.AdamW, betas=tuple(cfg.betas), fused=True)

@@ -4,7 +4,6 @@ controller/fit_check.py) and the peaks it used, per step (the `memory/*` metrics
     prediction = predict_peak(Workload(...))                          # the parts, in bytes; .total
     learner_fit_error(lambda ranks: predict_peak(...), 1, available, "GPU memory (NVIDIA H100)")  # None: fits
     peak_memory(device)   # {"memory/learner_peak_host_gb": ..., on a GPU also ..._device_gb}, then reset
-    map_large_blocks(parameters, device)   # a CPU rank of a large model: freed blocks go back to the system
 
 The prediction adds five parts (`Prediction`), each from the model's shape and the learner settings:
   - state: a trained parameter's float32 weight, gradient and AdamW's two moments (16 bytes: ZeRO's
@@ -22,14 +21,13 @@ measured peak, CPU"). Not counted: the whole float32 model each rank loads befor
 before any update; more than a rank's share only beyond 4 ranks), and a critic's own compute copy and
 activations (trained after the policy's are freed, on the same body without the wide head: no larger).
 What the prediction counts is tensors; on the CPU the process also holds what its allocator keeps of freed
-ones, which a large model's rank returns to the system (`map_large_blocks`).
+ones, which a large model's rank returns to the system (models/host_allocator.py).
 
 Run alone: `python -m pytest tests/test_learner_memory.py -q`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import math
 import resource
@@ -231,30 +229,3 @@ def _peak_resident_bytes() -> int:
     except (OSError, StopIteration):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
-
-
-# glibc's malloc keeps freed blocks in its heap for reuse. A large model's update frees activations of many
-# sizes that the next allocations do not fit, so the heap grows past the tensors alive: +1.0-2.8 GB at the
-# Qwen2.5-0.5B shape with LoRA and 2,048-token micro-batches, in
-# docs/benchmarks.md "The fit check against the measured peak, CPU".
-# From MAPPED_FROM_PARAMETERS on, blocks of MAPPED_BLOCK_BYTES and more are mapped and returned when freed.
-# A small model's few sizes are reused as they are, and the page faults of mapping them anew would cost
-# builtin:tiny's update up to a quarter of its time.
-MAPPED_FROM_PARAMETERS = 100_000_000
-MAPPED_BLOCK_BYTES = 2**20
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (glibc's malloc.h)
-
-
-def map_large_blocks(parameters: int, device: torch.device, libc_name: str = "libc.so.6") -> bool:
-    """For a model of `parameters` >= MAPPED_FROM_PARAMETERS on the CPU, on glibc: allocations of
-    MAPPED_BLOCK_BYTES and more are mapped (and unmapped when freed) and the heap's free top is trimmed past
-    that size (mallopt M_MMAP_THRESHOLD, M_TRIM_THRESHOLD; glibc's MALLOC_MMAP_THRESHOLD_ and
-    MALLOC_TRIM_THRESHOLD_ set from inside the process). Whether it was set: not for a smaller model or one on
-    a GPU (whose peak is the device's), nor where the C library is not glibc."""
-    if parameters < MAPPED_FROM_PARAMETERS or device.type != "cpu":
-        return False
-    try:
-        mallopt = ctypes.CDLL(libc_name).mallopt
-    except (OSError, AttributeError):
-        return False
-    return all(mallopt(option, MAPPED_BLOCK_BYTES) == 1 for option in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD))
