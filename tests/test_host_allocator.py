@@ -1,4 +1,4 @@
-"""models/host_allocator.py: the heap policy a CPU role sets for its model, by its parameter count, exactly at
+"""models/host_allocator.py: the heap policy a CPU role sets, by the parameters it trains, exactly at
 the boundary; what each policy does to a real process on glibc (a small model's repeated step faults no pages
 in again; a large model's freed blocks leave the resident set); and that a learner rank and an engine set it.
 
@@ -37,33 +37,37 @@ class FakeLibc:
 
 
 def test_the_policy_follows_the_parameter_count_exactly_at_its_boundary(monkeypatch):
-    """Below MAPPED_FROM_PARAMETERS (one parameter below included) the heap keeps blocks up to 32 MiB and a free top
-    up to 1 GiB; from it on, blocks of 1 MiB and more are mapped and the top trimmed past 1 MiB; on a GPU, nothing
-    is set; a C library that refuses a value, or is not glibc, leaves "" (whatever it kept)."""
+    """Training fewer than MAPPED_FROM_PARAMETERS (one below included), or none (an engine), the heap keeps blocks
+    up to 32 MiB and a free top up to 1 GiB; training that many or more, blocks of 1 MiB and more are mapped and
+    the top trimmed past 1 MiB; on a GPU, nothing is set; a C library that refuses a value, or is not glibc,
+    leaves ""."""
     monkeypatch.setattr(host_allocator.ctypes, "CDLL", FakeLibc)
     FakeLibc.calls = []
-    assert tune_host_allocator(MAPPED_FROM_PARAMETERS - 1, CPU) == "kept"
+    assert tune_host_allocator(CPU, MAPPED_FROM_PARAMETERS - 1) == "kept"
     assert FakeLibc.calls == [(M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES), (M_TRIM_THRESHOLD, KEPT_TOP_BYTES)]
     assert (KEPT_BLOCK_BYTES, KEPT_TOP_BYTES) == (2**25, 2**30)
     FakeLibc.calls = []
-    assert tune_host_allocator(MAPPED_FROM_PARAMETERS, CPU) == "mapped"
+    assert tune_host_allocator(CPU) == "kept"  # an engine's, whatever its model
+    assert FakeLibc.calls == [(M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES), (M_TRIM_THRESHOLD, KEPT_TOP_BYTES)]
+    FakeLibc.calls = []
+    assert tune_host_allocator(CPU, MAPPED_FROM_PARAMETERS) == "mapped"
     assert FakeLibc.calls == [(M_MMAP_THRESHOLD, MAPPED_BLOCK_BYTES), (M_TRIM_THRESHOLD, MAPPED_BLOCK_BYTES)]
     FakeLibc.calls = []
-    assert tune_host_allocator(1, torch.device("cuda")) == "" and FakeLibc.calls == []
-    assert tune_host_allocator(MAPPED_FROM_PARAMETERS, torch.device("cuda")) == "" and FakeLibc.calls == []
+    assert tune_host_allocator(torch.device("cuda")) == "" and FakeLibc.calls == []
+    assert tune_host_allocator(torch.device("cuda"), MAPPED_FROM_PARAMETERS) == "" and FakeLibc.calls == []
     monkeypatch.setattr(host_allocator.ctypes, "CDLL", partial(FakeLibc, answer=0))
-    assert tune_host_allocator(1, CPU) == "" and tune_host_allocator(MAPPED_FROM_PARAMETERS, CPU) == ""
+    assert tune_host_allocator(CPU) == "" and tune_host_allocator(CPU, MAPPED_FROM_PARAMETERS) == ""
     monkeypatch.undo()
-    assert tune_host_allocator(1, CPU, "libnot-a-c-library.so") == ""
+    assert tune_host_allocator(CPU, 1, "libnot-a-c-library.so") == ""
 
 
-# In a fresh process: the policy of a model of argv[1] parameters, then eight "steps" of ten 4 MiB tensors alive
-# at once and then freed (an update's activations); prints the policy, each step's page faults, and how much of
+# In a fresh process: the policy of a role training argv[1] parameters, then eight "steps" of ten 4 MiB tensors
+# alive at once and then freed (an update's activations); prints the policy, each step's page faults, and how much of
 # a freed 8 MiB tensor left the resident set.
 PROBE = """
 import resource, sys, torch
 from nanoverl_async.models.host_allocator import tune_host_allocator
-policy = tune_host_allocator(int(sys.argv[1]), torch.device("cpu"))
+policy = tune_host_allocator(torch.device("cpu"), int(sys.argv[1]))
 def faults(): return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096
 steps = []
@@ -96,10 +100,11 @@ def test_a_small_model_keeps_its_steps_blocks_and_a_large_one_hands_them_back():
     assert mapped_returned >= 8 * 2**20 - 2**16
 
 
-def test_a_learner_rank_and_an_engine_set_the_policy_for_their_models_parameters(monkeypatch, model_dir):
-    """Each role calls tune_host_allocator once it holds its model: with the model's parameter count and device."""
+def test_a_learner_rank_and_an_engine_set_the_policy_of_what_they_train(monkeypatch, model_dir):
+    """Each role calls tune_host_allocator once it holds its model: a learner rank with the parameters it trains,
+    an engine with none (it trains nothing)."""
     calls = []
-    record = lambda parameters, device: calls.append((parameters, device.type)) or "kept"  # noqa: E731
+    record = lambda device, parameters=0: calls.append((parameters, device.type)) or "kept"  # noqa: E731
     monkeypatch.setattr(fsdp_rank, "tune_host_allocator", record)
     monkeypatch.setattr(model_runner, "tune_host_allocator", record)
     learner = LearnerRank(setup(model_dir), 0, "127.0.0.1", free_port())
@@ -107,5 +112,5 @@ def test_a_learner_rank_and_an_engine_set_the_policy_for_their_models_parameters
         expected = sum(parameter.numel() for parameter in learner.model.parameters())
     finally:
         learner.shutdown()
-    runner = ModelRunner(model_dir, "cpu", "float32", seed=0, rows=4, block_size=16, num_blocks=8)
-    assert calls == [(expected, "cpu"), (sum(parameter.numel() for parameter in runner.model.parameters()), "cpu")]
+    ModelRunner(model_dir, "cpu", "float32", seed=0, rows=4, block_size=16, num_blocks=8)
+    assert calls == [(expected, "cpu"), (0, "cpu")]

@@ -72,7 +72,7 @@ class ModelRunner:
         memory free once the model is loaded; `lora_scaling` > 0: versions are LoRA adapters (models/lora.py)."""
         self.device = torch.device(device)
         self.model = LlamaModel(model_path, self.device, DTYPES[dtype])
-        tune_host_allocator(sum(parameter.numel() for parameter in self.model.parameters()), self.device)
+        tune_host_allocator(self.device)  # an engine's steps allocate the same few sizes, whatever the model
         self.adapters = MergedAdapters(dict(self.model.named_parameters()), lora_scaling) if lora_scaling else None
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._loaded: set[int] = set()  # the parameters (data pointers) the loading version has loaded so far

@@ -86,7 +86,7 @@ class LearnerRank:
         self.mesh = init_device_mesh(self.device.type, (world_size,))
         self.lora = cfg.lora if cfg.lora.rank > 0 else None  # learner.lora: adapters train, the base is frozen
         self.model = self._sharded_model(setup.model.path, adapters=self.lora)
-        tune_host_allocator(sum(parameter.numel() for parameter in self.model.parameters()), self.device)
+        tune_host_allocator(self.device, sum(parameter.numel() for parameter in self.model.parameters()))
         # every optimizer (policy, critic): AdamW with learner.betas, fused: one kernel per step instead of a
         # DTensor dispatch per parameter and op (docs/benchmarks.md "Costs behind choices in the code")
         adamw = partial(torch.optim.AdamW, betas=tuple(cfg.betas), fused=True)
