@@ -14,7 +14,7 @@ from test_fsdp import model_dir  # noqa: F401 (a fixture)
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanoverl_async.algorithms import token_entropy
-from nanoverl_async.learners.batch import collate, sequence_logprobs
+from nanoverl_async.learners.batch import PAD_TOKEN_ID, collate, sequence_logprobs
 from nanoverl_async.learners.packing import (attends_to_whole_context, attention_cost_per_position,
                                              keeps_packed_sequences_apart, pack, prompt_lengths)
 from synthetic import episodes
@@ -48,13 +48,14 @@ def scored(batch):
 def assert_same_logprobs_and_gradients(model, batch, prompts=None, attention_cost=0.0, wanted=None, chunk_tokens=0):
     """wanted=None: every token's logprob; else those tokens' alone (the head runs only where it predicts
     them), the others 0; chunk_tokens > 0: the head over that many at a time, each chunk recomputed in
-    backward. The loss (a weighted sum over sampled tokens) and its gradient are the same."""
+    backward. The loss (a weighted sum over the sampled tokens read) and its gradient are the same."""
     padded, packed, packing = padded_and_packed(model, batch, prompts, attention_cost, wanted, chunk_tokens)
     read = scored(batch) if wanted is None else scored(batch) & wanted
     assert torch.allclose(packed[read], padded[read], atol=1e-5)
     assert packed[~read].abs().sum() == 0
     assert len(packing.outputs) <= int(read.sum()) and len(packing.predictor) == int(read.sum())
-    weights = batch.loss_mask * torch.linspace(-1, 1, batch.size)[:, None]
+    read_weights = batch.loss_mask if wanted is None else batch.loss_mask * wanted
+    weights = read_weights * torch.linspace(-1, 1, batch.size)[:, None]
     grads = []
     for logprobs in padded_and_packed(model, batch, prompts, attention_cost, wanted, chunk_tokens)[:2]:
         model.zero_grad()
@@ -67,9 +68,26 @@ def test_packing_fills_rows_and_matches_the_padded_layout(model_dir):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     batch = collate(episodes(SHAPES, seed=0))
     packing = padded_and_packed(model, batch)[2]
-    assert packing.input_ids.shape == (3, 23)  # 23 | 11 + 10 | 8 + 7 + 5: 69 slots for 64 tokens, not 6 x 23
+    # each sequence up to its last token, whose own position predicts nothing: 22 | 10 + 9 | 7 + 6 + 4, 66 slots
+    # for 58 positions, not 6 x 23
+    assert packing.input_ids.shape == (3, 22)
     assert packing.attention_mask is None  # restarting position ids keep the sequences apart
     assert_same_logprobs_and_gradients(model, batch)
+
+
+def test_a_sequence_is_laid_out_up_to_its_last_read_token(model_dir):
+    """Read token j is predicted at position j - 1: a sequence's positions from its last read token on predict
+    nothing read, and no earlier one attends to them, so they are not laid out; a sequence with none read keeps
+    one position. The same logprobs and gradients as the padded layout."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    batch = collate(episodes(SHAPES, seed=0))
+    wanted = batch.loss_mask.bool().clone()
+    assert wanted[4, 17] and wanted[4, 22]
+    wanted[4, 18:] = False  # the 23-token sequence's last read token is now token 17: positions 0..16 laid out
+    wanted[1] = False  # nothing read
+    packing = pack(batch.input_ids, batch.attention_mask, wanted=wanted)
+    assert packing.input_ids.shape[1] == 17  # the longest laid out, not 18 (token 17's own) nor 23
+    assert_same_logprobs_and_gradients(model, batch, wanted=wanted)
 
 
 def test_a_shared_prompt_is_computed_once_per_row_and_changes_nothing(model_dir):
@@ -79,10 +97,11 @@ def test_a_shared_prompt_is_computed_once_per_row_and_changes_nothing(model_dir)
     assert prompts.tolist() == [6] * 8 + [4] * 4
     alone, shared = pack(batch.input_ids, batch.attention_mask), pack(batch.input_ids, batch.attention_mask,
                                                                      prompts=prompts)
-    # 130 tokens; each group's prompt once per row: 6 + 8 + 7 + 4 + 2 | 6 + 3 + 2 + 2 + 2 and 4 + 5 + 3 + 2 |
-    # the 30-token sequence alone: 86 tokens in 3 rows of 30, against 5 rows without sharing
-    assert int(batch.attention_mask.sum()) == 130 and alone.input_ids.shape == (5, 30)
-    assert shared.input_ids.shape == (3, 30) and shared.attention_mask.shape == (3, 1, 30, 30)
+    # 130 tokens, each sequence laid out up to its last one (118 positions); each group's prompt once per row:
+    # 6 + 7 + 6 + 3 + 1 | 6 + 2 + 1 + 1 + 1 and 4 + 4 + 2 + 1 | the 30-token sequence's 29 alone: 74 positions in
+    # 3 rows of 29, against 5 rows without sharing
+    assert int(batch.attention_mask.sum()) == 130 and alone.input_ids.shape == (5, 29)
+    assert shared.input_ids.shape == (3, 29) and shared.attention_mask.shape == (3, 1, 29, 29)
     assert_same_logprobs_and_gradients(model, batch, prompts)
     assert_same_logprobs_and_gradients(model, batch, prompts, wanted=batch.loss_mask.bool())
 
@@ -103,11 +122,11 @@ def test_rows_grow_to_twice_the_longest_sequence_where_that_is_estimated_cheaper
     assert attention_cost_per_position(model) == pytest.approx(
         4 * 64 * 2 / (2 * sum(p.numel() for p in model.parameters())))
     batch = collate(episodes([(4, [16], 1.0)] + [(4, [8], 0.0)] * 7, seed=2))  # 20 tokens, then seven of 12
-    ids, mask = batch.input_ids, batch.attention_mask
-    assert pack(ids, mask).input_ids.shape == (8, 20)  # 12 + 12 > 20: one sequence per row
-    assert pack(ids, mask, attention_cost=0.1).input_ids.shape == (8, 20)  # attention too dear to double rows
+    ids, mask = batch.input_ids, batch.attention_mask  # laid out: 19 positions, then 11 (the last predicts none)
+    assert pack(ids, mask).input_ids.shape == (8, 19)  # 11 + 11 > 19: one sequence per row
+    assert pack(ids, mask, attention_cost=0.1).input_ids.shape == (8, 19)  # attention too dear to double rows
     cost = attention_cost_per_position(model)
-    assert pack(ids, mask, attention_cost=cost).input_ids.shape == (3, 40)  # 20 + 12 | 3 x 12 | 3 x 12
+    assert pack(ids, mask, attention_cost=cost).input_ids.shape == (3, 38)  # 19 + 11 | 3 x 11 | 3 x 11
     assert_same_logprobs_and_gradients(model, batch, attention_cost=cost)
 
 
@@ -125,9 +144,12 @@ def test_one_sequence_per_row_is_the_padded_layout():
     batch = collate(episodes(SHAPES, seed=0))
     packing = pack(batch.input_ids, batch.attention_mask, several_per_row=False,
                    prompts=prompt_lengths(batch.loss_mask))
-    assert packing.input_ids.shape == batch.input_ids.shape
-    order = batch.attention_mask.sum(dim=1).argsort(descending=True, stable=True)
-    assert torch.equal(packing.input_ids, batch.input_ids[order])
+    lengths = batch.attention_mask.sum(dim=1)
+    order = lengths.argsort(descending=True, stable=True)
+    # each sequence up to its last token, exclusive (that position predicts nothing)
+    laid_out = torch.where(torch.arange(batch.input_ids.shape[1]) < lengths[order, None] - 1,
+                           batch.input_ids[order], PAD_TOKEN_ID)
+    assert torch.equal(packing.input_ids, laid_out[:, :-1])
     assert packing.position_ids is None and packing.attention_mask is None  # the plain causal mask
 
 

@@ -26,13 +26,15 @@ import functools
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import NormalDist
 from typing import Callable
 
 from nanoverl_async.agents.agent_loop import drive
 from nanoverl_async.agents.multiply_task import MultiplyEnv, calculator
+from nanoverl_async.agents.tools import as_tool
 
+CALCULATOR = as_tool(calculator)  # the slow calculator's schema and hints: the calculator's own
 Z99 = NormalDist().inv_cdf(0.99)  # the standard normal's 99th percentile, 2.326
 
 
@@ -83,8 +85,10 @@ class SlowToolEnv(MultiplyEnv):
             raise ValueError(f"blocking must be true or false, got {blocking!r}")
         self.latency = Lognormal(median_s, p99_s)
         self.seed = seed
-        self.rng = random.Random()
-        self.tools = [delayed(calculator, lambda: self.latency.sample(self.rng), blocking)]
+        self.rng = random.Random(seed)  # reseeded per episode; an unseeded Random reads 2.5 KB of os.urandom
+        # an environment per episode: the schema is calculator's, read once (as_tool caches by function)
+        self.tools = [replace(CALCULATOR, fn=delayed(calculator, lambda: self.latency.sample(self.rng),
+                                                                 blocking))]
 
     def reseed(self, episode_id: str) -> None:
         """Draw this episode's delays from (seed, episode id)."""

@@ -151,7 +151,12 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
     mixes packed sequences). `wanted` ([n, l], nonzero where read, e.g. the loss mask): the tokens whose
     outputs are read, every token j >= 1 if None; the others come back 0. Host tensors in, a Packing on the
     host out (`Packing.to` copies it to a device without blocking)."""
-    lengths = attention_mask.sum(dim=1).tolist()
+    # the tokens read (real, wanted, j >= 1: nothing predicts token 0), each predicted where token j - 1 lies
+    read = attention_mask.bool() & (True if wanted is None else wanted.bool())
+    read[:, 0] = False
+    # a sequence is laid out up to its last read token, exclusive: the positions from there on predict nothing
+    # read, and no earlier position attends to them (a causal model)
+    lengths = torch.where(read, torch.arange(read.shape[1]), 0).amax(dim=1).clamp(min=1).tolist()
     longest = max(1, max(lengths, default=1))
     groups = _prompt_groups(input_ids, lengths, prompts if several_per_row else None)
     layouts = [_rows(groups, lengths, capacity, several_per_row)
@@ -167,9 +172,6 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
     positions = _laid_out(torch.arange(input_ids.shape[1]), place, tails)
     blocks = _laid_out(unit, place, torch.full(size, -1))  # the unit of each position (-1: the tail)
     branches = _laid_out(branch, place, torch.zeros(size, dtype=torch.long))
-    # the tokens read (real, wanted, j >= 1: nothing predicts token 0), each predicted where token j - 1 lies
-    read = attention_mask.bool() & (True if wanted is None else wanted.bool())
-    read[:, 0] = False
     outputs, predictor = torch.unique(place[:, :-1][read[:, 1:]], return_inverse=True)
     target, destination = input_ids[read], read.flatten().nonzero().squeeze(1)
     several = len(rows) < len(lengths)  # else each row is one sequence from position 0: no ids needed
@@ -291,7 +293,7 @@ def _prompt_groups(input_ids: Tensor, lengths: list[int], prompts: Optional[Tens
     groups: dict[tuple, list[int]] = {}
     ids, prompts = input_ids.tolist(), [0] * len(lengths) if prompts is None else prompts.tolist()  # host lists
     for sequence, length in enumerate(lengths):
-        shared = min(prompts[sequence], length - 1)  # >= 1 token of its own
+        shared = min(prompts[sequence], length)  # all of it: a sequence read only where its prompt ends
         key = (shared, *ids[sequence][:shared]) if shared > 0 else (0, sequence)
         groups.setdefault(key, []).append(sequence)
     return groups
