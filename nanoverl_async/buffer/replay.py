@@ -56,7 +56,7 @@ class Group:
     def version(self) -> int:
         """min over its trajectories' versions; the lease version if none sampled a token (a lower bound
         anyway: in both weight-sync modes a token's version is >= the version held at lease time)."""
-        versions = [t.version for t in self.samples.values() if t.version >= 0]
+        versions = [v for v in (t.version for t in self.samples.values()) if v >= 0]
         return min(versions) if versions else self.lease_version
 
     @property
@@ -110,18 +110,19 @@ class ReplayBuffer:
     def take(self, version: int, batch_groups: int, staleness: int) -> tuple[list[Group], list[Group]]:
         """The consumption check for the batch that updates weights `version`, then the `batch_groups` oldest fresh
         groups (or none): (groups, dropped)."""
-        dropped = [g for g in self.ready.values() if version - g.version > staleness]
+        of = {group.group_id: group.version for group in self.ready.values()}  # a min over arrays: once each
+        dropped = [g for g in self.ready.values() if version - of[g.group_id] > staleness]
         for group in dropped:
             del self.ready[group.group_id]
         self.counters["dropped_stale"] += len(dropped)
         if len(self.ready) < batch_groups:
             return [], dropped
-        oldest = sorted(self.ready.values(), key=lambda g: (g.version, g.arrival))[:batch_groups]
+        oldest = sorted(self.ready.values(), key=lambda g: (of[g.group_id], g.arrival))[:batch_groups]
         for group in oldest:
             del self.ready[group.group_id]
         # Oldest first, then in lease order rather than completion order: the learner sums in batch order,
         # and completion order depends on timing (run.deterministic needs the same batch in the same order).
-        return sorted(oldest, key=lambda g: (g.version, g.group_id)), dropped
+        return sorted(oldest, key=lambda g: (of[g.group_id], g.group_id)), dropped
 
     def state(self) -> dict:
         """Ready and partial groups (trajectories as `trajectory.encode` bytes) and the counters."""

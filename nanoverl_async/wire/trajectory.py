@@ -146,7 +146,7 @@ def validate(t: Trajectory) -> None:
             raise WireError(f"field '{name}': length {len(getattr(t, name))} != len(token_ids) {length}")
     if t.token_ids.min() < 0:
         raise WireError("field 'token_ids': negative token id")
-    if not np.isin(t.loss_mask, (0, 1)).all():
+    if not ((t.loss_mask == 0) | (t.loss_mask == 1)).all():  # np.isin costs 60 us a trajectory
         raise WireError("field 'loss_mask': values other than 0 and 1")
     sampled = t.loss_mask == 1
     if not np.array_equal(sampled, t.versions >= 0) or (t.versions < -1).any():
