@@ -57,7 +57,9 @@ class Packing:
     A token-indexed quantity of token j (its logprob, the entropy it was sampled from, the critic's value)
     comes from the position that predicts it, that of token j - 1 (`predictor`); a shared prompt's last
     position predicts every member's first sampled token. Only the tokens read (`pack`'s `wanted`: the
-    learner's are the sampled ones) have a predictor, and a causal LM's head runs at those positions alone."""
+    learner's are the sampled ones) have a predictor, and a causal LM's head runs at those positions alone. A
+    sequence is laid out up to its last read token, exclusive: no later position predicts a read token, and
+    no earlier one attends to them."""
 
     input_ids: Tensor  # int64 [r, c]
     position_ids: Optional[Tensor]  # int64 [r, c]; None when each row is one sequence from position 0
