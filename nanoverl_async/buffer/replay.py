@@ -110,19 +110,19 @@ class ReplayBuffer:
     def take(self, version: int, batch_groups: int, staleness: int) -> tuple[list[Group], list[Group]]:
         """The consumption check for the batch that updates weights `version`, then the `batch_groups` oldest fresh
         groups (or none): (groups, dropped)."""
-        of = {group.group_id: group.version for group in self.ready.values()}  # a min over arrays: once each
-        dropped = [g for g in self.ready.values() if version - of[g.group_id] > staleness]
+        version_of = {group.group_id: group.version for group in self.ready.values()}  # a min over arrays: once each
+        dropped = [g for g in self.ready.values() if version - version_of[g.group_id] > staleness]
         for group in dropped:
             del self.ready[group.group_id]
         self.counters["dropped_stale"] += len(dropped)
         if len(self.ready) < batch_groups:
             return [], dropped
-        oldest = sorted(self.ready.values(), key=lambda g: (of[g.group_id], g.arrival))[:batch_groups]
+        oldest = sorted(self.ready.values(), key=lambda g: (version_of[g.group_id], g.arrival))[:batch_groups]
         for group in oldest:
             del self.ready[group.group_id]
         # Oldest first, then in lease order rather than completion order: the learner sums in batch order,
         # and completion order depends on timing (run.deterministic needs the same batch in the same order).
-        return sorted(oldest, key=lambda g: (of[g.group_id], g.group_id)), dropped
+        return sorted(oldest, key=lambda g: (version_of[g.group_id], g.group_id)), dropped
 
     def state(self) -> dict:
         """Ready and partial groups (trajectories as `trajectory.encode` bytes) and the counters."""
