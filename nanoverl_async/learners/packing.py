@@ -159,7 +159,7 @@ def pack(input_ids: Tensor, attention_mask: Tensor, several_per_row: bool = True
     # a sequence is laid out up to its last read token, exclusive: the positions from there on predict nothing
     # read, and no earlier position attends to them (a causal model)
     lengths = torch.where(read, torch.arange(read.shape[1]), 0).amax(dim=1).clamp(min=1).tolist()
-    longest = max(1, max(lengths, default=1))
+    longest = max(lengths, default=1)  # every length is >= 1 already
     groups = _prompt_groups(input_ids, lengths, prompts if several_per_row else None)
     layouts = [_rows(groups, lengths, capacity, several_per_row)
                for capacity in ([longest, 2 * longest] if several_per_row and attention_cost > 0 else [longest])]
