@@ -1,6 +1,6 @@
 """The learner's seconds a step on the default job's batch, at the asynchronous default job's one thread.
 
-    python bench/learner_step.py [--threads 1] [--repeats 3] [--steps 5]
+    python bench/learner_step.py [--threads 1] [--repeats 3] [--steps 5] [--compile]
 
 The batch is the one bench/learner_vs_torch.py builds: 16 prompts x 8 samples of the built-in task, answers
 of a few to ~10 sampled tokens, `builtin:tiny`, float32, world size 1. A step is what the learner does
@@ -10,6 +10,9 @@ proximal forward before it is what a step costs otherwise. The two paths give th
 gradients bit for bit (tests/test_fsdp.py). Interleaved A B B A per repeat; a warm-up step of each first.
 The last row is `pack` alone on the batch: the host's share of the update, the layout of its rows. The last
 column counts the pages the process faulted in a step (the heap's policy: models/host_allocator.py).
+With --compile the rank compiles its decoder layers (learner.compile); the eager rows then run the same
+layers under torch.compiler.set_stance("force_eager"), and a last row gives the update compiled. The title
+says how long the first compiled update took (the compile).
 """
 
 from __future__ import annotations
@@ -60,25 +63,38 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="learner.compile: a row for the compiled update")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     setup = LearnerSetup(model=ModelConfig(path=resolve_model_path("builtin:tiny")), max_total_tokens=MAX_TOTAL_TOKENS,
-                         learner=LearnerConfig(torch_threads=args.threads))
+                         learner=LearnerConfig(torch_threads=args.threads, compile=args.compile))
     rank = LearnerRank(setup, 0, "127.0.0.1", port)
     batch = default_job_batch(rank.model.config.vocab_size)
-    paths = {"separate proximal forward, then the update": lambda: step(rank, batch, True),
-             "the update alone (p_old from its own forward)": lambda: step(rank, batch, False),
+
+    def eager(run):
+        def in_eager():
+            with torch.compiler.set_stance("force_eager"):
+                run()
+        return in_eager
+
+    paths = {"separate proximal forward, then the update": eager(lambda: step(rank, batch, True)),
+             "the update alone (p_old from its own forward)": eager(lambda: step(rank, batch, False)),
              "of which pack() (host)": lambda: pack(batch.input_ids, batch.attention_mask, rank.packs,
                                                     prompt_lengths(batch.loss_mask), rank.attention_cost,
                                                     batch.loss_mask)}
+    if args.compile:
+        paths["the update alone, compiled (learner.compile)"] = lambda: step(rank, batch, False)
     names = list(paths)
     seconds, faults = {name: [] for name in names}, {name: [] for name in names}
+    warm_up = {}
     try:
         for name in names:
-            paths[name]()  # warm-up
+            started = time.perf_counter()
+            paths[name]()  # warm-up (the compiled path's: the compile)
+            warm_up[name] = time.perf_counter() - started
         for _ in range(args.repeats):
             for name in names + names[::-1]:  # A B C C B A
                 took, faulted = seconds_a_step(paths[name], args.steps)
@@ -89,7 +105,8 @@ def main() -> None:
     baseline = statistics.median(seconds[names[0]])
     table = Table(title=f"learner seconds a step: {batch.size} sequences, {int(batch.loss_mask.sum())} sampled "
                         f"tokens, builtin:tiny, {args.threads} thread(s), {args.repeats} repeats x 2 x "
-                        f"{args.steps} steps")
+                        f"{args.steps} steps" + (f"; the first compiled update took {warm_up[names[-1]]:.1f} s"
+                                                  if args.compile else ""))
     for column in ("path", "median s", "range s", "/ separate forward", "page faults a step"):
         table.add_column(column)
     for name in names:

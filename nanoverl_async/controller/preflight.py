@@ -9,7 +9,7 @@ data files exist and every row has a chat `prompt` that leaves room under agent.
 runs here, once, in the launching process), the model paths name models whose positions hold
 agent.max_total_tokens (`check_model`), `run.resume` names a checkpoint, `wire.host` can be bound, and the
 learner's predicted peak fits in the memory of its devices (fit_check.py; launch checks a builder's model
-once it has made it).
+once it has made it), and learner.compile on the CPU finds the C++ compiler it builds kernels with.
 Each failure is one ConfigError naming the key. The returned config has `agent.env`'s default filled in,
 every user path absolute, so roles in other processes (and a later resume) load exactly the same code, the
 rows left out in data.skip_rows, and `wire.host` placed (wire_auth.placed_host: "auto" is loopback on one
@@ -30,6 +30,8 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import os
+import shutil
 import socket
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -165,6 +167,9 @@ def prepare(cfg: Config) -> Config:
     why = sandbox.unavailable() if cfg.agent.sandbox == "bwrap" and uses_python else None
     if why:
         raise ConfigError(f"config key 'agent.sandbox': {sandbox.refusal(why)}")
+    if cfg.learner.compile and cfg.learner.device == "cpu" and not shutil.which(os.environ.get("CXX") or "g++"):
+        raise ConfigError("config key 'learner.compile': torch.compile builds its CPU kernels with a C++ compiler, "
+                          "and none is here ($CXX, else g++); install g++, or set learner.compile=false")
     check_model(cfg)
     cfg = check_prompt_lengths(cfg, loaded["agent.env"], rows)
     check_task_prompts(cfg, loaded["agent.env"])

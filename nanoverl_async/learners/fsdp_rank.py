@@ -105,7 +105,8 @@ class LearnerRank:
         # after the optimizers, so that the probe's forward cannot leave stale compute copies behind them
         models = {name: model for name, model in {"policy": self.model, "reference": self.reference,
                                                    "critic": self.critic}.items() if model is not None}
-        mixing = [name for name, model in models.items() if not keeps_packed_sequences_apart(model, self.device)]
+        with torch.compiler.set_stance("force_eager"):  # learner.compile: no graphs for the probe's shapes
+            mixing = [name for name, model in models.items() if not keeps_packed_sequences_apart(model, self.device)]
         for model in models.values():
             drop_compute_copy(model)
         self.packs = not mixing  # else every forward pads one sequence per row
@@ -126,11 +127,12 @@ class LearnerRank:
         gradients reduced in fp32. On one rank the shard is the whole model: freeing the compute copy after each
         forward would save no memory and cost a second cast of every weight in backward. One rank in fp32 has
         nothing to shard, reduce or cast: the plain model (FSDP2's hooks and DTensors would slow its update:
-        docs/benchmarks.md "Costs behind choices in the code"). learner.activation_checkpointing: each
-        decoder layer keeps only its input for backward and recomputes the rest (torch's composable,
-        non-reentrant checkpoint: parameter names unchanged, FSDP2 composes). `adapters` (learner.lora): a
-        frozen base in the compute dtype, LoRA's A and B the fp32 master weights, A's random start the same on
-        every rank."""
+        docs/benchmarks.md "Costs behind choices in the code"). Each decoder layer, in place (parameter names
+        unchanged, FSDP2 composes): learner.activation_checkpointing keeps only its input for backward and
+        recomputes the rest (torch's composable, non-reentrant checkpoint); learner.compile compiles it with
+        dynamic shapes (packed rows change shape every step: one graph serves them all). `adapters`
+        (learner.lora): a frozen base in the compute dtype, LoRA's A and B the fp32 master weights, A's random
+        start the same on every rank."""
         dtype = self.dtype if adapters else torch.float32
         model = model_class.from_pretrained(path, dtype=dtype, **kwargs).to(self.device)
         if adapters:
@@ -143,6 +145,8 @@ class LearnerRank:
         layers = [module for module in model.modules() if type(module).__name__ in layer_classes]
         for layer in layers if self.cfg.activation_checkpointing else []:
             checkpoint_activations(layer)
+        for layer in layers if self.cfg.compile else []:
+            layer.compile(dynamic=True)
         if self.world_size == 1 and self.dtype == torch.float32:
             return model
         mp_policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
@@ -182,15 +186,10 @@ class LearnerRank:
         with lora.adapters_off(self.model) if base else contextlib.nullcontext():
             for start, stop in self._micro_bounds(local):
                 mb, packing = self._micro_batch(local, start, stop)
-                values = self._values(packing) if field == "values" else \
+                values = packing.values(self.critic) if field == "values" else \
                     packing.logprobs(model, self.setup.temperature, self.cfg.logits_chunk_tokens)
                 out[start:stop, :values.shape[1]] = torch.where(mb.loss_mask.bool(), values, 0.0).cpu()
         return out.numpy()
-
-    def _values(self, packing: Packing) -> torch.Tensor:
-        """Token-indexed V [n, l]: the head's output at the position that predicts token j (that of token
-        j - 1: the state in which token j is sampled, the same shift as the logprobs); 0 at j = 0."""
-        return packing.predicted(packing.forward(self.critic)[..., 0].float())
 
     def update(self, batch: TrainBatch, version: int) -> dict[str, float]:
         """ppo_epochs x minibatches optimizer steps on the batch, from the weights of `version` to those of
@@ -268,7 +267,7 @@ class LearnerRank:
         """The critic's loss of one micro-batch: the clipped value loss (algorithms.value_loss) against the GAE
         returns, token-mean over the global sampled-token count."""
         tokens = normalisers["tokens"]
-        token_loss, metrics = value_loss(self._values(packing), mb.values, mb.returns, mb.loss_mask,
+        token_loss, metrics = value_loss(packing.values(self.critic), mb.values, mb.returns, mb.loss_mask,
                                          self.setup.critic.value_clip)
         loss = aggregate(token_loss, mb.loss_mask, "token-mean", tokens)
         return loss, {"value_loss": loss.detach(), **reduce_token_metrics(metrics, mb.loss_mask, tokens)}

@@ -131,6 +131,11 @@ class Packing:
         output at the position that predicts it, the state in which it was sampled."""
         return self.scatter(per_position[self.predictor])
 
+    def values(self, critic: torch.nn.Module) -> Tensor:
+        """A critic's token-indexed V [n, l]: its scalar head at the position that predicts token j (that of token
+        j - 1: the state in which token j is sampled, the same shift as the logprobs); 0 at j = 0."""
+        return self.predicted(self.forward(critic)[..., 0].float())
+
     def scatter(self, values: Tensor) -> Tensor:
         """Values of tokens j >= 1 [k, ...] -> [n, l, ...], 0 on token 0 and on padding. Integer indices only: a
         boolean mask would make the host wait for the GPU."""
