@@ -191,7 +191,7 @@ class LearnerConfig:
     micro_batch_tokens: int = 0  # forward/backward chunks of at most this many padded tokens (0 = no bound)
     activation_checkpointing: bool = False  # keep only each decoder layer's input for backward, recompute the rest
     logits_chunk_tokens: int = 0  # LM head + log-softmax over at most this many sampled tokens at once (0 = all)
-    # torch.compile each decoder layer (dynamic shapes): a step 14-25% shorter on the CPU, the first one 10-15 s
+    # torch.compile each decoder layer (dynamic shapes): a step 14-23% shorter on the CPU, the first one 10-15 s
     # longer (docs/benchmarks.md "The learner compiled, CPU"); pays in runs of hundreds of steps; needs g++ on a CPU
     compile: bool = False
     lora: LoRAConfig = field(default_factory=LoRAConfig)
