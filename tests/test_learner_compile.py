@@ -1,10 +1,9 @@
 """learner.compile: every decoder layer compiled (torch.compile, dynamic shapes) trains as the eager layers do.
 
-The same tiny random Qwen2 as tests/test_fsdp.py, one rank: three updates on batches of different layouts
-(a shared prompt's mask, one sequence per row, micro-batches), compiled and eager side by side from the same
-weights. Inductor fuses the elementwise ops, so sums round differently: the results agree to float32
-tolerance, not bit for bit. Compiling takes seconds (the first update's forward and backward, once: later
-layouts reuse the graph).
+The same tiny random Qwen2 as tests/test_fsdp.py, one rank: three updates on batches of one layout and different
+shapes, compiled and eager side by side from the same weights. Inductor fuses the elementwise ops, so sums round
+differently: the results agree to float32 tolerance, not bit for bit. Compiling takes 30-60 s on two cores (the
+first update's forward and backward, once: the later shapes reuse its graph).
 """
 
 import dataclasses
