@@ -8,7 +8,6 @@ first update's forward and backward, once: the later shapes reuse its graph).
 
 import dataclasses
 import shutil
-import socket
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from nanoverl_async.learners.batch import collate, with_advantages
 from nanoverl_async.learners.fsdp_rank import LearnerRank
 from nanoverl_async.learners.setup import LearnerSetup
 from synthetic import episodes
-from test_fsdp import ALGO, TEMPERATURE, write_model_dir
+from test_fsdp import ALGO, TEMPERATURE, free_port, write_model_dir
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor builds its CPU kernels with g++")
 LEARNER = LearnerConfig(lr=1e-3, grad_clip=0.5, torch_threads=1)
@@ -35,12 +34,6 @@ def batches():
               [(7, [2, 2], 0.0), (7, [3], 1.0), (4, [11], 1.0), (4, [6], 0.0)]]
     return [with_advantages(collate(episodes(shape, seed=seed, shared_prompts=True)), 2, ALGO, KLConfig(),
                             max_total_tokens=32) for seed, shape in enumerate(shapes)]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def trained(model_dir: str, compile_layers: bool) -> tuple[list[dict], dict, LearnerRank, int]:
