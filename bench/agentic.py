@@ -45,7 +45,8 @@ def main(argv: list[str]) -> None:
     extra = [arg for arg in argv if arg not in ("--repeats", "--threshold", "--etas")] + ["run.progress=false"]
     cfg = load_config(config, extra)
     on_cpu = cfg.generator.device == "cpu" and cfg.learner.device == "cpu"
-    sync = ["staleness.max=0"] + (["generator.torch_threads=2", "learner.torch_threads=2"] if on_cpu else [])
+    sync = ["staleness.max=0"] + (["generator.torch_threads=2", "learner.torch_threads=2",
+                                   "learner.micro_batch_threads=1"] if on_cpu else [])
     runs = {f"async_eta{eta}": [f"staleness.max={eta}"] for eta in etas} | {"sync": sync}
     start_ray(cfg.ray)  # one Ray instance for every run
     name = Path(config).stem

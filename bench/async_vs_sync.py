@@ -3,10 +3,10 @@
     python bench/async_vs_sync.py [--repeats N] [key=value ...]        # e.g. run.total_steps=40
 
 Runs configs/agent_grpo.yaml in this process tree, one run after the other, for the same number of
-trained samples: with staleness.max=0 (exactly on-policy), once with the config's one thread per role
-and once with two threads per role (a synchronous run leaves the other role's core idle, so this is
-the fairer baseline on a 2-core machine, and the headline; left out when the roles run on a GPU), then
-with the config's staleness; with
+trained samples: with staleness.max=0 (exactly on-policy), once with the config's threads per role (the
+generator's one, the learner's micro-batch threads) and once with two intra-op threads per role (a synchronous
+run leaves the other role's core idle, so this is the fairer baseline on a 2-core machine, and the headline;
+left out when the roles run on a GPU), then with the config's staleness; with
 --repeats N, N times each, interleaved (A B C C B A ...), reported as min-max. Prints wall-clock of the
 training loop, samples/s, the learner's mean seconds per step training and waiting for a batch
 (how much of a synchronous step training is), the mean reward of the first and last 10% of steps for
@@ -64,7 +64,8 @@ def main(argv: list[str]) -> None:
     default_eta, on_cpu = cfg.staleness.max, cfg.generator.device == "cpu" and cfg.learner.device == "cpu"
     start_ray(cfg.ray)  # one Ray instance for every run
     quiet = ["run.progress=false"]
-    two_threads = ["generator.torch_threads=2", "learner.torch_threads=2"]
+    # two intra-op threads each (as fast as two micro-batch threads when the learner has both cores to itself)
+    two_threads = ["generator.torch_threads=2", "learner.torch_threads=2", "learner.micro_batch_threads=1"]
     runs = {"sync_2threads": quiet + ["staleness.max=0"] + two_threads} if on_cpu else {}  # cores matter on CPU only
     runs |= {f"async_eta{default_eta}": quiet + [f"staleness.max={default_eta}"], "sync": quiet + ["staleness.max=0"]}
     results = {label: [] for label in runs}
@@ -91,7 +92,7 @@ def main(argv: list[str]) -> None:
     console.print(table)
     async_ = results[f"async_eta{default_eta}"]
     for label, note in (("sync_2threads", "the fair baseline: two threads per role, so sync uses both cores"),
-                        ("sync", "one thread per role, as the config runs async")):
+                        ("sync", "each role's threads as the config runs async")):
         if label not in results:
             continue
         rates = [r["samples_per_s"] for r in results[label]]

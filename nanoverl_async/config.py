@@ -183,6 +183,10 @@ class LearnerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0  # max global grad norm
     torch_threads: int = 1  # intra-op threads of each learner rank
+    # micro-batches trained at once, each on a thread of its own, where the learner is one float32 CPU rank (else
+    # one at a time): unlike intra-op threads they never wait for each other mid-op when the generator holds a
+    # core (learners/threaded_passes.py)
+    micro_batch_threads: int = 1
     device: str = "cpu"  # cpu (gloo) | cuda (nccl)
     # GPUs Ray reserves per rank on cuda; <1 shares a GPU with generators (NCCL: one rank per GPU)
     gpus_per_rank: float = 1.0

@@ -220,7 +220,7 @@ def _lora_rules(lora, nccl: bool) -> Iterator[tuple[str, bool, str]]:
 
 POSITIVE = ("run.total_steps", "data.prompts_per_step", "data.samples_per_prompt", "agent.max_turns",
             "agent.max_new_tokens", "agent.max_total_tokens", "agent.tool_timeout_s", "agent.max_tool_calls",
-            "agent.hook_timeout_s", "agent.rollout_timeout_s",
+            "agent.hook_timeout_s", "agent.rollout_timeout_s", "learner.micro_batch_threads",
             "generator.replicas", "generator.max_groups_in_flight", "generator.torch_threads",
             "generator.kv_block_size", "learner.world_size", "learner.torch_threads", "learner.ppo_epochs",
             "learner.minibatches", "learner.lr", "critic.lr", "run.step_timeout_s", "weight_sync.timeout_s",

@@ -1,10 +1,10 @@
 """One data-parallel learner rank: a Hugging Face causal LM sharded with FSDP2 (`_sharded_model`), AdamW, the
 policy loss; optionally a frozen reference (KL) and a critic (advantage=gae) sharded the same way.
 
-Every rank receives the WHOLE TrainBatch. `update` runs learner.ppo_epochs x learner.minibatches optimizer
-steps: minibatch k is the k-th contiguous block of the batch's rows, of which each rank trains its own
-contiguous shard, in micro-batches of at most learner.micro_batch_tokens padded tokens, each packed several
-sequences to a row, a group sharing its prompt (packing.pack; one per row if attention would mix them).
+Every rank receives the WHOLE TrainBatch. `update` runs learner.ppo_epochs x learner.minibatches optimizer steps:
+minibatch k is the k-th contiguous block of the batch's rows, of which each rank trains its own contiguous shard,
+in micro-batches of at most learner.micro_batch_tokens padded tokens (learner.micro_batch_threads at once, on
+threads: threaded_passes.py), each packed several sequences to a row, a group sharing its prompt (packing.pack).
 Invariants:
   - every loss and metric is a sum over this rank's micro-batch divided by a GLOBAL normaliser (counts
     of the whole minibatch, all-reduced over ranks), and FSDP2 averages gradients over ranks, so each
@@ -19,9 +19,9 @@ Invariants:
     weights it trains (step N: N - 1; docs/design.md "Versions and staleness");
   - every collective (`update`, `compute`, `publish_weights`, `save_pretrained`, `save_checkpoint`,
     `load_checkpoint`, `connect_sglang`) must be called on all ranks, in the same order.
-Weights out: by default rank 0 publishes each version's full state dict over ZeroMQ, in buckets (weights.py). After
-`connect_sglang` (generator.sglang.weight_transport=nccl) rank 0 loads each version straight into the
-SGLang servers (learners/sglang_nccl.py) and publishes only a version notice (an empty state dict).
+Weights out: by default rank 0 publishes each version's full state dict over ZeroMQ, in buckets (weights.py).
+After `connect_sglang` (generator.sglang.weight_transport=nccl) rank 0 loads each version straight into the SGLang
+servers (learners/sglang_nccl.py) and publishes only a version notice (an empty state dict).
 Device: "cpu" uses gloo; "cuda" uses nccl, one GPU per rank (rank % GPUs visible). Memory (docs/design.md
 "Learner memory"): learner.activation_checkpointing, learner.logits_chunk_tokens; peaks logged as memory/*.
 
@@ -55,6 +55,7 @@ from nanoverl_async.learners.memory import peak_memory
 from nanoverl_async.learners.packing import (Packing, attends_to_whole_context, attention_cost_per_position,
                                              keeps_packed_sequences_apart, pack, prompt_lengths)
 from nanoverl_async.learners.setup import PROCESS_GROUP_TIMEOUT_S, LearnerSetup
+from nanoverl_async.learners.threaded_passes import ThreadedPasses
 from nanoverl_async.models import lora
 from nanoverl_async.models.host_allocator import tune_host_allocator
 from nanoverl_async.models.load import DTYPES
@@ -119,6 +120,7 @@ class LearnerRank:
         self.bucket_bytes = setup.bucket_mb * 2**20  # weight_sync.bucket_mb: the size of one bucket of a version
         self.nccl_transport = False  # set by connect_sglang on every rank (publish_weights gathers differently)
         self.sender = None  # rank 0's SGLangWeightSender once connected
+        self.passes = ThreadedPasses.where_usable(cfg, setup.model.dtype)  # learner.micro_batch_threads
         peak_memory(self.device)  # the first step's memory/* peaks leave the start-up out
 
     def _sharded_model(self, path: str, model_class=AutoModelForCausalLM, adapters=None, **kwargs) -> torch.nn.Module:
@@ -172,11 +174,10 @@ class LearnerRank:
 
     @torch.no_grad()
     def compute(self, batch: TrainBatch, field: str) -> np.ndarray:
-        """The TrainBatch field `field` of this rank's shard, from a forward before the update: float32 [rows,
-        L], token-indexed (see batch.sequence_logprobs), 0 off the loss mask. "proximal_logprobs": p_old, of
-        the weights this rank holds now; "reference_logprobs": those of the frozen
-        reference model (KL only; with LoRA and no reference.path, the base: the policy, its adapters off);
-        "values": the critic's V before this step (advantage=gae only)."""
+        """The TrainBatch field `field` of this rank's shard, from a forward before the update: float32 [rows, L],
+        token-indexed (batch.sequence_logprobs), 0 off the loss mask. "proximal_logprobs": p_old, of the weights
+        this rank holds now; "reference_logprobs": the frozen reference's (KL only; with LoRA and no reference.path,
+        the base: the policy, its adapters off); "values": the critic's V before this step (advantage=gae only)."""
         base = field == "reference_logprobs" and self.reference is None and self.lora is not None  # the base model
         model = {"proximal_logprobs": self.model, "reference_logprobs": self.model if base else self.reference,
                  "values": self.critic}[field]
@@ -244,21 +245,26 @@ class LearnerRank:
 
     def _train(self, model: torch.nn.Module, optimizer, grad_clip: float, local: TrainBatch,
                bounds: list[tuple[int, int]], normalisers: dict[str, float], loss_of) -> tuple[dict[str, float], float]:
-        """Accumulate the gradients of loss_of(micro-batch, packing, normalisers) -> (loss, metrics), each loss
-        already divided by the global normalisers, over this rank's micro-batches; clip, step: (the metrics
-        reduced, the gradient norm). One rank accumulates gradients unsharded (in fp32) and keeps the compute
-        copy of the weights until the last micro-batch, instead of a reduce (a copy) and a cast per micro-batch
-        and layer; several ranks reduce-scatter each micro-batch, so that no rank holds all gradients."""
+        """Accumulate the gradients of loss_of(micro-batch, packing, normalisers) -> (loss, metrics), each loss already
+        divided by the global normalisers, over this rank's micro-batches; clip (grad_clip 0: not at all), step: (the
+        metrics reduced, the global gradient norm before clipping). One rank accumulates gradients unsharded (in fp32)
+        and keeps the compute copy of the weights until the last micro-batch, instead of a reduce (a copy) and a cast
+        per micro-batch and layer; several ranks reduce-scatter each one, so that no rank holds all gradients."""
         optimizer.zero_grad(set_to_none=True)
-        parts = []  # each micro-batch's metrics
-        for index, (start, stop) in enumerate(bounds):
-            if isinstance(model, FSDPModule) and self.world_size == 1:
-                model.set_requires_gradient_sync(index == len(bounds) - 1)
-                model.set_reshard_after_backward(index == len(bounds) - 1)
-            loss, metrics = loss_of(*self._micro_batch(local, start, stop), normalisers)
-            (loss * self.world_size).backward()  # FSDP2 averages gradients over ranks: undo the 1/world_size
-            parts.append(metrics)
-        # the global gradient norm before clipping (grad_clip 0: no clipping)
+
+        def one_pass(start: int, stop: int) -> tuple[torch.Tensor, dict]:
+            return loss_of(*self._micro_batch(local, start, stop), normalisers)
+        if self.passes is not None:  # learner.micro_batch_threads, where usable: one rank, a plain model
+            parts = self.passes.accumulate(one_pass, bounds, [p for p in model.parameters() if p.requires_grad])
+        else:
+            parts = []  # each micro-batch's metrics
+            for index, (start, stop) in enumerate(bounds):
+                if isinstance(model, FSDPModule) and self.world_size == 1:
+                    model.set_requires_gradient_sync(index == len(bounds) - 1)
+                    model.set_reshard_after_backward(index == len(bounds) - 1)
+                loss, metrics = one_pass(start, stop)
+                (loss * self.world_size).backward()  # FSDP2 averages gradients over ranks: undo the 1/world_size
+                parts.append(metrics)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
         optimizer.step()
         return _reduce(parts), float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
@@ -312,16 +318,14 @@ class LearnerRank:
 
     @torch.no_grad()
     def publish_weights(self, version: int) -> None:
-        """Collective: gather the full state dict to rank 0 in the run's dtype (what the generators compute
-        in; a no-op for float32), one tensor at a time, each cast before it crosses (from a GPU half the bytes,
-        for bfloat16). NCCL transport: on rank 0's device (no CPU round trip), loaded into every server before
-        this returns (they are paused only meanwhile), then a version notice tells the generators which version
-        their servers hold. ZeroMQ transport: rank 0 copies each tensor straight into its slot in the one set of
-        buckets (weight_sync.bucket_mb each) the publisher keeps, rewritten for every version (wire/buckets.py:
-        a bucket's stamp changes before its bytes do), then publishes it without blocking while the optimizer
-        steps: in shared memory on CPU, on the GPU itself when every generator shares it (CUDA IPC), else
-        pinned. From a GPU the copies do not block, and the host waits once for all of them (into pageable
-        memory each would wait)."""
+        """Collective: gather the full state dict to rank 0 in the run's dtype (what the generators compute in; a no-op
+        for float32), one tensor at a time, each cast before it crosses (from a GPU half the bytes, for bfloat16). NCCL
+        transport: on rank 0's device, loaded into every server (paused only meanwhile) before this returns, then a
+        version notice tells the generators which version their servers hold. ZeroMQ transport: rank 0 copies each
+        tensor straight into its slot in the publisher's one set of buckets (weight_sync.bucket_mb each), rewritten for
+        every version (wire/buckets.py: a bucket's stamp changes before its bytes do), then publishes it without
+        blocking while the optimizer steps: in shared memory on CPU, on the GPU itself when every generator shares it
+        (CUDA IPC), else pinned. From a GPU the copies do not block, and the host waits once for all of them."""
         state = self._published_state()
         if self.nccl_transport:
             gathered = list(self._full_tensors(state))  # collective: every rank gathers, rank 0 keeps them
@@ -361,11 +365,8 @@ class LearnerRank:
         return self.publisher.endpoint if self.publisher is not None else ""
 
     def save_pretrained(self, path: str) -> None:
-        """Collective: rank 0 writes a Hugging Face directory (config, weights, tokenizer) at `path`, and
-        the critic's (advantage=gae; AutoModelForTokenClassification, one label) at `path/critic`, both in
-        the run's dtype (model.dtype; the fp32 master weights cast). With LoRA, `path` is PEFT's adapter folder
-        (the adapters as published) and, with learner.lora.save_merged, the merged model is the Hugging Face
-        directory `path/merged` (learners/checkpoint.py)."""
+        """Collective: rank 0 writes the final model at `path` in the run's dtype: a Hugging Face directory, the
+        critic's in `path/critic`; with LoRA, PEFT's adapter folder (learners/checkpoint.py `save_final`)."""
         save_final(self, path)
 
     def save_checkpoint(self, path: str) -> None:

@@ -18,6 +18,7 @@ Run alone: `python -m pytest tests/test_packing.py -q`.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
@@ -83,16 +84,23 @@ class Packing:
         takes a 4-D mask as it is); rows of one sequence need the plain causal mask."""
         lm_head = model.get_output_embeddings()  # None for a critic: its scores are read after the forward
         kept = []  # the hidden states `head` gets
+        # Threads may forward one model at once (learner.micro_batch_threads): each hook serves its own thread's.
+        thread = threading.get_ident()
 
-        def read(_, args) -> tuple[Tensor]:
+        def read(_, args) -> Optional[tuple[Tensor]]:
+            if threading.get_ident() != thread:
+                return None
             hidden = args[0].flatten(0, 1)
             if head is None:
                 return (hidden[self.outputs],)
             kept.append(hidden[self.outputs[self.predictor]])
             return (hidden[:0],)  # the head's own matmul runs on no position
 
+        def replace(module, _, out) -> Tensor:
+            return head(kept.pop(), module) if threading.get_ident() == thread else out
+
         hooks = [] if lm_head is None else [lm_head.register_forward_pre_hook(read)] + (
-            [] if head is None else [lm_head.register_forward_hook(lambda module, _, __: head(kept.pop(), module))])
+            [] if head is None else [lm_head.register_forward_hook(replace)])
         try:
             out = model(input_ids=self.input_ids, position_ids=self.position_ids,
                         attention_mask=self.attention_mask, use_cache=False).logits
