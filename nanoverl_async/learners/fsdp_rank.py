@@ -81,8 +81,11 @@ class LearnerRank:
         self.device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(self.device)
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=rank, world_size=world_size, device_id=self.device if cuda else None,
+        # one rank meets no one: a store in memory, not a probed port, which another process may take meanwhile
+        meeting = {"store": dist.HashStore()} if world_size == 1 else {
+            "init_method": f"tcp://{master_addr}:{master_port}"}
+        dist.init_process_group("nccl" if cuda else "gloo", **meeting, rank=rank, world_size=world_size,
+                                device_id=self.device if cuda else None,
                                 timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
         self.mesh = init_device_mesh(self.device.type, (world_size,))
         self.lora = cfg.lora if cfg.lora.rank > 0 else None  # learner.lora: adapters train, the base is frozen
@@ -124,17 +127,16 @@ class LearnerRank:
         peak_memory(self.device)  # the first step's memory/* peaks leave the start-up out
 
     def _sharded_model(self, path: str, model_class=AutoModelForCausalLM, adapters=None, **kwargs) -> torch.nn.Module:
-        """A causal LM (or, for the critic, its backbone with a token-level head) with fp32 master weights,
-        sharded per decoder layer and at the root; bfloat16 only for compute when asked (FSDP2 mixed precision),
-        gradients reduced in fp32. On one rank the shard is the whole model: freeing the compute copy after each
-        forward would save no memory and cost a second cast of every weight in backward. One rank in fp32 has
-        nothing to shard, reduce or cast: the plain model (FSDP2's hooks and DTensors would slow its update:
-        docs/benchmarks.md "Costs behind choices in the code"). Each decoder layer, in place (parameter names
-        unchanged, FSDP2 composes): learner.activation_checkpointing keeps only its input for backward and
-        recomputes the rest (torch's composable, non-reentrant checkpoint); learner.compile compiles it with
-        dynamic shapes (packed rows change shape every step: one graph serves them all). `adapters`
-        (learner.lora): a frozen base in the compute dtype, LoRA's A and B the fp32 master weights, A's random
-        start the same on every rank."""
+        """A causal LM (or, for the critic, its backbone with a token-level head) with fp32 master weights, sharded per
+        decoder layer and at the root; bfloat16 only for compute when asked (FSDP2 mixed precision), gradients reduced
+        in fp32. On one rank the shard is the whole model: freeing the compute copy after each forward would save no
+        memory and cost a second cast of every weight in backward. One rank in fp32 has nothing to shard, reduce or
+        cast: the plain model (FSDP2's hooks and DTensors would slow its update: docs/benchmarks.md "Costs behind
+        choices in the code"). Each decoder layer, in place (parameter names unchanged, FSDP2 composes):
+        learner.activation_checkpointing keeps only its input for backward and recomputes the rest (torch's composable,
+        non-reentrant checkpoint); learner.compile compiles it with dynamic shapes (packed rows change shape every step:
+        one graph serves them all). `adapters` (learner.lora): a frozen base in the compute dtype, LoRA's A and B the
+        fp32 master weights, A's random start the same on every rank."""
         dtype = self.dtype if adapters else torch.float32
         model = model_class.from_pretrained(path, dtype=dtype, **kwargs).to(self.device)
         if adapters:
@@ -318,14 +320,13 @@ class LearnerRank:
 
     @torch.no_grad()
     def publish_weights(self, version: int) -> None:
-        """Collective: gather the full state dict to rank 0 in the run's dtype (what the generators compute in; a no-op
-        for float32), one tensor at a time, each cast before it crosses (from a GPU half the bytes, for bfloat16). NCCL
-        transport: on rank 0's device, loaded into every server (paused only meanwhile) before this returns, then a
-        version notice tells the generators which version their servers hold. ZeroMQ transport: rank 0 copies each
-        tensor straight into its slot in the publisher's one set of buckets (weight_sync.bucket_mb each), rewritten for
-        every version (wire/buckets.py: a bucket's stamp changes before its bytes do), then publishes it without
-        blocking while the optimizer steps: in shared memory on CPU, on the GPU itself when every generator shares it
-        (CUDA IPC), else pinned. From a GPU the copies do not block, and the host waits once for all of them."""
+        """Collective: gather the full state dict to rank 0 in the run's dtype (what the generators compute in), one
+        tensor at a time, each cast before it crosses. NCCL transport: on rank 0's device, loaded into every server
+        (paused only meanwhile) before this returns, then a version notice names the version they hold. ZeroMQ
+        transport: rank 0 copies each tensor into its slot in the publisher's one set of buckets (weight_sync.bucket_mb
+        each; wire/buckets.py: a bucket's stamp changes before its bytes do), then publishes it without blocking while
+        the optimizer steps: in shared memory on CPU, on the GPU itself when every generator shares it (CUDA IPC), else
+        pinned; from a GPU the copies do not block, and the host waits once for all."""
         state = self._published_state()
         if self.nccl_transport:
             gathered = list(self._full_tensors(state))  # collective: every rank gathers, rank 0 keeps them
@@ -387,9 +388,8 @@ class LearnerRank:
 
 
 def _reduce(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """This rank's micro-batch metrics -> those of all micro-batches of all ranks (merge_metrics: `*_max`
-    keys by max, the others, already divided by global counts, by sum), first over this rank's micro-batches
-    in the metrics' own dtype, then over ranks in float64: one collective, one read to the host, however many."""
+    """This rank's micro-batch metrics -> those of every rank's (merge_metrics: `*_max` keys by max, the others, already
+    divided by global counts, by sum): this rank's in their own dtype, then all in float64, in one collective."""
     names = sorted(parts[0])
     local = merge_metrics({key: torch.stack([part[key].detach() for part in parts]) for key in names})
     values = torch.stack([local[key].double() for key in names])
