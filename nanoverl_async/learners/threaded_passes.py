@@ -43,8 +43,8 @@ class ThreadedPasses:
         """learner.micro_batch_threads' passes where threads can share one model; elsewhere None (one pass at a
         time), so that a config's setting never stands in the way of another rank count or device: FSDP2's
         collectives and hooks run pass by pass (several ranks, or bfloat16 compute), a GPU runs one stream,
-        compiling from two threads at once is untested (learner.compile), and LoRA's dropout would interleave the
-        threads' random draws (a run would not repeat)."""
+        torch.compile is not thread-safe (learner.compile; pytorch/pytorch#118260), and LoRA's dropout would
+        interleave the threads' random draws (a run would not repeat)."""
         usable = learner.world_size == 1 and learner.device == "cpu" and dtype == "float32" and not learner.compile \
             and learner.lora.dropout == 0
         return cls(learner.micro_batch_threads) if usable and learner.micro_batch_threads > 1 else None
