@@ -86,7 +86,7 @@ def test_the_engine_takes_its_default_for_zero_however_written_and_a_size_in_byt
     assert blocks[5] * 1024 * 2 == blocks[0]
 
 
-def test_the_pool_hands_out_fresh_blocks_first_then_the_least_recently_released():
+def test_the_pool_reuses_blocks_without_a_prefix_then_fresh_ones_then_the_least_recently_released():
     pool = BlockPool(6, block_size=2)
     a, b = pool.allocate(2), pool.allocate(2)
     assert (a, b, pool.in_use(), pool.free(), pool.peak) == ([1, 2], [3, 4], 4, 1, 4)
@@ -94,8 +94,10 @@ def test_the_pool_hands_out_fresh_blocks_first_then_the_least_recently_released(
     pool.release(a)
     pool.release(b)
     assert pool.in_use() == 0 and pool.free() == 5 and pool.match([b"a0", b"x"]) == [1]
-    # fresh 5 first; then the released blocks that hold no prefix (the latest released first), then block 1
-    assert pool.allocate(5) == [5, 3, 4, 2, 1]
+    # the released blocks that hold no prefix (the latest released first), then fresh 5, then block 1
+    assert pool.allocate(2) == [3, 4] and pool.match([b"a0"]) == [1]
+    assert pool.allocate(2) == [2, 5] and pool.match([b"a0"]) == [1]  # the last without a prefix, one fresh
+    assert pool.allocate(1) == [1]
     assert pool.match([b"a0"]) == [] and pool.free() == 0  # handing block 1 out evicted its prefix
     with pytest.raises(RuntimeError, match="1 KV blocks asked, 0 free"):
         pool.allocate(1)

@@ -20,9 +20,10 @@ to it, until evicted), or never used yet. Invariants:
   - hash i of a context = blake2b(hash i-1 + the token ids of block i), chained from a seed that names the
     weights version the keys and values were computed with: a block computed under other weights never
     matches (vLLM's automatic prefix caching and nano-vllm's hashes chain the same way);
-  - `allocate` takes never-used blocks first, then the least recently released (LRU: a later turn of the
-    same episode, or another group with the same system prompt, finds its prefix while it is fresh);
-    blocks holding no full prefix are released to the front of that queue, so they go first.
+  - `allocate` takes released blocks that hold no prefix first (they are released to the front of the queue,
+    and after a weight swap every block is one), then never-used blocks, then the least recently released (LRU:
+    a later turn of the same episode, or another group with the same system prompt, finds its prefix while it
+    is fresh). So the pool's memory is reused while it is warm, and grows only with the blocks in use at once.
 
 Run alone: nothing to run; tests/test_kv_blocks.py checks it on its own and through the engine.
 """
@@ -111,11 +112,17 @@ class BlockPool:
         return list(blocks)
 
     def allocate(self, count: int) -> list[int]:
-        """`count` blocks of one holder each: never-used ones first, then the least recently released."""
+        """`count` blocks of one holder each: released ones that hold no prefix first (nothing cached is lost,
+        and their memory is warm: a never-used block costs its pages and its zeroing), then never-used ones,
+        then the least recently released."""
         if count > self.free():
             raise RuntimeError(f"{count} KV blocks asked, {self.free()} free: the engine checks `fits` first")
-        blocks = list(range(self.fresh, min(self.fresh + count, self.num_blocks)))
-        self.fresh += len(blocks)
+        blocks = []
+        while len(blocks) < count and self.released and next(iter(self.released)) not in self.hash_of:
+            blocks.append(self.released.popitem(last=False)[0])
+        fresh = range(self.fresh, min(self.fresh + count - len(blocks), self.num_blocks))
+        self.fresh += len(fresh)
+        blocks += fresh
         while len(blocks) < count:
             block, _ = self.released.popitem(last=False)
             self.block_of.pop(self.hash_of.pop(block, None), None)  # the prefix it held, if any, is evicted
