@@ -4,13 +4,13 @@
 
 Runs configs/agent_grpo.yaml in this process tree, one run after the other, for the same number of
 trained samples: with staleness.max=0 (exactly on-policy), once with the config's threads per role (the
-generator's one, the learner's micro-batch threads) and once with two intra-op threads per role (a synchronous
-run leaves the other role's core idle, so this is the fairer baseline on a 2-core machine, and the headline;
-left out when the roles run on a GPU), then with the config's staleness; with
---repeats N, N times each, interleaved (A B C C B A ...), reported as min-max. Prints wall-clock of the
-training loop, samples/s, the learner's mean seconds per step training and waiting for a batch
+generator's one, the learner's micro-batch threads) and once with two intra-op threads per role (so that each
+phase of a synchronous step may use both cores of a 2-core machine; left out when the roles run on a GPU), then
+with the config's staleness; with --repeats N, N times each, interleaved (A B C C B A ...), reported as min-max.
+Prints wall-clock of the training loop, samples/s, the learner's mean seconds per step training and waiting for a batch
 (how much of a synchronous step training is), the mean reward of the first and last 10% of steps for
-each, and the ratios (the range, and each repeat's). Extra key=value arguments apply to every run.
+each, and the ratios (the range, and each repeat's); the headline is against the faster synchronous run of
+each repeat. Extra key=value arguments apply to every run.
 """
 
 from __future__ import annotations
@@ -90,17 +90,21 @@ def main(argv: list[str]) -> None:
                       span(label, "final_reward", 3), str(max(r["staleness_max_seen"] for r in rows)))
     console = Console(width=200)
     console.print(table)
-    async_ = results[f"async_eta{default_eta}"]
-    for label, note in (("sync_2threads", "the fair baseline: two threads per role, so sync uses both cores"),
+    async_ = [r["samples_per_s"] for r in results[f"async_eta{default_eta}"]]
+    final = span(f"async_eta{default_eta}", "final_reward", 3)
+    for label, note in (("sync_2threads", "two intra-op threads per role"),
                         ("sync", "each role's threads as the config runs async")):
-        if label not in results:
-            continue
-        rates = [r["samples_per_s"] for r in results[label]]
-        ours = [r["samples_per_s"] for r in async_]
-        console.print(f"async (staleness {default_eta}) vs {label} ({note}): samples/s "
-                      f"{min(ours) / max(rates):.2f}-{max(ours) / min(rates):.2f}x (per repeat "
-                      f"{', '.join(f'{a / b:.2f}' for a, b in zip(ours, rates))}), final reward "
-                      f"{span(f'async_eta{default_eta}', 'final_reward', 3)} vs {span(label, 'final_reward', 3)}")
+        if label in results:
+            rates = [r["samples_per_s"] for r in results[label]]
+            console.print(f"async (staleness {default_eta}) vs {label} ({note}): samples/s "
+                          f"{min(async_) / max(rates):.2f}-{max(async_) / min(rates):.2f}x (per repeat "
+                          f"{', '.join(f'{a / b:.2f}' for a, b in zip(async_, rates))}), final reward "
+                          f"{final} vs {span(label, 'final_reward', 3)}")
+    # the headline: against whichever synchronous run was faster in each repeat, the baseline a user would keep
+    fastest = [max(r["samples_per_s"] for r in runs_of) for runs_of in zip(
+        *(results[label] for label in ("sync_2threads", "sync") if label in results))]
+    console.print(f"async (staleness {default_eta}) vs the faster synchronous run of each repeat: per repeat "
+                  f"{', '.join(f'{a / b:.2f}' for a, b in zip(async_, fastest))}x")
     Path("outputs/bench/async_vs_sync/results.json").write_text(json.dumps(results, indent=2))
 
 
