@@ -3,7 +3,7 @@
     python bench/agentic.py configs/slow_tool.yaml [--repeats N] [--threshold R] [--etas 1,2,4] [key=value ...]
 
 For one workload config (configs/slow_tool.yaml, configs/long_tail.yaml, configs/code.yaml) it runs the same
-job with staleness.max 1, 2, 4 (or --etas) and 0 (synchronous; on a CPU with two threads per role, the fair baseline of
+job with staleness.max 1, 2, 4 (or --etas) and 0 (synchronous; on a CPU with two intra-op threads per role, as in
 bench/async_vs_sync.py, whose run_one it uses), one after the other in this process tree, interleaved over
 repeats (A B C D, then D C B A, ...). Prints one table: trained samples per second of the training loop, and
 the steps and seconds until the reward, as a mean over WINDOW steps, first reaches the threshold (default
