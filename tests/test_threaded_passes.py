@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from nanoverl_async.config import ConfigError, KLConfig, LearnerConfig, ModelConfig, load_config
 from nanoverl_async.learners.batch import collate, with_advantages
@@ -115,20 +116,26 @@ def test_packed_forwards_on_two_threads_read_their_own_positions(model_dir):
         assert torch.equal(ours, theirs)
 
 
-@pytest.mark.parametrize("overrides, threads", [
-    ([], 2),  # the config's
-    (["learner.micro_batch_threads=1"], None),
-    (["learner.micro_batch_threads=3"], 3),
-    (["learner.world_size=2"], None),
-    (["learner.device=cuda"], None),
-    (["model.dtype=bfloat16"], None),
-    (["learner.compile=true"], None),
-    (["learner.lora.rank=8", "learner.lora.dropout=0.1"], None),
-    (["learner.lora.rank=8", "learner.lora.dropout=0.0"], 2),
+def sharded(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` as FSDP2's fully_shard leaves it, class-wise (its class becomes a subclass of FSDPModule)."""
+    module.__class__ = type(f"FSDP{type(module).__name__}", (FSDPModule, type(module)), {})
+    return module
+
+
+@pytest.mark.parametrize("overrides, plain, threads", [
+    ([], True, 2),  # the config's, on the plain model one float32 rank gets
+    (["learner.micro_batch_threads=1"], True, None),
+    (["learner.micro_batch_threads=3"], True, 3),
+    ([], False, None),  # several ranks, or bfloat16 compute: the rank built an FSDP2 module
+    (["learner.device=cuda"], True, None),
+    (["learner.compile=true"], True, None),
+    (["learner.lora.rank=8", "learner.lora.dropout=0.1"], True, None),
+    (["learner.lora.rank=8", "learner.lora.dropout=0.0"], True, 2),
 ])
-def test_threads_where_one_float32_cpu_rank_trains_without_compile_or_dropout(overrides, threads):
+def test_threads_where_a_plain_cpu_model_trains_without_compile_or_dropout(overrides, plain, threads):
     cfg = load_config("configs/agent_grpo.yaml", overrides)  # never refused: elsewhere one pass at a time
-    passes = ThreadedPasses.where_usable(cfg.learner, cfg.model.dtype)
+    model = torch.nn.Linear(2, 2)
+    passes = ThreadedPasses.where_usable(cfg.learner, model if plain else sharded(model))
     assert (passes.threads if passes else None) == threads
 
 

@@ -123,7 +123,7 @@ class LearnerRank:
         self.bucket_bytes = setup.bucket_mb * 2**20  # weight_sync.bucket_mb: the size of one bucket of a version
         self.nccl_transport = False  # set by connect_sglang on every rank (publish_weights gathers differently)
         self.sender = None  # rank 0's SGLangWeightSender once connected
-        self.passes = ThreadedPasses.where_usable(cfg, setup.model.dtype)  # learner.micro_batch_threads
+        self.passes = ThreadedPasses.where_usable(cfg, self.model)  # learner.micro_batch_threads
         peak_memory(self.device)  # the first step's memory/* peaks leave the start-up out
 
     def _sharded_model(self, path: str, model_class=AutoModelForCausalLM, adapters=None, **kwargs) -> torch.nn.Module:

@@ -26,6 +26,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 
 from nanoverl_async.config import LearnerConfig
 from nanoverl_async.learners.batch import split_to
@@ -39,13 +40,14 @@ class ThreadedPasses:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="micro-batch")  # its threads end with it
 
     @classmethod
-    def where_usable(cls, learner: LearnerConfig, dtype: str) -> Optional["ThreadedPasses"]:
+    def where_usable(cls, learner: LearnerConfig, model: torch.nn.Module) -> Optional["ThreadedPasses"]:
         """learner.micro_batch_threads' passes where threads can share one model; elsewhere None (one pass at a
-        time), so that a config's setting never stands in the way of another rank count or device: FSDP2's
-        collectives and hooks run pass by pass (several ranks, or bfloat16 compute), a GPU runs one stream,
-        torch.compile is not thread-safe (learner.compile; pytorch/pytorch#118260), and LoRA's dropout would
-        interleave the threads' random draws (a run would not repeat)."""
-        usable = learner.world_size == 1 and learner.device == "cpu" and dtype == "float32" and not learner.compile \
+        time), so that a config's setting never stands in the way of another rank count or device: `model` as
+        the rank built it must be a plain module (FSDP2's collectives and hooks run pass by pass: several ranks,
+        or bfloat16 compute), on the CPU (a GPU runs one stream), not compiled (torch.compile is not thread-safe:
+        learner.compile; pytorch/pytorch#118260), and without LoRA's dropout, whose random draws would interleave
+        between the threads (a run would not repeat)."""
+        usable = not isinstance(model, FSDPModule) and learner.device == "cpu" and not learner.compile \
             and learner.lora.dropout == 0
         return cls(learner.micro_batch_threads) if usable and learner.micro_batch_threads > 1 else None
 
