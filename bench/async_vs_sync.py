@@ -92,17 +92,18 @@ def main(argv: list[str]) -> None:
     console.print(table)
     async_ = [r["samples_per_s"] for r in results[f"async_eta{default_eta}"]]
     final = span(f"async_eta{default_eta}", "final_reward", 3)
-    for label, note in (("sync_2threads", "two intra-op threads per role"),
-                        ("sync", "each role's threads as the config runs async")):
-        if label in results:
-            rates = [r["samples_per_s"] for r in results[label]]
-            console.print(f"async (staleness {default_eta}) vs {label} ({note}): samples/s "
-                          f"{min(async_) / max(rates):.2f}-{max(async_) / min(rates):.2f}x (per repeat "
-                          f"{', '.join(f'{a / b:.2f}' for a, b in zip(async_, rates))}), final reward "
-                          f"{final} vs {span(label, 'final_reward', 3)}")
+    synchronous = [(label, note) for label, note in (("sync_2threads", "two intra-op threads per role"),
+                                                     ("sync", "each role's threads as the config runs async"))
+                   if label in results]
+    for label, note in synchronous:
+        rates = [r["samples_per_s"] for r in results[label]]
+        console.print(f"async (staleness {default_eta}) vs {label} ({note}): samples/s "
+                      f"{min(async_) / max(rates):.2f}-{max(async_) / min(rates):.2f}x (per repeat "
+                      f"{', '.join(f'{a / b:.2f}' for a, b in zip(async_, rates))}), final reward "
+                      f"{final} vs {span(label, 'final_reward', 3)}")
     # the headline: against whichever synchronous run was faster in each repeat, the baseline a user would keep
-    fastest = [max(r["samples_per_s"] for r in runs_of) for runs_of in zip(
-        *(results[label] for label in ("sync_2threads", "sync") if label in results))]
+    fastest = [max(r["samples_per_s"] for r in runs_of)
+               for runs_of in zip(*(results[label] for label, _ in synchronous))]
     console.print(f"async (staleness {default_eta}) vs the faster synchronous run of each repeat: per repeat "
                   f"{', '.join(f'{a / b:.2f}' for a, b in zip(async_, fastest))}x")
     Path("outputs/bench/async_vs_sync/results.json").write_text(json.dumps(results, indent=2))
