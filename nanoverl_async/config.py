@@ -174,6 +174,11 @@ class LoRAConfig:  # low-rank adapters on a frozen base (models/lora.py): A and 
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # PEFT's; all-linear: all but the head
     save_merged: bool = False  # final/ is PEFT's adapter folder; with this, also final/merged: the whole model
 
+    @property
+    def drops(self) -> bool:
+        """Whether the update's forward draws dropout: adapters on and dropout > 0."""
+        return self.rank > 0 and self.dropout > 0
+
 
 @dataclass
 class LearnerConfig:

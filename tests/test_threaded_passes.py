@@ -131,6 +131,7 @@ def sharded(module: torch.nn.Module) -> torch.nn.Module:
     (["learner.compile=true"], True, None),
     (["learner.lora.rank=8", "learner.lora.dropout=0.1"], True, None),
     (["learner.lora.rank=8", "learner.lora.dropout=0.0"], True, 2),
+    (["learner.lora.dropout=0.1"], True, 2),  # dropout without adapters (rank 0) draws nothing: LoRAConfig.drops
 ])
 def test_threads_where_a_plain_cpu_model_trains_without_compile_or_dropout(overrides, plain, threads):
     cfg = load_config("configs/agent_grpo.yaml", overrides)  # never refused: elsewhere one pass at a time

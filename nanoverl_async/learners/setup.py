@@ -38,8 +38,8 @@ class LearnerSetup:
         the update's own forward runs on the very weights that define p_old, so its detached logprobs ARE
         p_old, bit for bit (tests/test_fsdp.py), and a separate forward would cost a third of the update (unless
         LoRA's dropout makes that forward differ from one in eval mode)."""
-        adapter_dropout = self.learner.lora.rank > 0 and self.learner.lora.dropout > 0  # the update's forward drops
-        needed = {"proximal_logprobs": self.learner.ppo_epochs * self.learner.minibatches > 1 or adapter_dropout,
+        learner = self.learner
+        needed = {"proximal_logprobs": learner.ppo_epochs * learner.minibatches > 1 or learner.lora.drops,
                   "reference_logprobs": self.kl.loss_coef > 0 or self.kl.reward_coef > 0,
                   "values": self.algorithm.advantage == "gae"}
         return [name for name, wanted in needed.items() if wanted]

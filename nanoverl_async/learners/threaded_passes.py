@@ -48,7 +48,7 @@ class ThreadedPasses:
         learner.compile; pytorch/pytorch#118260), and without LoRA's dropout, whose random draws would interleave
         between the threads (a run would not repeat)."""
         usable = not isinstance(model, FSDPModule) and learner.device == "cpu" and not learner.compile \
-            and learner.lora.dropout == 0
+            and not learner.lora.drops
         return cls(learner.micro_batch_threads) if usable and learner.micro_batch_threads > 1 else None
 
     def accumulate(self, loss_of: Pass, bounds: Sequence[tuple[int, int]],
